@@ -1,0 +1,131 @@
+"""The one exception tree of emberlink; every error a user can meet is one of these.
+
+Failures cross the wire as data (a code and a message, see `RemoteError.from_wire`), never as
+exception objects. Third-party exceptions are translated where they occur (`raise X from e`).
+"""
+
+from __future__ import annotations
+
+
+class EmberlinkError(Exception):
+    """Base of every error emberlink raises on purpose."""
+
+
+class ConfigError(EmberlinkError):
+    """A local setting is wrong: a key file others can read, a malformed allow file, a bad flag."""
+
+
+class ShapeError(EmberlinkError, ValueError):
+    """Operand shapes do not fit the op; raised on the client at the line that recorded it."""
+
+
+class DTypeError(EmberlinkError, TypeError):
+    """An operand's dtype is not allowed for the op, or a dtype name is unknown."""
+
+
+class DeviceError(EmberlinkError):
+    """A local device problem: no CUDA, unknown device, an op on a closed device."""
+
+
+class ProtocolError(EmberlinkError):
+    """A message is malformed, oversized, of the wrong version, or sent out of turn."""
+
+
+class AuthError(ProtocolError):
+    """A bad signature or tag, an unknown or unexpected peer, a replayed frame."""
+
+
+class TransportError(EmberlinkError):
+    """Connecting, sending or receiving failed."""
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """A transport operation ran past its deadline."""
+
+
+class RemoteError(EmberlinkError):
+    """The worker refused or failed a request. `code` is the wire code, `message` its text."""
+
+    code = "remote"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    @staticmethod
+    def from_wire(code: str, message: str) -> RemoteError:
+        """Build the exception that a wire `Error(code, message)` stands for."""
+        cls = _BY_CODE.get(code, RemoteError)
+        if cls is RemoteError:
+            return RemoteError(message, code=code)
+        return cls(message)
+
+
+class ExecutionError(RemoteError):
+    """The worker's backend failed running a graph (shape, dtype, numeric or internal failure)."""
+
+    code = "execution"
+
+
+class OutOfMemory(ExecutionError):
+    """The worker's device ran out of memory running a graph or storing an upload."""
+
+    code = "out_of_memory"
+
+
+class QuotaExceeded(RemoteError):
+    """The session asked to keep more bytes on the worker than its quota allows."""
+
+    code = "quota"
+
+
+class UnknownTensor(RemoteError):
+    """A request named a tensor id the worker does not hold (never uploaded, or dropped)."""
+
+    code = "unknown_tensor"
+
+
+class WorkerLost(RemoteError):
+    """The connection to the worker died: killed, unreachable, or the relay went away."""
+
+    code = "worker_lost"
+
+
+class GoingAway(WorkerLost):
+    """The worker is shutting down (SIGTERM) and closed the session after finishing its work."""
+
+    code = "going_away"
+
+
+class Refused(RemoteError):
+    """The worker refused the request as malformed or not allowed (its side of a ProtocolError)."""
+
+    code = "refused"
+
+
+_BY_CODE: dict[str, type[RemoteError]] = {
+    cls.code: cls
+    for cls in (ExecutionError, OutOfMemory, QuotaExceeded, UnknownTensor, WorkerLost, GoingAway, Refused)
+}
+
+__all__ = [
+    "AuthError",
+    "ConfigError",
+    "DTypeError",
+    "DeviceError",
+    "EmberlinkError",
+    "ExecutionError",
+    "GoingAway",
+    "OutOfMemory",
+    "ProtocolError",
+    "QuotaExceeded",
+    "Refused",
+    "RemoteError",
+    "ShapeError",
+    "TransportError",
+    "TransportTimeout",
+    "UnknownTensor",
+    "WorkerLost",
+]

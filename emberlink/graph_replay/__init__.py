@@ -1,0 +1,1 @@
+"""emberlink.graph_replay."""
