@@ -1,0 +1,1 @@
+"""Tests of emberlink.graph_replay."""
