@@ -1,0 +1,280 @@
+"""Sealed frames of an established session (AES-256-GCM); no I/O, no clocks, no randomness.
+
+Rules (everything that changes a channel's state lives in this file):
+- A frame is `header ‖ ciphertext ‖ 16-byte tag`. The 22-byte header is big-endian
+  `version u8, kind u8, session id (8 bytes), counter u64, length u32` where length counts the
+  ciphertext and tag, so frames are self-delimiting and several can share one transport blob.
+  The whole header is the AEAD's associated data.
+- Each direction has its own key; nonce = 4-byte direction prefix ‖ 64-bit counter.
+- Counters start at 0 and grow by exactly 1 per frame in each direction. A receiver accepts only
+  the next counter, so a replayed, reordered or dropped frame is refused with AuthError, as is a
+  frame whose tag does not verify or that carries another session's id.
+- Before a frame would take the current key past `rekey_frames` frames or `rekey_bytes`
+  plaintext bytes, the key is replaced by HKDF-SHA256 of itself. Both sides see the same frames
+  in the same order, so they rekey at the same frame without saying so.
+- A refused frame changes nothing: the channel still expects the same counter and key.
+- A plaintext is at most MAX_PLAINTEXT bytes; a header claiming more is refused before any
+  allocation.
+- Frames must be sent in the order they were sealed (seal and seal_chunks share one counter).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from enum import Enum, IntEnum
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from emberlink.errors import AuthError, ProtocolError
+
+BytesLike = bytes | bytearray | memoryview
+
+VERSION = 1
+HEADER = struct.Struct(">BB8sQI")
+HEADER_SIZE = HEADER.size  # 22
+TAG_SIZE = 16
+OVERHEAD = HEADER_SIZE + TAG_SIZE  # bytes a frame adds to its plaintext
+SESSION_ID_SIZE = 8
+KEY_SIZE = 32
+MAX_PLAINTEXT = 16 * 1024 * 1024
+CHUNK_SIZE = 1024 * 1024
+# AES-GCM with counter nonces: stay far below the usage limits (RFC 8446 5.5, NIST SP 800-38D).
+REKEY_FRAMES = 1 << 24
+REKEY_BYTES = 1 << 34
+_COUNTER_LIMIT = (1 << 64) - 1
+_NONCE = struct.Struct(">IQ")
+_REKEY_INFO = b"emberlink v1 rekey"
+
+
+class Kind(IntEnum):
+    MESSAGE = 1  # a msgpack Batch or Reply
+    BULK = 2  # raw bytes of the transfer in progress
+
+
+MESSAGE = Kind.MESSAGE
+BULK = Kind.BULK
+
+
+class Role(Enum):
+    CLIENT = "client"
+    WORKER = "worker"
+
+
+_PREFIX_CLIENT_TO_WORKER = 0x454D_0001
+_PREFIX_WORKER_TO_CLIENT = 0x454D_0002
+
+
+def rekey(key: bytes) -> bytes:
+    """The key that follows `key` (HKDF-SHA256 of it)."""
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_SIZE, salt=None, info=_REKEY_INFO).derive(key)
+
+
+class _Direction:
+    """One direction's key, counter and usage since the last rekey."""
+
+    __slots__ = ("aead", "counter", "epoch_bytes", "epoch_frames", "key", "max_bytes", "max_frames", "prefix")
+
+    def __init__(self, key: bytes, prefix: int, max_frames: int, max_bytes: int) -> None:
+        if len(key) != KEY_SIZE:
+            raise ValueError(f"a channel key is {KEY_SIZE} bytes, got {len(key)}")
+        self.key = bytes(key)
+        self.aead = AESGCM(self.key)
+        self.prefix = prefix
+        self.counter = 0
+        self.epoch_frames = 0
+        self.epoch_bytes = 0
+        self.max_frames = max_frames
+        self.max_bytes = max_bytes
+
+    def needs_rekey(self, nbytes: int) -> bool:
+        return self.epoch_frames > 0 and (
+            self.epoch_frames >= self.max_frames or self.epoch_bytes + nbytes > self.max_bytes
+        )
+
+    def next_key(self, nbytes: int) -> tuple[AESGCM, bytes | None]:
+        """The AEAD for a frame of nbytes, and the new key if that frame starts a new epoch."""
+        if self.needs_rekey(nbytes):
+            key = rekey(self.key)
+            return AESGCM(key), key
+        return self.aead, None
+
+    def commit(self, nbytes: int, aead: AESGCM, new_key: bytes | None) -> None:
+        if new_key is not None:
+            self.key, self.aead = new_key, aead
+            self.epoch_frames = self.epoch_bytes = 0
+        self.counter += 1
+        self.epoch_frames += 1
+        self.epoch_bytes += nbytes
+
+    def nonce(self) -> bytes:
+        return _NONCE.pack(self.prefix, self.counter)
+
+
+class Channel:
+    """Both directions of one session: seal what this side sends, open what the peer sent."""
+
+    __slots__ = ("_recv", "_send", "role", "session_id")
+
+    def __init__(
+        self,
+        session_id: bytes,
+        send_key: bytes,
+        recv_key: bytes,
+        role: Role,
+        *,
+        rekey_frames: int = REKEY_FRAMES,
+        rekey_bytes: int = REKEY_BYTES,
+    ) -> None:
+        if len(session_id) != SESSION_ID_SIZE:
+            raise ValueError(f"a session id is {SESSION_ID_SIZE} bytes, got {len(session_id)}")
+        if rekey_frames < 1 or rekey_bytes < 1:
+            raise ValueError("rekey limits must be positive")
+        self.session_id = bytes(session_id)
+        self.role = role
+        if role is Role.CLIENT:
+            send_prefix, recv_prefix = _PREFIX_CLIENT_TO_WORKER, _PREFIX_WORKER_TO_CLIENT
+        else:
+            send_prefix, recv_prefix = _PREFIX_WORKER_TO_CLIENT, _PREFIX_CLIENT_TO_WORKER
+        self._send = _Direction(send_key, send_prefix, rekey_frames, rekey_bytes)
+        self._recv = _Direction(recv_key, recv_prefix, rekey_frames, rekey_bytes)
+
+    @classmethod
+    def pair(
+        cls,
+        session_id: bytes,
+        client_to_worker_key: bytes,
+        worker_to_client_key: bytes,
+        *,
+        rekey_frames: int = REKEY_FRAMES,
+        rekey_bytes: int = REKEY_BYTES,
+    ) -> tuple[Channel, Channel]:
+        """A matching (client, worker) pair from known keys, without a handshake (tests, benches)."""
+        limits = {"rekey_frames": rekey_frames, "rekey_bytes": rekey_bytes}
+        client = cls(session_id, client_to_worker_key, worker_to_client_key, Role.CLIENT, **limits)
+        worker = cls(session_id, worker_to_client_key, client_to_worker_key, Role.WORKER, **limits)
+        return client, worker
+
+    @property
+    def frames_sent(self) -> int:
+        return self._send.counter
+
+    @property
+    def frames_received(self) -> int:
+        return self._recv.counter
+
+    def seal(self, plaintext: BytesLike, kind: Kind = MESSAGE) -> bytes:
+        """One frame carrying plaintext."""
+        n = len(plaintext)
+        header = self._next_send_header(kind, n)
+        aead, new_key = self._send.next_key(n)
+        frame = header + aead.encrypt(self._send.nonce(), plaintext, header)
+        self._send.commit(n, aead, new_key)
+        return frame
+
+    def seal_chunks(self, data: BytesLike, chunk_size: int = CHUNK_SIZE) -> Iterator[bytearray]:
+        """BULK frames carrying data in chunks of at most chunk_size, each in a fresh buffer.
+
+        Encrypts straight into each frame's buffer (no copy of the plaintext). Frames are sealed
+        lazily, as the iterator advances, and must be sent in that order.
+        """
+        if not 0 < chunk_size <= MAX_PLAINTEXT:
+            raise ValueError(f"chunk_size must be in 1..{MAX_PLAINTEXT}, got {chunk_size}")
+        view = memoryview(data).cast("B")
+        for offset in range(0, len(view), chunk_size):
+            chunk = view[offset : offset + chunk_size]
+            n = len(chunk)
+            buf = bytearray(HEADER_SIZE + n + TAG_SIZE)
+            out = memoryview(buf)
+            HEADER.pack_into(buf, 0, *self._next_send_header_fields(BULK, n))
+            aead, new_key = self._send.next_key(n)
+            aead.encrypt_into(self._send.nonce(), chunk, out[:HEADER_SIZE], out[HEADER_SIZE:])
+            self._send.commit(n, aead, new_key)
+            yield buf
+
+    def open(self, frame: BytesLike) -> tuple[Kind, bytes]:
+        """The kind and plaintext of the peer's next frame; AuthError or ProtocolError if refused."""
+        view = memoryview(frame).cast("B")
+        kind, n = self._check(view)
+        aead, new_key = self._recv.next_key(n)
+        try:
+            plaintext = aead.decrypt(self._recv.nonce(), view[HEADER_SIZE:], view[:HEADER_SIZE])
+        except InvalidTag as e:
+            raise AuthError(f"frame {self._recv.counter} failed authentication") from e
+        self._recv.commit(n, aead, new_key)
+        return kind, plaintext
+
+    def open_into(self, frame: BytesLike, out: memoryview) -> tuple[Kind, int]:
+        """Decrypt the peer's next frame straight into out[:n]; returns (kind, n).
+
+        After a refused frame the contents of out are unspecified.
+        """
+        view = memoryview(frame).cast("B")
+        kind, n = self._check(view)
+        if len(out) < n:
+            raise ProtocolError(f"frame carries {n} bytes, only {len(out)} expected")
+        aead, new_key = self._recv.next_key(n)
+        try:
+            aead.decrypt_into(self._recv.nonce(), view[HEADER_SIZE:], view[:HEADER_SIZE], out[:n])
+        except InvalidTag as e:
+            raise AuthError(f"frame {self._recv.counter} failed authentication") from e
+        self._recv.commit(n, aead, new_key)
+        return kind, n
+
+    def _next_send_header_fields(self, kind: Kind, n: int) -> tuple[int, int, bytes, int, int]:
+        if n > MAX_PLAINTEXT:
+            raise ProtocolError(f"a frame carries at most {MAX_PLAINTEXT} bytes, got {n}")
+        if self._send.counter >= _COUNTER_LIMIT:
+            raise ProtocolError("frame counter exhausted; start a new session")
+        return (VERSION, int(kind), self.session_id, self._send.counter, n + TAG_SIZE)
+
+    def _next_send_header(self, kind: Kind, n: int) -> bytes:
+        return HEADER.pack(*self._next_send_header_fields(kind, n))
+
+    def _check(self, view: memoryview) -> tuple[Kind, int]:
+        """Validate a frame's header against this channel; returns (kind, plaintext length)."""
+        _version, kind, session_id, counter, length = parse_header(view)
+        if length != len(view) - HEADER_SIZE:
+            raise ProtocolError(f"frame header says {length} bytes follow, {len(view) - HEADER_SIZE} do")
+        if session_id != self.session_id:
+            raise AuthError("frame belongs to another session")
+        expected = self._recv.counter
+        if counter != expected:
+            what = "replayed" if counter < expected else "out of order (a frame was dropped or reordered)"
+            raise AuthError(f"frame {counter} {what}; expected frame {expected}")
+        return Kind(kind), length - TAG_SIZE
+
+
+def parse_header(frame: BytesLike) -> tuple[int, int, bytes, int, int]:
+    """(version, kind, session id, counter, length) of a frame's header, checked for form only."""
+    if len(frame) < HEADER_SIZE:
+        raise ProtocolError(f"truncated frame header: {len(frame)} of {HEADER_SIZE} bytes")
+    version, kind, session_id, counter, length = HEADER.unpack_from(frame)
+    if version != VERSION:
+        raise ProtocolError(f"unsupported frame version {version}, this side speaks {VERSION}")
+    if kind not in _KINDS:
+        raise ProtocolError(f"unknown frame kind {kind}")
+    if not TAG_SIZE <= length <= MAX_PLAINTEXT + TAG_SIZE:
+        raise ProtocolError(f"frame length {length} outside {TAG_SIZE}..{MAX_PLAINTEXT + TAG_SIZE}")
+    return version, kind, session_id, counter, length
+
+
+_KINDS = frozenset(int(k) for k in Kind)
+
+
+def split_frames(blob: BytesLike) -> list[memoryview]:
+    """The frames in a transport blob, as views into it (no copies); ProtocolError on truncation."""
+    view = memoryview(blob).cast("B")
+    frames: list[memoryview] = []
+    offset = 0
+    while offset < len(view):
+        length = parse_header(view[offset : offset + HEADER_SIZE])[4]
+        end = offset + HEADER_SIZE + length
+        if end > len(view):
+            raise ProtocolError(f"truncated frame: {len(view) - offset} of {end - offset} bytes")
+        frames.append(view[offset:end])
+        offset = end
+    return frames

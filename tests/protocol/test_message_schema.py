@@ -1,0 +1,270 @@
+"""The session message schema: exact round trips and strict, bounded decoding."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from emberlink.errors import ProtocolError
+from emberlink.protocol.channel import Channel
+from emberlink.protocol.messages import (
+    DTYPES,
+    MAX_IDS,
+    Batch,
+    Close,
+    Done,
+    Drop,
+    Error,
+    Execute,
+    GraphUnknown,
+    Read,
+    Register,
+    Reply,
+    Result,
+    Stats,
+    StatsReply,
+    Sync,
+    Upload,
+    decode_batch,
+    decode_reply,
+    encode_batch,
+    encode_reply,
+    rle_encode,
+)
+
+GID = bytes(range(16))
+ids = st.integers(0, 2**63 - 1)
+rids = st.integers(1, 2**63 - 1)
+int64 = st.integers(-(2**63), 2**63 - 1)
+gids = st.binary(min_size=16, max_size=16)
+text = st.text(max_size=50)
+scalars = st.one_of(st.booleans(), int64, st.floats(allow_nan=False))
+
+
+@st.composite
+def tensor_desc(draw: st.DrawFn) -> tuple[str, tuple[int, ...], int]:
+    dtype = draw(st.sampled_from(sorted(DTYPES)))
+    shape = tuple(draw(st.lists(st.integers(0, 64), max_size=4)))
+    return dtype, shape, math.prod(shape) * DTYPES[dtype]
+
+
+id_lists = st.one_of(
+    st.lists(ids, max_size=20).map(tuple),
+    st.tuples(st.integers(0, 1000), st.integers(0, 50)).map(lambda s: tuple(range(s[0], s[0] + s[1]))),
+)
+
+client_messages = st.one_of(
+    st.builds(Register, gids, st.binary(min_size=1, max_size=100)),
+    st.builds(Execute, gids, id_lists, st.lists(scalars, max_size=8).map(tuple), ids),
+    st.builds(lambda tid, d: Upload(tid, *d), ids, tensor_desc()),
+    st.builds(Read, rids, ids),
+    st.builds(Drop, id_lists),
+    st.builds(Sync, rids),
+    st.builds(Stats, rids),
+    st.builds(Close, text),
+)
+worker_messages = st.one_of(
+    st.builds(lambda rid, d: Result(rid, *d), rids, tensor_desc()),
+    st.builds(Done, rids),
+    st.builds(
+        StatsReply,
+        rids,
+        st.dictionaries(st.text(min_size=1, max_size=20), st.one_of(int64, st.floats(allow_nan=False), text)),
+    ),
+    st.builds(Error, ids, st.text(min_size=1, max_size=20), text),
+    st.builds(GraphUnknown, rids, gids),
+)
+batches = st.builds(Batch, rids, st.lists(client_messages, max_size=6).map(tuple))
+replies = st.builds(Reply, ids, st.lists(worker_messages, max_size=6).map(tuple))
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches)
+def test_every_valid_batch_round_trips_exactly(batch: Batch) -> None:
+    decoded = decode_batch(encode_batch(batch))
+    assert decoded == batch
+    for got, want in zip(decoded.messages, batch.messages, strict=True):
+        if isinstance(want, Execute):
+            assert isinstance(got, Execute)
+            assert [type(b) for b in got.bindings] == [type(b) for b in want.bindings]
+
+
+@settings(max_examples=300, deadline=None)
+@given(replies)
+def test_every_valid_reply_round_trips_exactly(reply: Reply) -> None:
+    assert decode_reply(encode_reply(reply)) == reply
+
+
+def test_nan_and_infinite_bindings_survive() -> None:
+    batch = decode_batch(encode_batch(Batch(1, (Execute(GID, (), (math.nan, math.inf, -0.0), 0),))))
+    (execute,) = batch.messages
+    assert isinstance(execute, Execute)
+    assert math.isnan(execute.bindings[0])
+    assert execute.bindings[1] == math.inf
+    assert math.copysign(1.0, execute.bindings[2]) == -1.0
+
+
+def test_id_lists_travel_run_length_encoded() -> None:
+    assert rle_encode([5, 6, 7, 9, 10, 3]) == [5, 3, 9, 2, 3, 1]
+    wire = msgpack.unpackb(encode_batch(Batch(1, (Drop(tuple(range(100, 1100))),))))
+    assert wire == [1, [[5, [100, 1000]]]]
+
+
+def wire_batch(*messages: Any, seq: Any = 1) -> bytes:
+    return msgpack.packb([seq, list(messages)], use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("what", "data"),
+    [
+        ("seq 0", wire_batch([6, 1], seq=0)),
+        ("seq is a bool", wire_batch([6, 1], seq=True)),
+        ("seq is a float", wire_batch([6, 1], seq=1.0)),
+        ("unknown tag", wire_batch([99, 1])),
+        ("worker tag in a batch", wire_batch([17, 1])),
+        ("tag is a bool", wire_batch([True, 1])),
+        ("tag is a float", wire_batch([6.0, 1])),
+        ("extra field", wire_batch([6, 1, 2])),
+        ("missing field", wire_batch([4, 1])),
+        ("rid 0", wire_batch([6, 0])),
+        ("rid is a bool", wire_batch([6, True])),
+        ("negative tid", wire_batch([4, 1, -1])),
+        ("tid past int63", wire_batch([4, 1, 2**63])),
+        ("gid of 15 bytes", wire_batch([1, bytes(15), b"g"])),
+        ("gid as str", wire_batch([1, "x" * 16, b"g"])),
+        ("empty graph", wire_batch([1, GID, b""])),
+        ("graph as str", wire_batch([1, GID, "g"])),
+        ("odd rle", wire_batch([5, [1, 2, 3]])),
+        ("rle count 0", wire_batch([5, [1, 0]])),
+        ("rle count is a bool", wire_batch([5, [1, True]])),
+        ("rle past the largest id", wire_batch([5, [2**63 - 1, 2]])),
+        ("rle over the id budget", wire_batch([5, [0, MAX_IDS + 1]])),
+        ("ids over the budget across messages", wire_batch([5, [0, MAX_IDS]], [5, [0, 1]])),
+        ("binding is a str", wire_batch([2, GID, [], ["x"], 0])),
+        ("binding is None", wire_batch([2, GID, [], [None], 0])),
+        ("binding past int64", wire_batch([2, GID, [], [2**63], 0])),
+        ("bindings not an array", wire_batch([2, GID, [], 1.0, 0])),
+        ("unknown dtype code", wire_batch([3, 1, 7, [2], 16])),
+        ("dtype as a name", wire_batch([3, 1, "float32", [2], 8])),
+        ("nbytes does not match shape", wire_batch([3, 1, 5, [2], 9])),
+        ("negative dimension", wire_batch([3, 1, 5, [-2], 8])),
+        ("rank 17", wire_batch([3, 1, 1, [1] * 17, 1])),
+        ("element count overflow", wire_batch([3, 1, 1, [2**40, 2**40], 0])),
+        ("dimension is a float", wire_batch([3, 1, 1, [2.0], 2])),
+        ("close reason is bytes", wire_batch([8, b"bye"])),
+        ("message not an array", wire_batch({"tag": 6})),
+        ("empty message", wire_batch([])),
+        ("envelope is a map", msgpack.packb({1: []})),
+        ("envelope of three", msgpack.packb([1, [], 2])),
+        ("messages not an array", msgpack.packb([1, 5])),
+        ("trailing bytes", wire_batch([6, 1]) + b"\x00"),
+        ("ext type", msgpack.packb([1, [[6, msgpack.ExtType(1, b"x")]]])),
+        ("nesting 10,000 deep", b"\x92\x01" + b"\x91" * 10_000 + b"\x00"),
+        ("array header claiming 4 Gi items", b"\x92\x01\xdd\xff\xff\xff\xff"),
+        ("bin header claiming 4 GiB", b"\x92\x01\x91\x93\x01\xc6\xff\xff\xff\xff"),
+        ("not msgpack", b"\xc1"),
+        ("empty", b""),
+    ],
+)
+def test_malformed_batch_is_refused(what: str, data: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_batch(data)
+
+
+def wire_reply(*messages: Any, ack: Any = 0) -> bytes:
+    return msgpack.packb([ack, list(messages)], use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("what", "data"),
+    [
+        ("negative ack", wire_reply([17, 1], ack=-1)),
+        ("client tag in a reply", wire_reply([6, 1])),
+        ("stats value is a bool", wire_reply([18, 1, {"a": True}])),
+        ("stats value is a list", wire_reply([18, 1, {"a": [1]}])),
+        ("stats key is an int", msgpack.packb([0, [[18, 1, {1: 2}]]])),
+        ("stats key empty", wire_reply([18, 1, {"": 2}])),
+        ("stats not a map", wire_reply([18, 1, [1, 2]])),
+        ("stats with 257 entries", wire_reply([18, 1, {str(i): i for i in range(257)}])),
+        ("error code empty", wire_reply([19, 1, "", "m"])),
+        ("error code too long", wire_reply([19, 1, "c" * 65, "m"])),
+        ("error message too long", wire_reply([19, 1, "c", "m" * 70_000])),
+        ("result rid 0", wire_reply([16, 0, 5, [], 4])),
+        ("result nbytes mismatch", wire_reply([16, 1, 5, [], 8])),
+        ("graph unknown seq 0", wire_reply([20, 0, GID])),
+    ],
+)
+def test_malformed_reply_is_refused(what: str, data: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_reply(data)
+
+
+def test_message_of_the_wrong_kind_is_refused_when_encoding() -> None:
+    with pytest.raises(ProtocolError):
+        encode_batch(Batch(1, (Done(1),)))  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError):
+        encode_reply(Reply(1, (Sync(1),)))  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError):
+        encode_batch(Batch(1, (Upload(1, "complex64", (1,), 8),)))
+    with pytest.raises(ProtocolError):
+        encode_batch(Batch(1, (Execute(GID, (), (2**64,), 0),)))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_raise_only_protocol_error(data: bytes) -> None:
+    for decode in (decode_batch, decode_reply):
+        try:
+            decode(data)
+        except ProtocolError:
+            pass
+
+
+msgpack_trees = st.recursive(
+    st.one_of(
+        st.none(), st.booleans(), int64, st.integers(0, 2**64 - 1), st.floats(), text, st.binary(max_size=20)
+    ),
+    lambda children: st.one_of(
+        st.lists(children, max_size=6), st.dictionaries(st.one_of(text, int64), children, max_size=4)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(msgpack_trees, st.integers(0, 20))
+def test_arbitrary_msgpack_trees_raise_only_protocol_error(tree: Any, tag: int) -> None:
+    payloads = [tree, [1, tree], [1, [tree]], [1, [[tag, tree]]]]
+    if isinstance(tree, list):
+        payloads.append([1, [[tag, *tree]]])
+    for payload in payloads:
+        data = msgpack.packb(payload, use_bin_type=True, strict_types=False)
+        for decode in (decode_batch, decode_reply):
+            try:
+                decode(data)
+            except ProtocolError:
+                pass
+
+
+def test_replayed_training_step_costs_at_most_256_bytes_on_the_wire() -> None:
+    # A replayed Adam step of a 3-layer MLP: 2 new inputs (x, y), 6 parameters and 12 moment
+    # tensors that are the previous step's outputs, 4 per-step scalars, then a Read of the loss.
+    params = tuple(range(10_000, 10_018))
+    step = Batch(
+        123_456,
+        (
+            Upload(20_001, "float32", (64, 784), 64 * 784 * 4),
+            Upload(20_002, "int64", (64,), 64 * 8),
+            Execute(GID, (20_001, 20_002, *params), (1e-3, 0.9, 0.999, 1234), 20_003),
+            Read(5_000, 20_021),
+        ),
+    )
+    client, worker = Channel.pair(bytes(8), bytes(32), bytes(32))
+    frame = client.seal(encode_batch(step))
+    assert len(frame) <= 256, len(frame)
+    assert decode_batch(worker.open(frame)[1]) == step
