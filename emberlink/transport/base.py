@@ -1,0 +1,52 @@
+"""The transport interface every session is written against; no I/O and no knowledge of what blobs hold."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from emberlink.errors import TransportError
+
+#: The largest blob any transport accepts. Sessions send frames of at most ~1 MiB plus framing; the
+#: slack lets a session pack a few frames into one blob. gRPC's receive limit is set from this.
+MAX_BLOB = 8 * 1024 * 1024
+
+
+class Link(Protocol):
+    """One session's ordered, reliable pipe of whole byte blobs.
+
+    `recv` raises `TransportError` once the link is closed or broken: after `close()`, when the
+    peer closed (the message says so), and when the peer or the network died. Blobs the peer sent
+    before closing are still delivered first.
+    """
+
+    peer: str
+
+    async def send(self, blob: bytes) -> None: ...
+
+    async def recv(self) -> bytes: ...
+
+    async def close(self) -> None: ...
+
+
+Handler = Callable[[Link], Awaitable[None]]
+"""A worker's per-session coroutine. The link is closed when it returns."""
+
+
+class Listener(Protocol):
+    """Accepts sessions and runs a `Handler` for each."""
+
+    async def start(self) -> object: ...
+
+    async def stop(self, grace: float | None = None) -> None: ...
+
+
+def check_blob(blob: bytes | bytearray | memoryview) -> bytes:
+    """Return `blob` as `bytes`, refusing what no transport may carry."""
+    if len(blob) > MAX_BLOB:
+        raise TransportError(f"blob of {len(blob)} bytes exceeds the transport limit of {MAX_BLOB} bytes")
+    if type(blob) is bytes:
+        return blob
+    if isinstance(blob, (bytearray, memoryview)):
+        return bytes(blob)
+    raise TypeError(f"a blob must be bytes, not {type(blob).__name__}")
