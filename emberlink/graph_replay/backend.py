@@ -1,0 +1,117 @@
+"""The Backend interface and the one run loop every backend shares; no op semantics here, no I/O.
+
+The loop walks a compiled plan: it looks each op up in the backend's explicit table, runs it,
+checks the result against the inferred spec, and drops each value after its last use so memory
+follows the plan's live set. Every failure leaves as `ExecutionError` (or `OutOfMemory`) naming
+the op and node; nothing else escapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeAlias
+
+from emberlink.errors import ExecutionError, OutOfMemory
+from emberlink.graph_replay.ir import Scalar, TensorSpec
+from emberlink.graph_replay.plan import Plan, Step
+
+Array: TypeAlias = Any
+"""A backend's array: `numpy.ndarray` or `cupy.ndarray`."""
+
+OpFn: TypeAlias = Callable[[Any, Sequence[Any], Step], Array]
+"""An op's implementation: `(xp, args, step) -> array`. Args are arrays, or Python scalars for bindings."""
+
+
+class Backend(Protocol):
+    """What an executor or the worker needs from a device (docs/internals.md section 4)."""
+
+    name: str
+
+    def from_numpy(self, a: Any) -> Array: ...
+    def to_numpy(self, a: Array) -> Any: ...
+    def run(self, plan: Plan, inputs: Sequence[Array], bindings: Sequence[Scalar]) -> list[Array]: ...
+    def nbytes(self, a: Array) -> int: ...
+    def memory_stats(self) -> dict[str, int]: ...
+    def synchronize(self) -> None: ...
+
+
+def check_bindings(plan: Plan, bindings: Sequence[Scalar]) -> list[Scalar]:
+    """Bindings as the ops take them: exactly the graph's kinds (an int is accepted for a float)."""
+    kinds = plan.graph.bindings
+    if len(bindings) != len(kinds):
+        raise ExecutionError(f"graph takes {len(kinds)} bindings, got {len(bindings)}")
+    out: list[Scalar] = []
+    for j, (kind, value) in enumerate(zip(kinds, bindings)):
+        t = type(value)
+        if (kind, t) in (("bool", bool), ("int", int)):
+            out.append(value)
+        elif kind == "float" and t in (float, int):
+            out.append(float(value))
+        else:
+            raise ExecutionError(f"binding {j} must be a Python {kind}, got {t.__name__} {value!r}")
+    return out
+
+
+def check_inputs(plan: Plan, inputs: Sequence[Array]) -> None:
+    """Inputs must match the graph's specs exactly (count, dtype, shape)."""
+    specs = plan.graph.inputs
+    if len(inputs) != len(specs):
+        raise ExecutionError(f"graph takes {len(specs)} inputs, got {len(inputs)}")
+    for i, (spec, a) in enumerate(zip(specs, inputs)):
+        if str(a.dtype) != spec.dtype or tuple(a.shape) != spec.shape:
+            raise ExecutionError(
+                f"input {i} is {a.dtype} {tuple(a.shape)}, the graph wants {spec.describe()}"
+            )
+
+
+def _check_result(step: Step, out: Array) -> None:
+    spec: TensorSpec = step.out_spec
+    if str(out.dtype) != spec.dtype or tuple(out.shape) != spec.shape:
+        raise ExecutionError(
+            f"{step.op} (node {step.node}): internal error: produced {out.dtype} {tuple(out.shape)}, "
+            f"inference says {spec.describe()}"
+        )
+
+
+def _compact(a: Array) -> Array:
+    """A view that keeps a larger base alive is copied, so freed intermediates really go."""
+    base = a.base
+    if base is not None and base.nbytes > a.nbytes:
+        return a.copy()
+    return a
+
+
+def run_plan(
+    plan: Plan,
+    inputs: Sequence[Array],
+    bindings: Sequence[Scalar],
+    *,
+    xp: Any,
+    table: Mapping[str, OpFn],
+    oom_errors: tuple[type[BaseException], ...] = (MemoryError,),
+) -> list[Array]:
+    """Run `plan` with the ops of `table` on array module `xp`; returns the outputs in order."""
+    check_inputs(plan, inputs)
+    values: list[Any] = [None] * len(plan.specs)
+    values[: len(inputs)] = inputs
+    values[len(inputs) : len(inputs) + len(bindings)] = check_bindings(plan, bindings)
+    for step in plan.steps:
+        fn = table.get(step.op)
+        if fn is None:
+            raise ExecutionError(f"{step.op} (node {step.node}): this backend has no such op")
+        try:
+            out = xp.asarray(fn(xp, [values[v] for v in step.inputs], step))
+        except oom_errors as e:
+            raise OutOfMemory(f"{step.op} (node {step.node}): out of memory: {e}") from e
+        except ExecutionError:
+            raise
+        except Exception as e:
+            raise ExecutionError(f"{step.op} (node {step.node}) failed: {type(e).__name__}: {e}") from e
+        _check_result(step, out)
+        values[step.out] = out
+        for v in step.free:
+            values[v] = None
+    return [_compact(values[v]) for v in plan.outputs]
+
+
+__all__ = ["Array", "Backend", "OpFn", "check_bindings", "check_inputs", "run_plan"]

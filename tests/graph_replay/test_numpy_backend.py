@@ -1,0 +1,200 @@
+"""The NumPy reference backend: every op's values against direct NumPy, and the run loop's rules."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from emberlink.errors import DTypeError, ExecutionError, OutOfMemory
+from emberlink.graph_replay.backend import run_plan
+from emberlink.graph_replay.ir import Graph, Node, TensorSpec
+from emberlink.graph_replay.numpy_backend import OP_TABLE, NumpyBackend
+from emberlink.graph_replay.ops import OPS, check_attrs
+from emberlink.graph_replay.plan import Step, compile_plan
+
+from .cases import CASE_IDS, CASES, Case, assert_close, run_case
+
+
+def test_backend_table_has_exactly_the_ops_of_the_op_table() -> None:
+    assert set(OP_TABLE) == set(OPS)
+
+
+def test_every_op_has_a_case() -> None:
+    assert {case.op for case in CASES} == set(OPS)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_op_value_matches_direct_numpy(case: Case) -> None:
+    assert case.expect is not None
+    got = run_case(NumpyBackend(), case)
+    assert_close(got, case.expect(*case.args), case.id)
+
+
+def test_rand_numbers_depend_only_on_seed_and_element_index() -> None:
+    flat = run_case(NumpyBackend(), Case("a", "rand", (9,), {"shape": (12,), "dtype": "float64"}))
+    square = run_case(NumpyBackend(), Case("b", "rand", (9,), {"shape": (3, 4), "dtype": "float64"}))
+    other = run_case(NumpyBackend(), Case("c", "rand", (10,), {"shape": (12,), "dtype": "float64"}))
+    np.testing.assert_array_equal(flat.reshape(3, 4), square)
+    assert not np.array_equal(flat, other)
+    assert 0.0 <= flat.min() and flat.max() < 1.0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_rand_stays_below_one_in_every_dtype(dtype: str) -> None:
+    got = run_case(NumpyBackend(), Case("r", "rand", (1,), {"shape": (200_000,), "dtype": dtype}))
+    assert got.dtype == dtype and 0.0 <= got.min() and got.max() < 1.0
+
+
+def test_randn_has_unit_moments() -> None:
+    got = run_case(NumpyBackend(), Case("n", "randn", (3,), {"shape": (100_000,), "dtype": "float64"}))
+    assert abs(got.mean()) < 0.02 and abs(got.std() - 1.0) < 0.02 and np.isfinite(got).all()
+
+
+# -- failures --------------------------------------------------------------------------------------
+
+
+def _one_node(op: str, inputs: Sequence[TensorSpec], bindings: Sequence[str], attrs: dict[str, Any]) -> Graph:
+    refs = tuple(range(len(inputs) + len(bindings)))
+    return Graph(tuple(inputs), tuple(bindings), (Node(op, refs, check_attrs(op, attrs)),), (len(refs),))
+
+
+def test_take_out_of_range_is_an_execution_error_naming_the_op() -> None:
+    g = _one_node("take", [TensorSpec("float32", (3,)), TensorSpec("int64", (1,))], [], {})
+    plan = compile_plan(g)
+    with pytest.raises(ExecutionError, match=r"take \(node 0\) failed: IndexError"):
+        NumpyBackend().run(plan, [np.zeros(3, np.float32), np.array([7])], [])
+
+
+def test_int_binding_out_of_range_for_an_int32_tensor_is_an_execution_error() -> None:
+    plan = compile_plan(_one_node("add", [TensorSpec("int32", (2,))], ["int"], {}))
+    with pytest.raises(ExecutionError, match=r"add \(node 0\) failed"):
+        NumpyBackend().run(plan, [np.zeros(2, np.int32)], [2**40])
+
+
+def test_memory_error_becomes_out_of_memory_naming_the_op() -> None:
+    def boom(xp: Any, args: Sequence[Any], step: Step) -> Any:
+        raise MemoryError("cannot allocate")
+
+    plan = compile_plan(_one_node("exp", [TensorSpec("float32", (2,))], [], {}))
+    with pytest.raises(OutOfMemory, match=r"exp \(node 0\): out of memory: cannot allocate"):
+        run_plan(plan, [np.zeros(2, np.float32)], [], xp=np, table={"exp": boom})
+
+
+def test_an_op_missing_from_the_backend_table_is_an_execution_error() -> None:
+    plan = compile_plan(_one_node("exp", [TensorSpec("float32", (2,))], [], {}))
+    with pytest.raises(ExecutionError, match="this backend has no such op"):
+        run_plan(plan, [np.zeros(2, np.float32)], [], xp=np, table={})
+
+
+def test_a_result_that_disagrees_with_inference_is_caught() -> None:
+    plan = compile_plan(_one_node("exp", [TensorSpec("float32", (2,))], [], {}))
+    table = {"exp": lambda xp, args, step: xp.exp(args[0]).astype(np.float64)}
+    with pytest.raises(
+        ExecutionError, match="internal error: produced float64 \\(2,\\), inference says float32"
+    ):
+        run_plan(plan, [np.zeros(2, np.float32)], [], xp=np, table=table)
+
+
+def test_inputs_must_match_the_graph_specs() -> None:
+    plan = compile_plan(_one_node("exp", [TensorSpec("float32", (2,))], [], {}))
+    with pytest.raises(ExecutionError, match="input 0 is float64 \\(2,\\), the graph wants float32 \\(2,\\)"):
+        NumpyBackend().run(plan, [np.zeros(2)], [])
+    with pytest.raises(ExecutionError, match="graph takes 1 inputs, got 0"):
+        NumpyBackend().run(plan, [], [])
+
+
+@pytest.mark.parametrize(("kind", "value"), [("int", 1.5), ("int", True), ("bool", 1), ("float", "x")])
+def test_bindings_must_have_the_graph_kind(kind: str, value: Any) -> None:
+    plan = compile_plan(_one_node("add", [TensorSpec("float32", (2,))], [kind], {}))
+    with pytest.raises(ExecutionError, match=f"binding 0 must be a Python {kind}"):
+        NumpyBackend().run(plan, [np.zeros(2, np.float32)], [value])
+
+
+def test_an_int_is_accepted_for_a_float_binding() -> None:
+    plan = compile_plan(_one_node("add", [TensorSpec("float32", (2,))], ["float"], {}))
+    (out,) = NumpyBackend().run(plan, [np.zeros(2, np.float32)], [2])
+    np.testing.assert_array_equal(out, [2.0, 2.0])
+
+
+def test_from_numpy_refuses_dtypes_off_the_allow_list() -> None:
+    with pytest.raises(DTypeError, match="uint8"):
+        NumpyBackend().from_numpy(np.zeros(2, np.uint8))
+
+
+# -- plans and memory ------------------------------------------------------------------------------
+
+
+def _chain(n: int, size: int = 1000) -> Graph:
+    nodes = tuple(Node("exp" if k % 2 else "negative", (k,)) for k in range(n))
+    return Graph((TensorSpec("float32", (size,)),), (), nodes, (n,))
+
+
+def test_plan_frees_each_value_after_its_last_use_on_a_chain() -> None:
+    plan = compile_plan(_chain(6))
+    assert [s.free for s in plan.steps] == [(), (1,), (2,), (3,), (4,), (5,)]
+    assert plan.peak_values == 2
+    assert plan.peak_bytes == 2 * 4000
+    assert plan.input_bytes == 4000 and plan.output_bytes == 4000
+
+
+def test_plan_never_frees_inputs_or_outputs() -> None:
+    g = Graph(
+        (TensorSpec("float32", (10,)),),
+        ("float",),
+        (Node("multiply", (0, 1)), Node("exp", (2,)), Node("add", (2, 3))),
+        (2, 4),
+    )
+    plan = compile_plan(g)
+    freed = {v for s in plan.steps for v in s.free}
+    assert freed == {3}
+    assert plan.peak_values == 3
+
+
+def test_plan_drops_nodes_no_output_needs() -> None:
+    g = Graph((TensorSpec("float32", (4,)),), (), (Node("exp", (0,)), Node("log", (0,))), (2,))
+    plan = compile_plan(g)
+    assert [s.op for s in plan.steps] == ["log"]
+    (out,) = NumpyBackend().run(plan, [np.ones(4, np.float32)], [])
+    np.testing.assert_array_equal(out, np.zeros(4, np.float32))
+
+
+def test_run_loop_drops_references_after_last_use() -> None:
+    """At each step only the previous value is still alive: the loop drops the rest."""
+    produced: list[weakref.ref[np.ndarray]] = []
+    alive_counts: list[int] = []
+
+    def record(xp: Any, args: Sequence[Any], step: Step) -> Any:
+        alive_counts.append(sum(r() is not None for r in produced))
+        out = np.exp(args[0]) if step.op == "exp" else np.negative(args[0])
+        produced.append(weakref.ref(out))
+        return out
+
+    plan = compile_plan(_chain(8))
+    (out,) = run_plan(
+        plan, [np.zeros(1000, np.float32)], [], xp=np, table={"exp": record, "negative": record}
+    )
+    assert alive_counts == [0, 1, 1, 1, 1, 1, 1, 1]
+    assert produced[-1]() is out
+
+
+def test_a_view_output_does_not_keep_its_larger_base_alive() -> None:
+    g = Graph(
+        (TensorSpec("float32", (100, 100)),),
+        (),
+        (Node("exp", (0,)), Node("getitem", (1,), check_attrs("getitem", {"key": (("i", 0),)}))),
+        (2,),
+    )
+    (out,) = NumpyBackend().run(compile_plan(g), [np.zeros((100, 100), np.float32)], [])
+    assert out.base is None or out.base.nbytes == out.nbytes
+
+
+def test_memory_stats_report_the_peak_estimate() -> None:
+    backend = NumpyBackend()
+    backend.run(compile_plan(_chain(4)), [np.zeros(1000, np.float32)], [])
+    stats = backend.memory_stats()
+    assert stats["peak_bytes"] == 4000 + 2 * 4000
+    assert set(stats) >= {"in_use_bytes", "peak_bytes", "pool_bytes"}
