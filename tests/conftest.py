@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Self
 
 import pytest
 
@@ -105,7 +106,7 @@ class NatsServer:
         self.stop()
         return self.start()
 
-    def __enter__(self) -> NatsServer:
+    def __enter__(self) -> Self:
         return self if self.running else self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from transport_checks import blobs, echo, pipelined
 
 from emberlink.errors import TransportError
 from emberlink.transport import memory
 from emberlink.transport.base import MAX_BLOB
-
-from transport_checks import blobs, echo, pipelined
 
 
 async def test_pair_delivers_blobs_whole_and_in_order() -> None:

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import sys
+import textwrap
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Self, TypeVar
 
 from emberlink.transport.base import Link
+
+T = TypeVar("T")
 
 
 async def echo(link: Link) -> None:
@@ -37,3 +45,49 @@ async def pipelined(link: Link, sent: list[bytes]) -> list[bytes]:
     got = [await link.recv() for _ in sent]
     await task
     return got
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Child:
+    """A Python subprocess that prints one line when ready; killed and reaped on exit."""
+
+    def __init__(self, code: str, *args: str) -> None:
+        self.code = code
+        self.args = args
+        self.proc: asyncio.subprocess.Process | None = None
+        self.ready_line = ""
+
+    async def __aenter__(self) -> Self:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            textwrap.dedent(self.code),
+            *self.args,
+            cwd=REPO,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), 30)
+        if not line:
+            raise RuntimeError(f"child exited before it was ready (rc={await self.proc.wait()})")
+        self.ready_line = line.decode().strip()
+        return self
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        await self.proc.wait()
+
+
+async def within(seconds: float, awaitable: Awaitable[T]) -> T:
+    """Await with a generous bound: a hang is a failure, a slow machine is not."""
+    return await asyncio.wait_for(awaitable, seconds)

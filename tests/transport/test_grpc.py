@@ -1,0 +1,220 @@
+"""The gRPC transport over real loopback sockets, including peers that die or freeze."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+
+import pytest
+from transport_checks import Child, blobs, echo, ping_pong, pipelined, within
+
+from emberlink.errors import TransportError, TransportTimeout
+from emberlink.transport import grpc as grpc_transport
+from emberlink.transport.base import MAX_BLOB, Link
+
+ECHO_WORKER = """
+    import asyncio
+    from emberlink.transport import grpc
+
+    async def echo(link):
+        while True:
+            await link.send(await link.recv())
+
+    async def main():
+        listener = grpc.GrpcListener("127.0.0.1", 0, echo)
+        print(await listener.start(), flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+"""
+
+CLIENT = """
+    import asyncio, sys
+    from emberlink.transport import grpc
+
+    async def main():
+        link = await grpc.connect("127.0.0.1", int(sys.argv[1]), timeout=10)
+        await link.send(b"hello")
+        print("connected", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+"""
+
+
+class Recorder:
+    """A handler that keeps each session's received blobs and the error that ended it."""
+
+    def __init__(self) -> None:
+        self.received: list[bytes] = []
+        self.ended: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+    async def __call__(self, link: Link) -> None:
+        try:
+            while True:
+                self.received.append(await link.recv())
+        except BaseException as e:
+            self.ended.set_result(e)
+            raise
+
+
+async def started(handler: grpc_transport.Handler) -> tuple[grpc_transport.GrpcListener, int]:
+    listener = grpc_transport.GrpcListener("127.0.0.1", 0, handler)
+    return listener, await listener.start()
+
+
+async def test_blobs_round_trip_whole_and_in_order() -> None:
+    listener, port = await started(echo)
+    link = await grpc_transport.connect("127.0.0.1", port)
+    sent = blobs([0, 1, 64, 4096, 1 << 20, (1 << 20) + 64])
+    assert await ping_pong(link, sent) == sent
+    assert await pipelined(link, blobs([100] * 200 + [1 << 20] * 8)) is not None
+    await link.close()
+    await listener.stop(1)
+
+
+async def test_blobs_past_grpc_default_4_mib_limit_up_to_max_blob_pass() -> None:
+    listener, port = await started(echo)
+    link = await grpc_transport.connect("127.0.0.1", port)
+    sent = blobs([4 * 1024 * 1024 + 16, MAX_BLOB])
+    assert await ping_pong(link, sent) == sent
+    with pytest.raises(TransportError, match="exceeds"):
+        await link.send(bytes(MAX_BLOB + 1))
+    assert await ping_pong(link, [b"still open"]) == [b"still open"]
+    await link.close()
+    await listener.stop(1)
+
+
+async def test_concurrent_sessions_are_isolated() -> None:
+    listener, port = await started(echo)
+    links = [await grpc_transport.connect("127.0.0.1", port) for _ in range(4)]
+    per_link = [blobs([i + 1, 5000, 70_000] * 5) for i in range(len(links))]
+    assert await asyncio.gather(*(pipelined(lk, s) for lk, s in zip(links, per_link))) == per_link
+    await links[0].close()
+    assert await ping_pong(links[1], [b"others live on"]) == [b"others live on"]
+    for link in links[1:]:
+        await link.close()
+    await listener.stop(1)
+
+
+async def test_client_close_makes_the_worker_recv_raise_after_its_last_blob() -> None:
+    recorder = Recorder()
+    listener, port = await started(recorder)
+    link = await grpc_transport.connect("127.0.0.1", port)
+    await link.send(b"last words")
+    await link.close()
+    error = await within(5, recorder.ended)
+    assert isinstance(error, TransportError) and "closed" in str(error)
+    assert recorder.received == [b"last words"]
+    with pytest.raises(TransportError, match="closed"):
+        await link.recv()
+    await listener.stop(1)
+
+
+async def test_worker_handler_return_makes_client_recv_raise_peer_closed() -> None:
+    async def once(link: Link) -> None:
+        await link.send(await link.recv())
+
+    listener, port = await started(once)
+    link = await grpc_transport.connect("127.0.0.1", port)
+    assert await ping_pong(link, [b"1"]) == [b"1"]
+    with pytest.raises(TransportError, match="closed"):
+        await within(5, link.recv())
+    await link.close()
+    await listener.stop(1)
+
+
+async def test_own_close_wakes_a_pending_recv_with_transport_error() -> None:
+    listener, port = await started(echo)
+    link = await grpc_transport.connect("127.0.0.1", port)
+    pending = asyncio.create_task(link.recv())
+    await asyncio.sleep(0.05)
+    await link.close()
+    with pytest.raises(TransportError):
+        await within(5, pending)
+    await listener.stop(1)
+
+
+async def test_listener_stop_ends_sessions_and_refuses_new_ones() -> None:
+    listener, port = await started(echo)
+    link = await grpc_transport.connect("127.0.0.1", port)
+    await listener.stop(0)
+    with pytest.raises(TransportError):
+        await within(5, link.recv())
+    with pytest.raises(TransportError, match=f"127.0.0.1:{port}"):
+        await grpc_transport.connect("127.0.0.1", port, timeout=5)
+    await link.close()
+
+
+async def test_connect_where_nothing_listens_fails_fast_naming_the_address() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound but not listening: connections are refused
+        started_at = time.monotonic()
+        with pytest.raises(TransportError, match=f"127.0.0.1:{port}") as info:
+            await grpc_transport.connect("127.0.0.1", port, timeout=30)
+    assert not isinstance(info.value, TransportTimeout)
+    assert time.monotonic() - started_at < 15  # far from the 30 s timeout: it did not wait it out
+
+
+async def test_connect_to_a_silent_listener_times_out_naming_the_address() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()  # accepts TCP in the backlog, never speaks HTTP/2
+        port = s.getsockname()[1]
+        with pytest.raises(TransportTimeout, match=f"127.0.0.1:{port}"):
+            await grpc_transport.connect("127.0.0.1", port, timeout=0.5)
+
+
+async def test_sigkilled_worker_makes_client_recv_raise_promptly() -> None:
+    async with Child(ECHO_WORKER) as worker:
+        link = await grpc_transport.connect("127.0.0.1", int(worker.ready_line))
+        assert await ping_pong(link, [b"alive"]) == [b"alive"]
+        pending = asyncio.create_task(link.recv())
+        worker.signal(signal.SIGKILL)
+        with pytest.raises(TransportError):
+            await within(5, pending)
+        await link.close()
+
+
+async def test_sigkilled_client_makes_worker_recv_raise_promptly() -> None:
+    recorder = Recorder()
+    listener, port = await started(recorder)
+    async with Child(CLIENT, str(port)) as client:
+        client.signal(signal.SIGKILL)
+        error = await within(5, recorder.ended)
+    assert isinstance(error, TransportError)
+    assert recorder.received == [b"hello"]
+    await listener.stop(1)
+
+
+async def test_frozen_worker_is_noticed_by_keepalive() -> None:
+    async with Child(ECHO_WORKER) as worker:
+        link = await grpc_transport.connect("127.0.0.1", int(worker.ready_line))
+        assert await ping_pong(link, [b"alive"]) == [b"alive"]
+        worker.signal(signal.SIGSTOP)  # the socket stays open: only keepalive can tell
+        with pytest.raises(TransportError):
+            await within(5, link.recv())
+        await link.close()
+
+
+async def test_frozen_client_is_noticed_by_keepalive() -> None:
+    recorder = Recorder()
+    listener, port = await started(recorder)
+    async with Child(CLIENT, str(port)) as client:
+        await asyncio.sleep(0.1)
+        client.signal(signal.SIGSTOP)
+        error = await within(5, recorder.ended)
+    assert isinstance(error, TransportError)
+    await listener.stop(1)
+
+
+async def test_idle_session_survives_several_keepalive_rounds() -> None:
+    listener, port = await started(echo)
+    link = await grpc_transport.connect("127.0.0.1", port)
+    await asyncio.sleep(2.5)  # many keepalive pings: the worker must not answer GOAWAY too_many_pings
+    assert await ping_pong(link, [b"still here"]) == [b"still here"]
+    await link.close()
+    await listener.stop(1)
