@@ -89,8 +89,13 @@ def run_plan(
     xp: Any,
     table: Mapping[str, OpFn],
     oom_errors: tuple[type[BaseException], ...] = (MemoryError,),
+    after_step: Callable[[], None] | None = None,
 ) -> list[Array]:
-    """Run `plan` with the ops of `table` on array module `xp`; returns the outputs in order."""
+    """Run `plan` with the ops of `table` on array module `xp`; returns the outputs in order.
+
+    `after_step` is called once a step's result exists and before its frees (the live set's
+    high point), e.g. to sample a memory pool.
+    """
     check_inputs(plan, inputs)
     values: list[Any] = [None] * len(plan.specs)
     values[: len(inputs)] = inputs
@@ -109,6 +114,8 @@ def run_plan(
             raise ExecutionError(f"{step.op} (node {step.node}) failed: {type(e).__name__}: {e}") from e
         _check_result(step, out)
         values[step.out] = out
+        if after_step is not None:
+            after_step()
         for v in step.free:
             values[v] = None
     return [_compact(values[v]) for v in plan.outputs]

@@ -1,0 +1,74 @@
+"""The CuPy backend against the NumPy reference, op by op on the shared case table (GPU machine only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from emberlink.errors import ExecutionError, OutOfMemory
+from emberlink.graph_replay.ir import Graph, Node, TensorSpec
+from emberlink.graph_replay.numpy_backend import NumpyBackend
+from emberlink.graph_replay.ops import check_attrs
+from emberlink.graph_replay.plan import compile_plan
+
+from .cases import CASE_IDS, CASES, Case, assert_close, run_case
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cupy_backend() -> Any:
+    from emberlink.graph_replay.cupy_backend import CupyBackend
+
+    return CupyBackend()
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_cupy_matches_the_numpy_reference(cupy_backend: Any, case: Case) -> None:
+    want = run_case(NumpyBackend(), case)
+    got = run_case(cupy_backend, case)
+    assert_close(got, want, case.id, loose=True)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_rand_is_bit_identical_to_numpy(cupy_backend: Any, dtype: str) -> None:
+    case = Case("r", "rand", (123456789,), {"shape": (1000, 33), "dtype": dtype})
+    np.testing.assert_array_equal(run_case(cupy_backend, case), run_case(NumpyBackend(), case))
+
+
+def test_randn_matches_numpy_to_float32_rounding(cupy_backend: Any) -> None:
+    case = Case("n", "randn", (5,), {"shape": (100_000,), "dtype": "float32"})
+    got, want = run_case(cupy_backend, case), run_case(NumpyBackend(), case)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_chain_runs_and_memory_stats_report_the_pool(cupy_backend: Any) -> None:
+    nodes = tuple(Node("exp" if k % 2 else "negative", (k,)) for k in range(6))
+    plan = compile_plan(Graph((TensorSpec("float32", (1 << 20,)),), (), nodes, (6,)))
+    x = cupy_backend.from_numpy(np.zeros(1 << 20, np.float32))
+    (out,) = cupy_backend.run(plan, [x], [])
+    cupy_backend.synchronize()
+    np.testing.assert_allclose(cupy_backend.to_numpy(out)[:3], np.exp(-np.exp(-1.0)), rtol=1e-6)
+    stats = cupy_backend.memory_stats()
+    assert stats["in_use_bytes"] >= 2 * (4 << 20)
+    assert stats["peak_bytes"] >= stats["in_use_bytes"] and stats["pool_bytes"] >= stats["in_use_bytes"]
+
+
+def test_an_allocation_past_the_device_is_out_of_memory(cupy_backend: Any) -> None:
+    g = Graph(
+        (),
+        (),
+        (Node("zeros", (), check_attrs("zeros", {"shape": (1 << 30, 1 << 12), "dtype": "float64"})),),
+        (0,),
+    )
+    with pytest.raises(OutOfMemory, match=r"zeros \(node 0\): out of memory"):
+        cupy_backend.run(compile_plan(g), [], [])
+
+
+def test_an_int_binding_too_large_for_int32_is_an_execution_error(cupy_backend: Any) -> None:
+    g = Graph((TensorSpec("int32", (2,)),), ("int",), (Node("add", (0, 1)),), (2,))
+    x = cupy_backend.from_numpy(np.zeros(2, np.int32))
+    with pytest.raises(ExecutionError, match=r"add \(node 0\) failed"):
+        cupy_backend.run(compile_plan(g), [x], [2**40])
