@@ -20,8 +20,9 @@ Rules (everything that changes a channel's state lives in this file):
 
 from __future__ import annotations
 
+import ctypes
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from enum import Enum, IntEnum
 
 from cryptography.exceptions import InvalidTag
@@ -66,6 +67,31 @@ class Role(Enum):
 
 _PREFIX_CLIENT_TO_WORKER = 0x454D_0001
 _PREFIX_WORKER_TO_CLIENT = 0x454D_0002
+
+
+def _uninitialized_allocator() -> Callable[[int], bytearray]:
+    """bytearray(n) without zero-filling it, where CPython's C API allows; else plain bytearray.
+
+    Zero-filling a fresh 1 MiB frame costs about 7% of sealing and opening it, and every byte of
+    a frame is written (header, then encrypt_into) before the buffer leaves seal_chunks.
+    """
+    try:
+        new = ctypes.pythonapi.PyByteArray_FromStringAndSize
+    except (AttributeError, OSError):  # not CPython
+        return bytearray
+    new.restype = ctypes.py_object
+    new.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+
+    def allocate(n: int) -> bytearray:
+        buf = new(None, n)
+        if type(buf) is not bytearray or len(buf) != n:
+            raise MemoryError(f"cannot allocate a {n}-byte frame")
+        return buf
+
+    return allocate
+
+
+_new_frame_buffer = _uninitialized_allocator()
 
 
 def rekey(key: bytes) -> bytes:
@@ -187,7 +213,7 @@ class Channel:
         for offset in range(0, len(view), chunk_size):
             chunk = view[offset : offset + chunk_size]
             n = len(chunk)
-            buf = bytearray(HEADER_SIZE + n + TAG_SIZE)
+            buf = _new_frame_buffer(HEADER_SIZE + n + TAG_SIZE)
             out = memoryview(buf)
             HEADER.pack_into(buf, 0, *self._next_send_header_fields(BULK, n))
             aead, new_key = self._send.next_key(n)
