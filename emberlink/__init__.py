@@ -1,5 +1,163 @@
-"""emberlink: use a GPU on another machine as if it were local."""
+"""emberlink: use a GPU on another machine as if it were local.
+
+    import emberlink as el
+    dev = el.Device.cpu()                  # or el.Device.cuda(0), el.Device.remote(ticket)
+    x = dev.tensor([[1.0, 2.0], [3.0, 4.0]])
+    print((x @ x.T).sum().item())
+
+Public API: `Device`, `Tensor`, `nn`, `optim`, `no_grad`, `errors` (and its exception classes),
+plus Array-API-style functions (`el.exp`, `el.concat`, `el.where`, ...).
+"""
+
+import sys as _sys
 
 from emberlink import errors
+from emberlink.client import nn, optim
+from emberlink.client.autograd import no_grad
+from emberlink.client.device import Device
+from emberlink.client.functions import (
+    abs,
+    add,
+    argmax,
+    argmin,
+    astype,
+    broadcast_to,
+    concat,
+    cos,
+    divide,
+    equal,
+    exp,
+    expand_dims,
+    greater,
+    greater_equal,
+    less,
+    less_equal,
+    log,
+    logical_and,
+    logical_not,
+    logical_or,
+    matmul,
+    max,
+    maximum,
+    mean,
+    min,
+    minimum,
+    multiply,
+    negative,
+    not_equal,
+    permute_dims,
+    pow,
+    prod,
+    relu,
+    reshape,
+    sigmoid,
+    sign,
+    sin,
+    sqrt,
+    square,
+    squeeze,
+    stack,
+    subtract,
+    sum,
+    take,
+    tanh,
+    where,
+)
+from emberlink.client.tensor import Tensor
+from emberlink.errors import (
+    AuthError,
+    ConfigError,
+    DeviceError,
+    DTypeError,
+    EmberlinkError,
+    ExecutionError,
+    GoingAway,
+    OutOfMemory,
+    ProtocolError,
+    QuotaExceeded,
+    Refused,
+    RemoteError,
+    ShapeError,
+    TransportError,
+    TransportTimeout,
+    UnknownTensor,
+    WorkerLost,
+)
 
-__all__ = ["errors"]
+# `import emberlink.nn` and `from emberlink.nn.functional import ...` work too: the modules live
+# in emberlink/client/ (DESIGN.md's layout) and are registered under their public names here.
+_sys.modules.setdefault("emberlink.nn", nn)
+_sys.modules.setdefault("emberlink.nn.functional", nn.functional)
+_sys.modules.setdefault("emberlink.optim", optim)
+
+__all__ = [
+    "AuthError",
+    "ConfigError",
+    "DTypeError",
+    "Device",
+    "DeviceError",
+    "EmberlinkError",
+    "ExecutionError",
+    "GoingAway",
+    "OutOfMemory",
+    "ProtocolError",
+    "QuotaExceeded",
+    "Refused",
+    "RemoteError",
+    "ShapeError",
+    "Tensor",
+    "TransportError",
+    "TransportTimeout",
+    "UnknownTensor",
+    "WorkerLost",
+    "abs",
+    "add",
+    "argmax",
+    "argmin",
+    "astype",
+    "broadcast_to",
+    "concat",
+    "cos",
+    "divide",
+    "equal",
+    "errors",
+    "exp",
+    "expand_dims",
+    "greater",
+    "greater_equal",
+    "less",
+    "less_equal",
+    "log",
+    "logical_and",
+    "logical_not",
+    "logical_or",
+    "matmul",
+    "max",
+    "maximum",
+    "mean",
+    "min",
+    "minimum",
+    "multiply",
+    "negative",
+    "nn",
+    "no_grad",
+    "not_equal",
+    "optim",
+    "permute_dims",
+    "pow",
+    "prod",
+    "relu",
+    "reshape",
+    "sigmoid",
+    "sign",
+    "sin",
+    "sqrt",
+    "square",
+    "squeeze",
+    "stack",
+    "subtract",
+    "sum",
+    "take",
+    "tanh",
+    "where",
+]

@@ -1,1 +1,1 @@
-"""emberlink.client."""
+"""emberlink.client: what a script touches (Device, Tensor, autograd, nn, optim, executors)."""

@@ -1,0 +1,302 @@
+"""Gradient rules, one per differentiable op, written with Tensor ops; they only record.
+
+A rule gets the output gradient `g` and what the forward op saved, and returns one gradient per
+input (None for inputs that take none). Because the rules are ordinary recorded ops, a step's
+forward, backward and optimizer update land in one pending segment and run as one graph.
+
+Every rule returns gradients already reduced to the input's shape (`_fit` sums over broadcast
+axes) and cast to the input's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from emberlink.client.tensor import Scalar, Tensor, apply, create
+
+Spec = tuple[str, tuple[int, ...]]
+Rule = Callable[..., Sequence[Tensor | None]]
+
+
+def _t(v: Any) -> Any:
+    """A saved input as an operand: a Value becomes a (history-free) Tensor; a scalar stays."""
+    return v if isinstance(v, bool | int | float) else Tensor(v)
+
+
+def _fit(g: Tensor, spec: Spec | str) -> Tensor | None:
+    """`g` reduced to an operand's shape and cast to its dtype; None for a scalar operand."""
+    if isinstance(spec, str):
+        return None
+    dtype, shape = spec
+    gshape = g.shape
+    if gshape != shape:
+        lead = len(gshape) - len(shape)
+        axes = tuple(range(lead)) + tuple(
+            lead + i for i, d in enumerate(shape) if d == 1 and gshape[lead + i] != 1
+        )
+        if axes:
+            g = apply("sum", (g,), (("axis", axes), ("keepdims", False)))
+        if g.shape != shape:
+            g = g.reshape(shape)
+    if g.dtype != dtype:
+        g = g.astype(dtype)
+    return g
+
+
+def _zeros_where(mask: Tensor, g: Tensor, keep_if: bool) -> Tensor:
+    return apply("where", (mask, g, 0) if keep_if else (mask, 0, g))
+
+
+def _add(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    return _fit(g, S[0]) if P[0] is not None else None, _fit(g, S[1]) if P[1] is not None else None
+
+
+def _subtract(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    return _fit(g, S[0]) if P[0] is not None else None, _fit(-g, S[1]) if P[1] is not None else None
+
+
+def _multiply(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    a, b = _t(V[0]), _t(V[1])
+    return _fit(g * b, S[0]) if P[0] is not None else None, _fit(g * a, S[1]) if P[1] is not None else None
+
+
+def _divide(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    a, b = _t(V[0]), _t(V[1])
+    ga = _fit(g / b, S[0]) if P[0] is not None else None
+    gb = _fit(-(g * a) / (b * b), S[1]) if P[1] is not None else None
+    return ga, gb
+
+
+def _pow(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    a, b, out = _t(V[0]), _t(V[1]), Tensor(O)
+    ga = _fit(g * (b * a ** (b - 1)), S[0]) if P[0] is not None else None
+    gb = _fit(g * (out * a.log()), S[1]) if P[1] is not None else None
+    return ga, gb
+
+
+def _extremum(ge: bool) -> Rule:
+    def rule(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+        a, b = _t(V[0]), _t(V[1])
+        # Ties send the whole gradient to the first operand, so the two parts sum to g.
+        mask = apply("greater_equal" if ge else "less_equal", (a, b))
+        ga = _fit(_zeros_where(mask, g, True), S[0]) if P[0] is not None else None
+        gb = _fit(_zeros_where(mask, g, False), S[1]) if P[1] is not None else None
+        return ga, gb
+
+    return rule
+
+
+def _where(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    c = Tensor(V[0])
+    gx = _fit(_zeros_where(c, g, True), S[1]) if P[1] is not None else None
+    gy = _fit(_zeros_where(c, g, False), S[2]) if P[2] is not None else None
+    return None, gx, gy
+
+
+def _unary(fn: Callable[[Tensor, Any, Any], Tensor]) -> Rule:
+    def rule(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+        x = None if V is None else Tensor(V[0])
+        out = None if O is None else Tensor(O)
+        return (_fit(fn(g, x, out), S[0]),)
+
+    return rule
+
+
+_UNARY: dict[str, Callable[[Tensor, Any, Any], Tensor]] = {
+    "negative": lambda g, x, y: -g,
+    "abs": lambda g, x, y: g * x.sign(),
+    "exp": lambda g, x, y: g * y,
+    "log": lambda g, x, y: g / x,
+    "sqrt": lambda g, x, y: (g / y) * 0.5,
+    "square": lambda g, x, y: g * (x * 2.0),
+    "tanh": lambda g, x, y: g * (1.0 - y * y),
+    "sigmoid": lambda g, x, y: g * (y * (1.0 - y)),
+    "relu": lambda g, x, y: _zeros_where(x > 0, g, True),
+    "sin": lambda g, x, y: g * x.cos(),
+    "cos": lambda g, x, y: -(g * x.sin()),
+}
+
+
+def _astype(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    return (g.astype(S[0][0]),)
+
+
+def _keepdims_shape(shape: tuple[int, ...], axis: tuple[int, ...] | None) -> tuple[int, ...]:
+    return tuple(1 if axis is None or i in axis else d for i, d in enumerate(shape))
+
+
+def _reduction_parts(g: Tensor, S: Any, A: Any) -> tuple[Tensor, tuple[int, ...], tuple[int, ...] | None]:
+    """The output gradient with the reduced axes kept (size 1), the input shape, and the axes."""
+    attrs = dict(A)
+    axis, shape = attrs["axis"], S[0][1]
+    kshape = _keepdims_shape(shape, axis)
+    return g.reshape(kshape), shape, axis
+
+
+def _sum(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    gk, shape, _ = _reduction_parts(g, S, A)
+    return (gk.broadcast_to(shape),)
+
+
+def _mean(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    gk, shape, axis = _reduction_parts(g, S, A)
+    count = 1
+    for i, d in enumerate(shape):
+        if axis is None or i in axis:
+            count *= d
+    return (_fit((gk / max(count, 1)).broadcast_to(shape), S[0]),)
+
+
+def _extreme_value(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    gk, _, axis = _reduction_parts(g, S, A)
+    x, out = Tensor(V[0]), Tensor(O).reshape(gk.shape)
+    # Every element equal to the extreme shares the gradient equally.
+    mask = (x == out).astype(x.dtype)
+    count = apply("sum", (mask,), (("axis", axis), ("keepdims", True)))
+    return (mask * (gk / count),)
+
+
+def _prod(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    gk, _, _ = _reduction_parts(g, S, A)
+    x, out = Tensor(V[0]), Tensor(O).reshape(gk.shape)
+    return ((gk * out) / x,)  # no zeros in x: the product rule through division
+
+
+def _matmul(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    a, b = Tensor(V[0]), Tensor(V[1])
+    # Promote 1-D operands the way matmul does, so one rule covers every case.
+    a2 = a.reshape(1, a.shape[0]) if a.ndim == 1 else a
+    b2 = b.reshape(b.shape[0], 1) if b.ndim == 1 else b
+    gshape = g.shape
+    if a.ndim == 1:
+        gshape = (*gshape[: len(gshape) - (b.ndim > 1)], 1, *gshape[len(gshape) - (b.ndim > 1) :])
+    if b.ndim == 1:
+        gshape = (*gshape, 1)
+    g2 = g.reshape(gshape)
+    ga = _fit(g2 @ b2.mT, (S[0][0], a2.shape)) if P[0] is not None else None
+    gb = _fit(a2.mT @ g2, (S[1][0], b2.shape)) if P[1] is not None else None
+    return (
+        None if ga is None else ga.reshape(a.shape),
+        None if gb is None else gb.reshape(b.shape),
+    )
+
+
+def _reshape_back(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    return (g.reshape(S[0][1]),)
+
+
+def _permute_dims(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    axes = dict(A)["axes"]
+    inverse = [0] * len(axes)
+    for i, a in enumerate(axes):
+        inverse[a] = i
+    return (g.permute(inverse),)
+
+
+def _broadcast_to(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    return (_fit(g, S[0]),)
+
+
+def _concat(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    axis = dict(A)["axis"]
+    grads: list[Tensor | None] = []
+    offset = 0
+    for p, (_, shape) in zip(P, S, strict=True):
+        n = shape[axis]
+        if p is not None:
+            key = tuple(("s", 0, d, 1) for d in shape[:axis]) + (("s", offset, offset + n, 1),)
+            grads.append(apply("getitem", (g,), (("key", key),)))
+        else:
+            grads.append(None)
+        offset += n
+    return grads
+
+
+def _stack(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    axis = dict(A)["axis"]
+    lead = tuple(("s", 0, d, 1) for d in g.shape[:axis])
+    return [
+        None if p is None else apply("getitem", (g,), (("key", (*lead, ("i", i))),)) for i, p in enumerate(P)
+    ]
+
+
+def _getitem(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    key = dict(A)["key"]
+    return (apply("getitem_grad", (g,), (("key", key), ("shape", S[0][1]))),)
+
+
+def _take(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    axis = dict(A)["axis"]
+    idx, shape = Tensor(V[1]), S[0][1]
+    if axis is None:
+        size = 1
+        for d in shape:
+            size *= d
+        flat = apply("scatter_add", (g, idx), (("axis", None), ("size", size)))
+        return flat.reshape(shape), None
+    return apply("scatter_add", (g, idx), (("axis", axis), ("size", shape[axis]))), None
+
+
+def _softmax(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    axis = dict(A)["axis"]
+    y = Tensor(O)
+    dot = apply("sum", (g * y,), (("axis", (axis,)), ("keepdims", True)))
+    return (_fit(y * (g - dot), S[0]),)
+
+
+def _log_softmax(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    axis = dict(A)["axis"]
+    total = apply("sum", (g,), (("axis", (axis,)), ("keepdims", True)))
+    return (_fit(g - Tensor(O).exp() * total, S[0]),)
+
+
+def _cross_entropy(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    reduction = dict(A)["reduction"]
+    logits, labels = Tensor(V[0]), Tensor(V[1])
+    n, c = logits.shape
+    p = apply("softmax", (logits,), (("axis", 1),))
+    onehot = apply("one_hot", (labels,), (("dtype", logits.dtype), ("num_classes", c)))
+    d = p - onehot
+    if reduction == "mean":
+        scale: Tensor | Scalar = g / max(n, 1)
+    elif reduction == "sum":
+        scale = g
+    else:
+        scale = g.reshape(n, 1)
+    return d * scale, None
+
+
+RULES: dict[str, Rule] = {
+    "add": _add,
+    "subtract": _subtract,
+    "multiply": _multiply,
+    "divide": _divide,
+    "pow": _pow,
+    "maximum": _extremum(True),
+    "minimum": _extremum(False),
+    "where": _where,
+    **{op: _unary(fn) for op, fn in _UNARY.items()},
+    "astype": _astype,
+    "sum": _sum,
+    "mean": _mean,
+    "max": _extreme_value,
+    "min": _extreme_value,
+    "prod": _prod,
+    "matmul": _matmul,
+    "reshape": _reshape_back,
+    "expand_dims": _reshape_back,
+    "squeeze": _reshape_back,
+    "permute_dims": _permute_dims,
+    "broadcast_to": _broadcast_to,
+    "concat": _concat,
+    "stack": _stack,
+    "getitem": _getitem,
+    "take": _take,
+    "softmax": _softmax,
+    "log_softmax": _log_softmax,
+    "cross_entropy": _cross_entropy,
+}
+"""Op name -> gradient rule. Ops not here (comparisons, argmax, sign, creation, ...) pass no gradient."""
+
+__all__ = ["RULES", "create"]

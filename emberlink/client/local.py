@@ -1,0 +1,172 @@
+"""LocalExecutor: runs a Device's graphs on a graph_replay backend in this process; no network.
+
+Plans are compiled once per graph id and replayed after that. The store maps the client's buffer
+ids to backend arrays. A failed run poisons its outputs with an ExecutionError naming the op;
+a graph reading a poisoned buffer passes the same error on, as a worker does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from emberlink.client.executor import Call
+from emberlink.errors import EmberlinkError, ExecutionError, UnknownTensor
+from emberlink.graph_replay.ir import Graph
+
+
+def numpy_backend() -> Any:
+    """The NumPy backend (always available)."""
+    from emberlink.graph_replay.numpy_backend import NumpyBackend
+
+    return NumpyBackend()
+
+
+def cupy_backend(index: int) -> Any:
+    """The CuPy backend on GPU `index`; DeviceError saying what is missing (CuPy, a driver, a GPU)."""
+    from emberlink.graph_replay.cupy_backend import CupyBackend
+
+    return CupyBackend(index)
+
+
+class _Ready:
+    """A ReadFuture that is already resolved (local reads never wait on anything else)."""
+
+    __slots__ = ("_array", "_error")
+
+    def __init__(self, array: np.ndarray | None, error: EmberlinkError | None) -> None:
+        self._array = array
+        self._error = error
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        if self._error is not None:
+            raise self._error
+        assert self._array is not None
+        return self._array
+
+
+class LocalExecutor:
+    """The Executor of `Device.cpu()` and `Device.cuda(n)` (docs/internals.md section 4)."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self._store: dict[int, Any] = {}
+        self._poisoned: dict[int, ExecutionError] = {}
+        self._plans: dict[bytes, Any] = {}
+        self._first_failure: ExecutionError | None = None
+        self._in_use = 0
+        self._peak = 0
+        self._replays = 0
+        self._closed = False
+
+    def _put(self, buf: int, array: Any) -> None:
+        old = self._store.get(buf)
+        if old is not None:
+            self._in_use -= self._backend.nbytes(old)
+        self._store[buf] = array
+        self._in_use += self._backend.nbytes(array)
+        self._peak = max(self._peak, self._in_use)
+
+    def upload(self, buf: int, array: np.ndarray) -> None:
+        self._poisoned.pop(buf, None)
+        self._put(buf, self._backend.from_numpy(array))
+
+    def execute(self, graph: Graph, gid: bytes, call: Call) -> None:
+        plan = self._plans.get(gid)
+        if plan is None:
+            from emberlink.graph_replay.plan import compile_plan
+
+            plan = self._plans[gid] = compile_plan(graph)
+        else:
+            self._replays += 1
+        store = self._store
+        try:
+            inputs = [store[b] for b in call.inputs]
+        except KeyError:
+            self._poison(call, self._input_failure(call.inputs))
+            return
+        try:
+            outs = self._backend.run(plan, inputs, call.bindings)
+        except ExecutionError as e:  # run_plan turns every op failure into one, naming the op
+            self._poison(call, e)
+            return
+        except EmberlinkError as e:
+            self._poison(call, ExecutionError(str(e)))
+            return
+        for buf, array in zip(call.outputs, outs, strict=True):
+            self._poisoned.pop(buf, None)
+            self._put(buf, array)
+
+    def _input_failure(self, bufs: Sequence[int]) -> ExecutionError:
+        for b in bufs:
+            if b in self._poisoned:
+                return self._poisoned[b]
+            if b not in self._store:
+                return ExecutionError(f"input buffer {b} is not on this device (dropped or never stored)")
+        raise AssertionError("unreachable: every input is stored")
+
+    def _poison(self, call: Call, error: ExecutionError) -> None:
+        for buf in call.outputs:
+            old = self._store.pop(buf, None)
+            if old is not None:
+                self._in_use -= self._backend.nbytes(old)
+            self._poisoned[buf] = error
+        if self._first_failure is None:
+            self._first_failure = error
+
+    def read(self, buf: int) -> _Ready:
+        array = self._store.get(buf)
+        if array is None:
+            error = self._poisoned.get(buf)
+            if error is None:
+                return _Ready(None, UnknownTensor(f"buffer {buf} is not on this device"))
+            return _Ready(None, error)
+        out = self._backend.to_numpy(array)
+        if out is array:  # NumPy backend: the stored array itself; the caller's copy must be its own
+            out = out.copy()
+        return _Ready(out, None)
+
+    def drop(self, bufs: Sequence[int]) -> None:
+        store, poisoned, nbytes = self._store, self._poisoned, self._backend.nbytes
+        for b in bufs:
+            array = store.pop(b, None)
+            if array is not None:
+                self._in_use -= nbytes(array)
+            else:
+                poisoned.pop(b, None)
+
+    def sync(self) -> None:
+        self._backend.synchronize()
+        failure, self._first_failure = self._first_failure, None
+        if failure is not None:
+            raise failure
+
+    def stats(self) -> dict[str, int | str]:
+        return {
+            "backend": self._backend.name,
+            "bytes_sent": 0,
+            "bytes_received": 0,
+            "round_trips": 0,
+            "graphs_registered": len(self._plans),
+            "graph_replays": self._replays,
+            "tensors": len(self._store),
+        }
+
+    def memory_stats(self) -> dict[str, int]:
+        backend = dict(self._backend.memory_stats())
+        return {
+            "in_use_bytes": max(self._in_use, backend.get("in_use_bytes", 0)),
+            "peak_bytes": max(self._peak, backend.get("peak_bytes", 0)),
+            "pool_bytes": backend.get("pool_bytes", 0),
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._store.clear()
+        self._poisoned.clear()
+        self._plans.clear()
+        self._in_use = 0

@@ -1,0 +1,18 @@
+"""emberlink.nn: Module, Parameter, the stock layers and `functional`."""
+
+from emberlink.client.nn import functional
+from emberlink.client.nn.layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, Sequential
+from emberlink.client.nn.module import Module, Parameter
+
+__all__ = [
+    "GELU",
+    "Dropout",
+    "Embedding",
+    "LayerNorm",
+    "Linear",
+    "Module",
+    "Parameter",
+    "ReLU",
+    "Sequential",
+    "functional",
+]

@@ -1,0 +1,649 @@
+"""Tensor: a lazy handle on a device value, and the one recording path every op goes through.
+
+Nothing here computes: an op checks its operands, infers the output's dtype and shape with
+`graph_replay.ops.infer` (memoized, so a repeated step does not re-infer), appends a node to its
+device's pending segment and returns a new Tensor. Reads (`numpy`, `float`, `item`, ...) are the
+only place that waits for the device.
+
+Tensors are immutable: there is no in-place op. An optimizer "updates" a Parameter by rebinding
+it to a new value, which is how forward, backward and the update of a step become one graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from emberlink.client import indexing
+from emberlink.client.dtypes import FLOAT_DTYPES, dtype_name
+from emberlink.errors import DeviceError, DTypeError, ShapeError
+from emberlink.graph_replay import ops
+from emberlink.graph_replay.ir import TensorSpec, binding_spec
+
+if TYPE_CHECKING:
+    from emberlink.client.device import Device, Value
+
+Scalar = bool | int | float
+Spec = tuple[str, tuple[int, ...]]
+
+_KIND = {bool: "bool", int: "int", float: "float"}
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+class _GradMode:
+    """Whether ops record autograd history; `emberlink.no_grad()` turns it off."""
+
+    __slots__ = ("enabled",)
+
+    def __init__(self) -> None:
+        self.enabled = True
+
+
+GRAD_MODE = _GradMode()
+
+# Ops whose gradient rule needs the input values, or the output value, kept until backward.
+_SAVES_INPUTS = frozenset(
+    {
+        "multiply", "divide", "pow", "maximum", "minimum", "where", "log", "abs", "square", "relu",
+        "sin", "cos", "max", "min", "prod", "matmul", "take", "cross_entropy",
+    }
+)  # fmt: skip
+_SAVES_OUTPUT = frozenset(
+    {"exp", "sqrt", "tanh", "sigmoid", "pow", "max", "min", "prod", "softmax", "log_softmax"}
+)
+# Ops with a gradient rule (gradients.RULES; a test keeps the two in step). Others pass none.
+DIFFERENTIABLE = frozenset(
+    {
+        "add", "subtract", "multiply", "divide", "pow", "maximum", "minimum", "where", "negative",
+        "abs", "exp", "log", "sqrt", "square", "tanh", "sigmoid", "relu", "sin", "cos", "astype",
+        "sum", "mean", "max", "min", "prod", "matmul", "reshape", "expand_dims", "squeeze",
+        "permute_dims", "broadcast_to", "concat", "stack", "getitem", "take", "softmax",
+        "log_softmax", "cross_entropy",
+    }
+)  # fmt: skip
+_FLOATS = frozenset({"float16", "float32", "float64"})
+
+# Memo of ops.infer: (op, attrs, *operand specs or binding kinds) -> output spec.
+_INFER: dict[tuple[Any, ...], Spec] = {}
+_INFER_LIMIT = 1 << 16
+
+
+def _infer_miss(op: str, attrs: tuple[Any, ...], specs: Sequence[Spec | str], key: tuple[Any, ...]) -> Spec:
+    in_specs = [binding_spec(s) if type(s) is str else TensorSpec(*s) for s in specs]
+    out = ops.infer(op, in_specs, attrs)
+    spec = (out.dtype, out.shape)
+    if len(_INFER) >= _INFER_LIMIT:
+        _INFER.clear()
+    _INFER[key] = spec
+    return spec
+
+
+def scalar(value: object) -> Scalar | None:
+    """`value` as an exact Python bool, int or float if it is a scalar; None if it is not one."""
+    t = type(value)
+    if t is float or t is bool:
+        return value  # type: ignore[return-value]
+    if t is int:
+        if not _INT64_MIN <= value <= _INT64_MAX:  # type: ignore[operator]
+            raise DTypeError(f"the int scalar {value} does not fit in int64")
+        return value  # type: ignore[return-value]
+    if isinstance(value, np.generic):
+        if isinstance(value, np.bool_):
+            return bool(value)
+        if isinstance(value, np.integer):
+            return scalar(int(value))
+        if isinstance(value, np.floating):
+            return float(value)
+        return None
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return scalar(int(value))
+    if isinstance(value, float):
+        return float(value)
+    return None
+
+
+def apply(op: str, args: Sequence[Tensor | Scalar], attrs: tuple[Any, ...] = ()) -> Tensor:
+    """Record `op` on its tensor operands' device; Python scalars become bindings.
+
+    `attrs` is a tuple of `(name, value)` pairs sorted by name, already normalized by the caller.
+    """
+    vals: list[Value | Scalar] = []
+    specs: list[Spec | str] = []
+    dev: Device | None = None
+    needs_grad = False
+    for a in args:
+        if isinstance(a, Tensor):
+            v = a._v
+            if dev is None:
+                dev = v.dev
+            elif v.dev is not dev:
+                _raise_mixed(op, args)
+            vals.append(v)
+            specs.append(v.spec)
+            if a._rg:
+                needs_grad = True
+        else:
+            s = scalar(a)
+            if s is None:
+                raise TypeError(f"{op}: unsupported operand of type {type(a).__name__}")
+            vals.append(s)
+            specs.append(_KIND[type(s)])
+    if dev is None:
+        raise TypeError(f"{op}: needs at least one tensor operand")
+    key = (op, attrs, *specs)
+    spec = _INFER.get(key)
+    if spec is None:
+        spec = _infer_miss(op, attrs, specs, key)
+    out = Tensor(dev._record(op, vals, attrs, spec))
+    if needs_grad and GRAD_MODE.enabled and op in DIFFERENTIABLE and spec[0] in _FLOATS:
+        out._rg = True
+        out._ctx = (
+            op,
+            tuple(a if isinstance(a, Tensor) and a._rg else None for a in args),
+            vals if op in _SAVES_INPUTS else None,
+            specs,
+            attrs,
+            out._v if op in _SAVES_OUTPUT else None,
+        )
+    return out
+
+
+def create(dev: Device, op: str, bindings: Sequence[Scalar], attrs: tuple[Any, ...]) -> Tensor:
+    """Record a creation op (no tensor operands) on `dev`."""
+    specs = [_KIND[type(b)] for b in bindings]
+    key = (op, attrs, *specs)
+    spec = _INFER.get(key)
+    if spec is None:
+        spec = _infer_miss(op, attrs, specs, key)
+    return Tensor(dev._record(op, list(bindings), attrs, spec))
+
+
+def _raise_mixed(op: str, args: Sequence[object]) -> None:
+    names = [str(a._v.dev) for a in args if isinstance(a, Tensor)]
+    if "unplaced" in names:
+        raise DeviceError(f"{op}: a parameter is not on a device yet; call module.to(device) first")
+    raise DeviceError(
+        f"{op}: operands are on different devices ({', '.join(names)}); move one explicitly with t.to(device)"
+    )
+
+
+def _binop(op: str, a: object, b: object) -> Tensor:
+    # Operator entry: anything but a Tensor or a scalar is NotImplemented, so Python can try the
+    # other operand; a NumPy array gets a clear error instead of a silent implicit upload.
+    for x in (a, b):
+        if not isinstance(x, Tensor) and scalar(x) is None:
+            if isinstance(x, np.ndarray):
+                raise TypeError(
+                    f"{op}: cannot mix a NumPy array with a Tensor; upload it with dev.tensor(array)"
+                )
+            return NotImplemented  # type: ignore[no-any-return]
+    return apply(op, (a, b))  # type: ignore[arg-type]
+
+
+def norm_axis(op: str, axis: object, ndim: int, *, extra: int = 0) -> int:
+    """A possibly negative axis as an int in `[0, ndim + extra)`; ShapeError otherwise."""
+    try:
+        a: int = int(axis)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"{op}: axis must be an int, got {type(axis).__name__}") from None
+    n = ndim + extra
+    if not -n <= a < n:
+        raise ShapeError(f"{op}: axis {a} is out of range for a tensor of rank {ndim}")
+    return a + n if a < 0 else a
+
+
+def norm_axes(op: str, axis: object, ndim: int) -> tuple[int, ...] | None:
+    """Reduction axes as a sorted tuple, or None for all of them."""
+    if axis is None:
+        return None
+    raw = axis if isinstance(axis, tuple | list) else (axis,)
+    axes = sorted({norm_axis(op, a, ndim) for a in raw})
+    if len(axes) != len(raw):
+        raise ShapeError(f"{op}: repeated axis in {axis!r}")
+    return None if len(axes) == ndim else tuple(axes)
+
+
+def norm_shape(shape: object) -> tuple[int, ...]:
+    """`3`, `(2, 3)` or `[2, 3]` as a tuple of ints (not yet checked for negatives)."""
+    if isinstance(shape, int | np.integer):
+        return (int(shape),)
+    try:
+        return tuple(int(d) for d in shape)  # type: ignore[attr-defined]
+    except TypeError:
+        raise TypeError(f"a shape is an int or a sequence of ints, got {shape!r}") from None
+
+
+def _shape_args(shape: tuple[Any, ...]) -> tuple[int, ...]:
+    # reshape(2, 3) and reshape((2, 3)) both work, as in NumPy and torch.
+    if len(shape) == 1 and not isinstance(shape[0], int | np.integer):
+        return norm_shape(shape[0])
+    return norm_shape(shape)
+
+
+class Tensor:
+    """A lazily computed array on a Device. Create one with `dev.tensor(...)`, `dev.zeros(...)`, ...
+
+    Arithmetic and comparisons use Python operators with NumPy broadcasting, and Python scalars on
+    either side (`2 * x`, `x > 0`). Dtype promotion is NumPy's for two tensors, and a Python scalar
+    never widens a tensor's dtype (`float16 * 0.5` stays float16). Reading the data (`numpy()`,
+    `float(t)`, `item()`, `np.asarray(t)`) runs everything recorded so far on the device.
+    """
+
+    __slots__ = ("__weakref__", "_ctx", "_rg", "_v", "grad")
+    __array_ufunc__ = None  # NumPy defers to our operators instead of reading the tensor
+
+    _v: Value
+    _rg: bool
+    _ctx: tuple[Any, ...] | None
+    grad: Tensor | None
+
+    def __init__(self, value: Value) -> None:
+        self._v = value
+        self._rg = False
+        self._ctx = None
+        self.grad = None
+
+    # -- metadata (no device work) ----------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._v.spec[1]
+
+    @property
+    def dtype(self) -> str:
+        """The dtype's NumPy name: "float32", "int64", "bool", ..."""
+        return self._v.spec[0]
+
+    @property
+    def ndim(self) -> int:
+        return len(self._v.spec[1])
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self._v.spec[1]:
+            n *= d
+        return n
+
+    @property
+    def device(self) -> Device:
+        dev: Device = self._v.dev
+        return dev
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._rg
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool) -> None:
+        if flag and self.dtype not in FLOAT_DTYPES:
+            raise DTypeError(f"only float tensors can require gradients, not {self.dtype}")
+        if not flag and self._ctx is not None:
+            raise ValueError("requires_grad can only be turned off on a leaf tensor; use detach()")
+        self._rg = bool(flag)
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._ctx is None
+
+    def __repr__(self) -> str:
+        state = "pending" if self._v.node is not None else "ready"
+        grad = ", requires_grad=True" if self._rg else ""
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}, device={self._v.dev}, {state}{grad})"
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def __iter__(self) -> Iterator[Tensor]:
+        for i in range(len(self)):
+            yield self[i]
+
+    __hash__ = object.__hash__  # identity, as for any mutable-looking handle; == is elementwise
+
+    # -- reads (these run the pending work) --------------------------------------------------------
+
+    def numpy(self) -> np.ndarray:
+        """The data as a new NumPy array (runs pending work; one round trip on a remote device)."""
+        array: np.ndarray = self._v.dev._read(self._v)
+        return array
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def item(self) -> Scalar:
+        """The value of a one-element tensor as a Python scalar."""
+        if self.size != 1:
+            raise ValueError(f"item() needs a tensor with one element, got shape {self.shape}")
+        value: Scalar = self.numpy().item()
+        return value
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __bool__(self) -> bool:
+        if self.size != 1:
+            raise ValueError(f"the truth value of a tensor of shape {self.shape} is ambiguous")
+        return bool(self.item())
+
+    def to(self, device: Device) -> Tensor:
+        """This tensor on `device`: read here and uploaded there (crossing devices is explicit)."""
+        if device is self._v.dev:
+            return self
+        out = device.tensor(self.numpy())
+        out._rg = self._rg and self._ctx is None
+        return out
+
+    def detach(self) -> Tensor:
+        """The same value without autograd history (shares the data; tensors are immutable)."""
+        return Tensor(self._v)
+
+    def backward(self, gradient: Tensor | None = None) -> None:
+        """Accumulate d(self)/d(leaf) into each leaf's `.grad`; frees this graph's history."""
+        from emberlink.client.autograd import backward
+
+        backward(self, gradient)
+
+    # -- operators --------------------------------------------------------------------------------
+
+    def __add__(self, o: object) -> Tensor:
+        return _binop("add", self, o)
+
+    def __radd__(self, o: object) -> Tensor:
+        return _binop("add", o, self)
+
+    def __sub__(self, o: object) -> Tensor:
+        return _binop("subtract", self, o)
+
+    def __rsub__(self, o: object) -> Tensor:
+        return _binop("subtract", o, self)
+
+    def __mul__(self, o: object) -> Tensor:
+        return _binop("multiply", self, o)
+
+    def __rmul__(self, o: object) -> Tensor:
+        return _binop("multiply", o, self)
+
+    def __truediv__(self, o: object) -> Tensor:
+        return _binop("divide", self, o)
+
+    def __rtruediv__(self, o: object) -> Tensor:
+        return _binop("divide", o, self)
+
+    def __pow__(self, o: object) -> Tensor:
+        return _binop("pow", self, o)
+
+    def __rpow__(self, o: object) -> Tensor:
+        return _binop("pow", o, self)
+
+    def __matmul__(self, o: object) -> Tensor:
+        if not isinstance(o, Tensor):
+            return NotImplemented
+        return apply("matmul", (self, o))
+
+    def __rmatmul__(self, o: object) -> Tensor:
+        if not isinstance(o, Tensor):
+            return NotImplemented
+        return apply("matmul", (o, self))
+
+    def __neg__(self) -> Tensor:
+        return apply("negative", (self,))
+
+    def __pos__(self) -> Tensor:
+        return self
+
+    def __abs__(self) -> Tensor:
+        return apply("abs", (self,))
+
+    def __invert__(self) -> Tensor:
+        if self.dtype != "bool":
+            raise DTypeError(f"~ is logical_not and needs a bool tensor, got {self.dtype}")
+        return apply("logical_not", (self,))
+
+    def __and__(self, o: object) -> Tensor:
+        return _binop("logical_and", self, o)
+
+    def __rand__(self, o: object) -> Tensor:
+        return _binop("logical_and", o, self)
+
+    def __or__(self, o: object) -> Tensor:
+        return _binop("logical_or", self, o)
+
+    def __ror__(self, o: object) -> Tensor:
+        return _binop("logical_or", o, self)
+
+    def __eq__(self, o: object) -> Tensor:  # type: ignore[override]
+        return _binop("equal", self, o)
+
+    def __ne__(self, o: object) -> Tensor:  # type: ignore[override]
+        return _binop("not_equal", self, o)
+
+    def __lt__(self, o: object) -> Tensor:
+        return _binop("less", self, o)
+
+    def __le__(self, o: object) -> Tensor:
+        return _binop("less_equal", self, o)
+
+    def __gt__(self, o: object) -> Tensor:
+        return _binop("greater", self, o)
+
+    def __ge__(self, o: object) -> Tensor:
+        return _binop("greater_equal", self, o)
+
+    def __setitem__(self, key: object, value: object) -> None:
+        raise TypeError("tensors are immutable; build a new one (e.g. with where(mask, value, t))")
+
+    # -- elementwise math -------------------------------------------------------------------------
+
+    def exp(self) -> Tensor:
+        return apply("exp", (self,))
+
+    def log(self) -> Tensor:
+        return apply("log", (self,))
+
+    def sqrt(self) -> Tensor:
+        return apply("sqrt", (self,))
+
+    def tanh(self) -> Tensor:
+        return apply("tanh", (self,))
+
+    def sigmoid(self) -> Tensor:
+        return apply("sigmoid", (self,))
+
+    def relu(self) -> Tensor:
+        return apply("relu", (self,))
+
+    def abs(self) -> Tensor:
+        return apply("abs", (self,))
+
+    def negative(self) -> Tensor:
+        return apply("negative", (self,))
+
+    def square(self) -> Tensor:
+        return apply("square", (self,))
+
+    def sin(self) -> Tensor:
+        return apply("sin", (self,))
+
+    def cos(self) -> Tensor:
+        return apply("cos", (self,))
+
+    def sign(self) -> Tensor:
+        return apply("sign", (self,))
+
+    def logical_not(self) -> Tensor:
+        return apply("logical_not", (self,))
+
+    def astype(self, dtype: Any) -> Tensor:
+        """A copy converted to `dtype` (a name like "float16" or a NumPy dtype)."""
+        name = dtype_name(dtype)
+        if name == self.dtype:
+            return self
+        return apply("astype", (self,), (("dtype", name),))
+
+    # -- reductions -------------------------------------------------------------------------------
+
+    def _reduce(self, op: str, axis: Any, keepdims: bool) -> Tensor:
+        axes = norm_axes(op, axis, self.ndim)
+        return apply(op, (self,), (("axis", axes), ("keepdims", bool(keepdims))))
+
+    def sum(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        return self._reduce("sum", axis, keepdims)
+
+    def mean(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        return self._reduce("mean", axis, keepdims)
+
+    def max(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        return self._reduce("max", axis, keepdims)
+
+    def min(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        return self._reduce("min", axis, keepdims)
+
+    def prod(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        return self._reduce("prod", axis, keepdims)
+
+    def argmax(self, axis: int | None = None, keepdims: bool = False) -> Tensor:
+        """Index of the largest element (int64): over the flattened tensor when `axis` is None."""
+        a = None if axis is None else norm_axis("argmax", axis, self.ndim)
+        return apply("argmax", (self,), (("axis", a), ("keepdims", bool(keepdims))))
+
+    def argmin(self, axis: int | None = None, keepdims: bool = False) -> Tensor:
+        """Index of the smallest element (int64): over the flattened tensor when `axis` is None."""
+        a = None if axis is None else norm_axis("argmin", axis, self.ndim)
+        return apply("argmin", (self,), (("axis", a), ("keepdims", bool(keepdims))))
+
+    # -- shape ------------------------------------------------------------------------------------
+
+    def reshape(self, *shape: Any) -> Tensor:
+        """`t.reshape(2, -1)` or `t.reshape((2, -1))`; one dimension may be -1."""
+        new = _shape_args(shape)
+        size = self.size
+        if new.count(-1) > 1 or any(d < -1 for d in new):
+            raise ShapeError(f"reshape: bad target shape {new} (one -1 at most, no other negatives)")
+        if -1 in new:
+            known = 1
+            for d in new:
+                if d != -1:
+                    known *= d
+            if known == 0 or size % known:
+                raise ShapeError(f"reshape: cannot reshape {self.shape} ({size} elements) to {new}")
+            new = tuple(size // known if d == -1 else d for d in new)
+        if new == self.shape:
+            return self
+        n = 1
+        for d in new:
+            n *= d
+        if n != size:
+            raise ShapeError(f"reshape: cannot reshape {self.shape} ({size} elements) to {new}")
+        return apply("reshape", (self,), (("shape", new),))
+
+    def permute(self, *axes: Any) -> Tensor:
+        """Reorder the axes: `t.permute(2, 0, 1)` or `t.permute((2, 0, 1))` (Array API permute_dims)."""
+        perm = _shape_args(axes)
+        if len(perm) != self.ndim:
+            raise ShapeError(f"permute: axes {perm} do not match a tensor of shape {self.shape}")
+        norm = tuple(norm_axis("permute", a, self.ndim) for a in perm)
+        if sorted(norm) != list(range(self.ndim)):
+            raise ShapeError(f"permute: {perm} is not a permutation of the axes of shape {self.shape}")
+        if norm == tuple(range(self.ndim)):
+            return self
+        return apply("permute_dims", (self,), (("axes", norm),))
+
+    def transpose(self, axis0: int = -2, axis1: int = -1) -> Tensor:
+        """Swap two axes (torch's meaning); by default the last two (a batch of matrices)."""
+        if self.ndim < 2:
+            raise ShapeError(f"transpose: needs at least 2 axes, got shape {self.shape}")
+        a = norm_axis("transpose", axis0, self.ndim)
+        b = norm_axis("transpose", axis1, self.ndim)
+        perm = list(range(self.ndim))
+        perm[a], perm[b] = perm[b], perm[a]
+        return self.permute(perm)
+
+    @property
+    def T(self) -> Tensor:
+        """All axes reversed (the matrix transpose for a 2-D tensor)."""
+        return self.permute(tuple(range(self.ndim - 1, -1, -1)))
+
+    @property
+    def mT(self) -> Tensor:
+        """The last two axes swapped (a batch of matrices transposed)."""
+        return self.transpose(-2, -1)
+
+    def broadcast_to(self, *shape: Any) -> Tensor:
+        new = _shape_args(shape)
+        if new == self.shape:
+            return self
+        return apply("broadcast_to", (self,), (("shape", new),))
+
+    def expand_dims(self, axis: int) -> Tensor:
+        """A new axis of size 1 at `axis` (which may be -1 for the end)."""
+        a = norm_axis("expand_dims", axis, self.ndim, extra=1)
+        return apply("expand_dims", (self,), (("axis", a),))
+
+    def squeeze(self, axis: int | Sequence[int] | None = None) -> Tensor:
+        """Drop axes of size 1: the given ones, or all of them."""
+        if axis is None:
+            axes = tuple(i for i, d in enumerate(self.shape) if d == 1)
+        else:
+            axes = norm_axes("squeeze", axis, self.ndim) or tuple(range(self.ndim))
+        if not axes:
+            return self
+        return apply("squeeze", (self,), (("axis", axes),))
+
+    def flatten(self) -> Tensor:
+        return self.reshape(-1)
+
+    # -- indexing ---------------------------------------------------------------------------------
+
+    def __getitem__(self, key: Any) -> Tensor:
+        """Basic indexing (ints, slices with any bounds and steps, None, ...) and integer-tensor take.
+
+        `x[idx]` with an integer Tensor `idx` takes along axis 0; `x[:, idx]` or `x[..., idx]` along
+        that axis. Boolean masks are not supported (their result shape depends on the data): use
+        `where(mask, x, 0)`.
+        """
+        items = key if isinstance(key, tuple) else (key,)
+        if any(isinstance(it, Tensor) for it in items):
+            return self._take_key(items)
+        if any(isinstance(it, list | np.ndarray) for it in items):
+            raise TypeError("index with an integer Tensor (dev.tensor(indices)), not a list or array")
+        plan = indexing.normalize_key(key, self.shape)
+        out = self if not plan.key else apply("getitem", (self,), (("key", plan.key),))
+        for axis, length in plan.flips:
+            rev = create(self._v.dev, "arange", (), _arange_attrs(length - 1, -1, -1, "int64"))
+            out = apply("take", (out, rev), (("axis", axis),))
+        return out
+
+    def _take_key(self, items: tuple[Any, ...]) -> Tensor:
+        axis = indexing.tensor_axis(items, self.ndim, Tensor)
+        if axis is None:
+            raise TypeError(
+                "an index tensor can only be combined with ':' and '...' (e.g. x[idx], x[:, idx])"
+            )
+        (idx,) = (it for it in items if isinstance(it, Tensor))
+        if idx.dtype == "bool":
+            raise TypeError("boolean mask indexing is not supported (data-dependent shape); use where()")
+        return apply("take", (self, idx), (("axis", axis),))
+
+    def take(self, indices: Tensor, axis: int | None = 0) -> Tensor:
+        """Elements at integer `indices` along `axis` (NumPy take; axis None: the flattened tensor)."""
+        a = None if axis is None else norm_axis("take", axis, self.ndim)
+        return apply("take", (self, indices), (("axis", a),))
+
+    # -- linear algebra ---------------------------------------------------------------------------
+
+    def matmul(self, other: Tensor) -> Tensor:
+        return apply("matmul", (self, other))
+
+
+def _arange_attrs(start: float, stop: float, step: float, dtype: str) -> tuple[Any, ...]:
+    return (("dtype", dtype), ("start", start), ("step", step), ("stop", stop))
