@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import tracemalloc
 from typing import Any
 
 import msgpack
@@ -266,5 +267,33 @@ def test_replayed_training_step_costs_at_most_256_bytes_on_the_wire() -> None:
     )
     client, worker = Channel.pair(bytes(8), bytes(32), bytes(32))
     frame = client.seal(encode_batch(step))
-    assert len(frame) <= 256, len(frame)
+    x, y = bytes(64 * 784 * 4), bytes(64 * 8)
+    bulk = [*client.seal_chunks(x), *client.seal_chunks(y)]
+    overhead = len(frame) + sum(len(f) for f in bulk) - len(x) - len(y)
+    assert overhead <= 256, overhead
     assert decode_batch(worker.open(frame)[1]) == step
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x92\x01\xdd\xff\xff\xff\xff",  # an array claiming 4 Gi items
+        b"\x92\x01\x91\x93\x01\xc6\xff\xff\xff\xff",  # a bin claiming 4 GiB
+        b"\x92\x01\x91\x93\x12\x01\xdf\xff\xff\xff\xff",  # a map claiming 4 Gi entries
+        b"\x92\x01\x91\x92\x08\xdb\xff\xff\xff\xff",  # a str claiming 4 GiB
+        b"\x92\x01" + b"\x91" * 10_000 + b"\x00",  # nesting 10,000 deep
+        msgpack.packb([1, [[5, [0, MAX_IDS]], [5, [0, MAX_IDS]]]]),  # id budget spent twice over
+        msgpack.packb([1, [[3, 1, 5, [1 << 20] * 16, 0]]]),  # 2^320 elements
+    ],
+)
+def test_hostile_input_is_refused_without_large_allocations(data: bytes) -> None:
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError):
+            decode_batch(data)
+        with pytest.raises(ProtocolError):
+            decode_reply(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 1024 * 1024, peak  # far below what the headers claim; the id budget is ~10 MB
