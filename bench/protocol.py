@@ -24,38 +24,28 @@ from emberlink.protocol.identity import AllowPolicy, Identity
 MiB = 1024 * 1024
 
 
-def median_seconds(fn: Callable[[], object], inner: int, repeats: int) -> float:
-    """Median over repeats of the time one call of fn takes, each repeat averaging inner calls."""
-    samples = []
+def paired_medians(
+    ours: Callable[[], object], bare: Callable[[], object], inner: int, repeats: int
+) -> tuple[float, float]:
+    """Median seconds per call of ours and of bare, their repeats interleaved so both see the same load."""
+    samples: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter() - start) / inner)
-    return statistics.median(samples)
+        for fn, out in ((ours, samples[0]), (bare, samples[1])):
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            out.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples[0]), statistics.median(samples[1])
 
 
 def bench_handshake(repeats: int) -> tuple[float, float, float, float]:
-    """Median seconds per handshake: (client side, worker side, client floor, worker floor)."""
+    """Median seconds per handshake: (client side, worker side, client floor, worker floor).
+
+    The floor is the public-key work each side cannot avoid, timed bare; every repeat times the
+    handshake and both floors back to back, so all four medians see the same machine load.
+    """
     client_id, worker_id = Identity.generate(os.urandom), Identity.generate(os.urandom)
     allow = AllowPolicy.of([client_id.node_id])
-    client_times, worker_times = [], []
-    for _ in range(repeats):
-        client = ClientHandshake(client_id, worker_id.node_id, os.urandom)
-        worker = WorkerHandshake(worker_id, allow, os.urandom, {"quota_bytes": 1 << 30})
-        t0 = time.perf_counter()
-        hello = client.hello()
-        t1 = time.perf_counter()
-        welcome = worker.receive_hello(hello)
-        t2 = time.perf_counter()
-        auth, _, _ = client.receive_welcome(welcome)
-        t3 = time.perf_counter()
-        worker.receive_auth(auth)
-        t4 = time.perf_counter()
-        client_times.append((t1 - t0) + (t3 - t2))
-        worker_times.append((t2 - t1) + (t4 - t3))
-
-    # The floor: the public-key operations each side cannot avoid, timed bare.
     signer = Ed25519PrivateKey.generate()
     signature = signer.sign(b"x" * 32)
     peer_x = X25519PrivateKey.generate().public_key()
@@ -75,12 +65,27 @@ def bench_handshake(repeats: int) -> tuple[float, float, float, float]:
         signer.sign(b"x" * 32)
         signer.public_key().verify(signature, b"x" * 32)
 
-    return (
-        statistics.median(client_times),
-        statistics.median(worker_times),
-        median_seconds(client_floor, 20, repeats // 20 + 3),
-        median_seconds(worker_floor, 20, repeats // 20 + 3),
-    )
+    samples: list[list[float]] = [[], [], [], []]
+    for _ in range(repeats):
+        client = ClientHandshake(client_id, worker_id.node_id, os.urandom)
+        worker = WorkerHandshake(worker_id, allow, os.urandom, {"quota_bytes": 1 << 30})
+        t0 = time.perf_counter()
+        hello = client.hello()
+        t1 = time.perf_counter()
+        welcome = worker.receive_hello(hello)
+        t2 = time.perf_counter()
+        auth, _, _ = client.receive_welcome(welcome)
+        t3 = time.perf_counter()
+        worker.receive_auth(auth)
+        t4 = time.perf_counter()
+        client_floor()
+        t5 = time.perf_counter()
+        worker_floor()
+        t6 = time.perf_counter()
+        for i, seconds in enumerate(((t1 - t0) + (t3 - t2), (t2 - t1) + (t4 - t3), t5 - t4, t6 - t5)):
+            samples[i].append(seconds)
+    client_hs, worker_hs, client_fl, worker_fl = (statistics.median(s) for s in samples)
+    return client_hs, worker_hs, client_fl, worker_fl
 
 
 def bench_small_frame(repeats: int) -> tuple[float, float]:
@@ -97,7 +102,7 @@ def bench_small_frame(repeats: int) -> tuple[float, float]:
     def bare() -> None:
         aead.decrypt(nonce, aead.encrypt(nonce, payload, aad), aad)
 
-    return median_seconds(ours, 5000, repeats), median_seconds(bare, 5000, repeats)
+    return paired_medians(ours, bare, 5000, repeats)
 
 
 def bench_bulk(total: int, chunk: int, repeats: int) -> tuple[float, float]:
@@ -125,7 +130,7 @@ def bench_bulk(total: int, chunk: int, repeats: int) -> tuple[float, float]:
             aead.decrypt_into(nonce, sealed_view[: n + TAG_SIZE], aad, out_view[offset : offset + n])
 
     ours()  # warm the allocator
-    return median_seconds(ours, 1, repeats), median_seconds(bare, 1, repeats)
+    return paired_medians(ours, bare, 1, repeats)
 
 
 def main(argv: list[str]) -> int:
