@@ -1,0 +1,64 @@
+"""The event-loop thread that runs remote sessions' I/O in this process; no protocol logic here.
+
+One loop serves every remote device of the process: user threads hand it work with
+`call_soon_threadsafe` and block only on futures. It is started on first use and never closed:
+grpc.aio keeps callbacks registered on every loop it has served, and a closed loop makes them
+fail ("Event loop is closed"), so a loop that carried gRPC is stopped at most, never closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An asyncio event loop running forever in one daemon thread."""
+
+    def __init__(self, name: str = "emberlink-io") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Schedule a coroutine on the loop; a concurrent future of its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the loop and wait for it (never from the loop's own thread)."""
+        return self.submit(coro).result(timeout)
+
+    def on_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop the loop and its thread; the loop is left unclosed (see the module docstring)."""
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+
+
+_shared: LoopThread | None = None
+_shared_lock = threading.Lock()
+
+
+def io_loop() -> LoopThread:
+    """The process's loop thread for remote sessions, started on first use."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or not _shared.alive:
+            _shared = LoopThread()
+        return _shared

@@ -1,0 +1,384 @@
+"""RemoteExecutor: a Device's executor whose buffers live on a worker (docs/internals.md sections 4, 6).
+
+The user's thread records messages into a pending batch and hands whole batches to the I/O loop
+thread (`client.loop`), which owns the Link and the Channel (`client.session`). Only reads,
+`sync()` and `memory_stats()` wait, each on its own future. Between flushes every message goes out
+as one batch, normally in one transport blob.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future, InvalidStateError
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from emberlink.client.executor import Call
+from emberlink.client.loop import LoopThread, io_loop
+from emberlink.client.session import ClientSession, Counters, Flow
+from emberlink.errors import (
+    AuthError,
+    DeviceError,
+    DTypeError,
+    EmberlinkError,
+    TransportError,
+    TransportTimeout,
+    WorkerLost,
+)
+from emberlink.graph_replay import canonical
+from emberlink.graph_replay.ir import Graph
+from emberlink.protocol import messages as m
+from emberlink.protocol.handshake import ClientHandshake
+from emberlink.protocol.identity import Identity, default_key_path, load_or_create
+from emberlink.protocol.ticket import Ticket
+from emberlink.transport.base import Link
+
+log = logging.getLogger("emberlink.client")
+
+FLUSH_BYTES = 8 << 20
+"""Pending upload bytes that start a batch on its way without waiting for a read."""
+FLUSH_MESSAGES = 16_384
+MAX_UNACKED_BATCHES = 64
+MAX_UNACKED_BYTES = 256 << 20
+CLOSE_TIMEOUT = 2.0
+
+LinkFactory = Callable[[], Awaitable[Link]]
+
+
+def load_client_identity(key: str | os.PathLike[str] | None) -> Identity:
+    """The client's identity: `key` if given, else $EMBERLINK_KEY or ~/.config/emberlink/client.key,
+    created on first use (logging its NodeId, which a worker's allow file needs)."""
+    if key is not None:
+        return Identity.load(key)
+    path: Path = default_key_path()
+    identity, created = load_or_create(path)
+    if created:
+        log.warning(
+            "created client key %s; its NodeId is %s (add it to a worker's allow file)",
+            path,
+            identity.node_id,
+        )
+    return identity
+
+
+def open_remote(
+    address: str, *, key: str | os.PathLike[str] | None = None, timeout: float = 30.0
+) -> RemoteExecutor:
+    """Connect to a worker: `address` is a ticket (`emberlink://<node-id>@host:port[...]`) or
+    `nats://host:port` (discovery on the relay). Returns the Executor of a remote Device."""
+    if address.startswith("nats://"):
+        return _open_discovered(address, key=key, timeout=timeout)
+    ticket = Ticket.parse(address)
+    return connect_ticket(ticket, load_client_identity(key), timeout=timeout)
+
+
+def _open_discovered(address: str, *, key: str | os.PathLike[str] | None, timeout: float) -> RemoteExecutor:
+    # Seam for discovery (another part of the project): `emberlink.client.discovery.open_discovered`
+    # picks a worker from the relay's presence messages and calls `connect_ticket` with its ticket.
+    try:
+        from emberlink.client import discovery  # type: ignore[attr-defined]
+    except ModuleNotFoundError as e:
+        if e.name != "emberlink.client.discovery":
+            raise
+        raise DeviceError(f"{address}: discovery on a NATS relay is not available in this build") from e
+    executor: RemoteExecutor = discovery.open_discovered(address, key=key, timeout=timeout)
+    return executor
+
+
+def connect_ticket(ticket: Ticket, identity: Identity, *, timeout: float = 30.0) -> RemoteExecutor:
+    """Open a session with the worker a ticket names: its direct addresses in order, then its relay."""
+    paths: list[tuple[str, LinkFactory]] = []
+    for host, port in ticket.addrs:
+
+        async def direct(host: str = host, port: int = port) -> Link:
+            from emberlink.transport import grpc
+
+            return await grpc.connect(host, port, timeout=timeout)
+
+        paths.append(("grpc", direct))
+    if ticket.relay is not None:
+        relay = ticket.relay
+
+        async def relayed() -> Link:
+            try:
+                from emberlink.transport import nats  # type: ignore[attr-defined]
+            except ModuleNotFoundError as e:
+                raise TransportError(
+                    f"relay {relay}: the NATS transport is not available in this build"
+                ) from e
+            link: Link = await nats.connect(relay, ticket.node_id, timeout=timeout)
+            return link
+
+        paths.append(("relay", relayed))
+    errors: list[str] = []
+    for path, factory in paths:
+        try:
+            return connect_link(factory, ticket.node_id, identity, path=path, timeout=timeout)
+        except (TransportError, WorkerLost) as e:
+            errors.append(f"{path}: {e}")
+    raise TransportError(f"cannot reach worker {ticket.node_id}: " + "; ".join(errors))
+
+
+def connect_link(
+    factory: LinkFactory,
+    worker_node_id: str,
+    identity: Identity,
+    *,
+    path: str,
+    timeout: float = 30.0,
+    loop_thread: LoopThread | None = None,
+) -> RemoteExecutor:
+    """Open a session over the Link `factory` makes (on `loop_thread`, default the process's I/O loop).
+
+    The worker must prove it holds `worker_node_id`'s key (AuthError otherwise, before anything but
+    the handshake is sent); then one round trip confirms the worker admitted this client.
+    """
+    loop_thread = loop_thread if loop_thread is not None else io_loop()
+    try:
+        link, channel, limits = loop_thread.call(
+            _handshake(factory, worker_node_id, identity, timeout), timeout + 1
+        )
+    except TimeoutError as e:
+        if isinstance(e, TransportTimeout):
+            raise
+        raise TransportTimeout(f"no handshake with worker {worker_node_id} within {timeout} s") from e
+    executor = RemoteExecutor(loop_thread, link, channel, limits, worker_node_id, identity.node_id, path)
+    executor._confirm(timeout)
+    return executor
+
+
+async def _handshake(
+    factory: LinkFactory, worker_node_id: str, identity: Identity, timeout: float
+) -> tuple[Link, Any, dict[str, int]]:
+    import asyncio
+
+    link = await factory()
+    try:
+        hs = ClientHandshake(identity, worker_node_id, os.urandom)
+        await link.send(hs.hello())
+        try:
+            welcome = await asyncio.wait_for(link.recv(), timeout)
+        except TransportError as e:
+            raise AuthError(
+                f"worker at {link.peer} ended the handshake: it is probably not {worker_node_id}, "
+                f"the NodeId in the ticket ({e})"
+            ) from e
+        except TimeoutError as e:
+            raise TransportTimeout(
+                f"worker at {link.peer} did not answer the handshake within {timeout} s"
+            ) from e
+        auth, channel, limits = hs.receive_welcome(welcome)
+        await link.send(auth)
+    except BaseException:
+        await link.close()
+        raise
+    return link, channel, limits
+
+
+class RemoteExecutor:
+    """The Executor of `Device.remote(...)`; methods are called from the Device's thread."""
+
+    def __init__(
+        self,
+        loop_thread: LoopThread,
+        link: Link,
+        channel: Any,
+        limits: dict[str, int],
+        worker_node_id: str,
+        client_node_id: str,
+        path: str,
+    ) -> None:
+        self._loop_thread = loop_thread
+        self._loop = loop_thread.loop
+        self.worker_node_id = worker_node_id
+        self.client_node_id = client_node_id
+        self.limits = dict(limits)
+        self.counters = Counters(path)
+        self._pending: list[m.ClientMessage] = []
+        self._pending_bulks: list[np.ndarray] = []
+        self._pending_bytes = 0
+        self._graphs: dict[bytes, bytes] = {}
+        self._rids = itertools.count(1)
+        self._flow_cond = threading.Condition()
+        self._unacked_batches = 0
+        self._unacked_bytes = 0
+        self._max_batches = (
+            min(limits.get("max_unacked_batches", MAX_UNACKED_BATCHES), MAX_UNACKED_BATCHES) or 1
+        )
+        self._max_bytes = min(limits.get("max_unacked_bytes", MAX_UNACKED_BYTES), MAX_UNACKED_BYTES) or 1
+        self._dead: EmberlinkError | None = None
+        self._closed = False
+        self._flow = Flow(self._on_ack, self._on_dead)
+
+        async def start() -> ClientSession:
+            session = ClientSession(
+                link, channel, limits, self._graphs, self.counters, self._flow, worker_node_id
+            )
+            session.start()
+            return session
+
+        self._session: ClientSession = loop_thread.call(start(), 10)
+
+    # -- loop-thread callbacks --------------------------------------------------------------------------
+
+    def _on_ack(self, batches: int, nbytes: int) -> None:
+        with self._flow_cond:
+            self._unacked_batches -= batches
+            self._unacked_bytes -= nbytes
+            self._flow_cond.notify_all()
+
+    def _on_dead(self, error: EmberlinkError) -> None:
+        with self._flow_cond:
+            self._dead = error
+            self._flow_cond.notify_all()
+
+    # -- handing work to the loop -----------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self._closed:
+            raise DeviceError("this remote device is closed")
+        dead = self._dead
+        if dead is not None:
+            if isinstance(dead, WorkerLost):
+                raise type(dead)(dead.message) from dead
+            raise WorkerLost(f"the session with worker {self.worker_node_id} is over: {dead}") from dead
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        messages, bulks, nbytes = self._pending, self._pending_bulks, self._pending_bytes
+        self._pending, self._pending_bulks, self._pending_bytes = [], [], 0
+        with self._flow_cond:
+            while self._dead is None and (
+                self._unacked_batches >= self._max_batches
+                or (self._unacked_bytes and self._unacked_bytes + nbytes > self._max_bytes)
+            ):
+                self._flow_cond.wait()
+            self._unacked_batches += 1
+            self._unacked_bytes += nbytes
+        self._check()
+        self._loop.call_soon_threadsafe(self._session.submit, messages, bulks, nbytes)
+
+    def _request(self, make: Callable[[int], m.ClientMessage]) -> Future[Any]:
+        """Queue a message that the worker answers, flush, and return the future of the answer."""
+        self._check()
+        rid = next(self._rids)
+        fut: Future[Any] = Future()
+        self._flow.futures[rid] = fut
+        self._pending.append(make(rid))
+        self.counters.round_trips += 1
+        try:
+            self._flush()
+        except EmberlinkError as e:
+            self._flow.futures.pop(rid, None)
+            _settle(fut, e)
+        dead = self._dead
+        if dead is not None:  # the session died before the loop could see this future
+            self._flow.futures.pop(rid, None)
+            _settle(fut, dead)
+        return fut
+
+    # -- Executor ---------------------------------------------------------------------------------------
+
+    def upload(self, buf: int, array: np.ndarray) -> None:
+        self._check()
+        a = np.ascontiguousarray(array)
+        if a.dtype.name not in m.DTYPES:
+            raise DTypeError(f"dtype {a.dtype} cannot be sent to a worker; allowed: {', '.join(m.DTYPES)}")
+        self._pending.append(m.Upload(buf, a.dtype.name, tuple(a.shape), int(a.nbytes)))
+        if a.nbytes:
+            self._pending_bulks.append(a)
+            self._pending_bytes += a.nbytes
+        if self._pending_bytes >= FLUSH_BYTES or len(self._pending) >= FLUSH_MESSAGES:
+            self._flush()
+
+    def execute(self, graph: Graph, gid: bytes, call: Call) -> None:
+        self._check()
+        if gid not in self._graphs:
+            body = canonical.encode_graph(graph)
+            self._graphs[gid] = body
+            self._pending.append(m.Register(gid, body))
+            self.counters.graphs_registered += 1
+        else:
+            self.counters.graph_replays += 1
+        outs = call.outputs
+        base = outs[0] if outs else 0
+        if tuple(outs) != tuple(range(base, base + len(outs))):
+            raise DeviceError(f"output buffer ids must be consecutive, got {outs!r}")
+        self._pending.append(m.Execute(gid, tuple(call.inputs), tuple(call.bindings), base))
+        if len(self._pending) >= FLUSH_MESSAGES:
+            self._flush()
+
+    def read(self, buf: int) -> Future[np.ndarray]:
+        """The array in `buf` as a concurrent future (`.result()` waits; `numpy()` calls it)."""
+        return self._request(lambda rid: m.Read(rid, buf))
+
+    def drop(self, bufs: Sequence[int]) -> None:
+        if self._dead is not None or self._closed or not bufs:
+            return  # nothing is held for a dead session
+        self._pending.append(m.Drop(tuple(bufs)))
+
+    def sync(self) -> None:
+        self._request(m.Sync).result()
+
+    def stats(self) -> dict[str, int | str]:
+        out = self.counters.as_dict()
+        out["worker"] = self.worker_node_id
+        return out
+
+    def worker_stats(self) -> dict[str, int | float | str]:
+        """The worker's whole StatsReply for this session (memory, traffic, this client's cache, ...)."""
+        stats: dict[str, int | float | str] = self._request(m.Stats).result()
+        return stats
+
+    def memory_stats(self) -> dict[str, int]:
+        stats = self.worker_stats()
+        return {k: int(v) for k, v in stats.items() if k.endswith("_bytes") and isinstance(v, int)}
+
+    def close(self) -> None:
+        """End the session (the worker frees everything it held for it). Idempotent, never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        session = self._session
+
+        async def shutdown() -> None:
+            if session.dead is None:
+                session.submit([m.Close("client closed")], [], 0)
+                await session.drain(CLOSE_TIMEOUT)
+            await session.close()
+
+        try:
+            self._loop_thread.call(shutdown(), CLOSE_TIMEOUT + 1)
+        except Exception as e:  # closing must not fail a user's `with` block
+            log.debug("closing the session with %s: %s", self.worker_node_id, e)
+        self._dead = self._dead or WorkerLost(f"the session with worker {self.worker_node_id} is closed")
+
+    # -- connecting -------------------------------------------------------------------------------------
+
+    def _confirm(self, timeout: float) -> None:
+        """One round trip: the worker admitted this client (it closes the link on a client it refuses)."""
+        try:
+            self._request(m.Sync).result(timeout)
+        except WorkerLost as e:
+            self.close()
+            raise AuthError(
+                f"worker {self.worker_node_id} closed the session after the handshake: this client "
+                f"({self.client_node_id}) is not on its allow list, or it is shutting down"
+            ) from e
+        except TimeoutError as e:
+            self.close()
+            raise TransportTimeout(f"worker {self.worker_node_id} did not answer within {timeout} s") from e
+
+
+def _settle(fut: Future[Any], error: BaseException) -> None:
+    try:
+        fut.set_exception(error)
+    except InvalidStateError:
+        pass

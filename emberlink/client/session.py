@@ -1,0 +1,352 @@
+"""The client's half of the session protocol (docs/internals.md section 6), on the I/O loop thread.
+
+It owns the Link and the Channel: seals batches (MESSAGE frame, then the uploads' BULK frames)
+and packs them into as few blobs as the transport allows; opens replies and decrypts results
+straight into preallocated arrays; keeps every unacknowledged batch, and on `GraphUnknown`
+resends from that batch with the graph registered first. User threads never touch it except
+through `call_soon_threadsafe` (and the futures it resolves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from emberlink.errors import EmberlinkError, ProtocolError, RemoteError, TransportError, WorkerLost
+from emberlink.protocol import messages as m
+from emberlink.protocol.channel import (
+    BULK,
+    CHUNK_SIZE,
+    MESSAGE,
+    OVERHEAD,
+    TAG_SIZE,
+    Channel,
+    parse_header,
+    split_frames,
+)
+from emberlink.transport.base import Link
+
+log = logging.getLogger("emberlink.client")
+
+BLOB_TARGET = 4 << 20
+"""Frames are packed into one transport blob up to about this size (transport.base.MAX_BLOB is 8 MiB)."""
+PROGRESS_BYTES = 64 << 20
+"""Transfers larger than this show a progress bar when stderr is a terminal."""
+
+
+@dataclass(slots=True)
+class OutBatch:
+    """A batch as the client keeps it until acknowledged: its messages and the uploads' arrays."""
+
+    seq: int
+    messages: list[m.ClientMessage]
+    bulks: list[np.ndarray]
+    nbytes: int
+
+
+@dataclass(slots=True)
+class Counters:
+    """What `dev.stats()` reports for a remote device; written on the loop, read anywhere."""
+
+    path: str
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    round_trips: int = 0
+    batches_sent: int = 0
+    batches_resent: int = 0
+    graphs_registered: int = 0
+    graph_replays: int = 0
+    graph_cache_misses: int = 0
+
+    def as_dict(self) -> dict[str, int | str]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+@dataclass(slots=True)
+class _Incoming:
+    """A Result whose bytes are still arriving."""
+
+    rid: int
+    array: np.ndarray
+    view: memoryview | None
+    remaining: int
+    bar: Any = None
+
+
+@dataclass(slots=True)
+class Flow:
+    """Acknowledgement callbacks into the executor (which owns flow control on the user side)."""
+
+    on_ack: Callable[[int, int], None]
+    on_dead: Callable[[EmberlinkError], None]
+    futures: dict[int, Future[Any]] = field(default_factory=dict)
+
+
+def _progress(total: int, what: str) -> Any:
+    """A tqdm bar for a large transfer when stderr is a terminal, else None."""
+    if total <= PROGRESS_BYTES or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=what, leave=False)
+
+
+class ClientSession:
+    """Sends batches and handles replies for one remote executor; runs on its loop only."""
+
+    def __init__(
+        self,
+        link: Link,
+        channel: Channel,
+        limits: dict[str, int],
+        graphs: dict[bytes, bytes],
+        counters: Counters,
+        flow: Flow,
+        worker: str,
+    ) -> None:
+        self._link = link
+        self._channel = channel
+        self.chunk_size = min(max(limits.get("chunk_size", CHUNK_SIZE), 4096), 4 << 20)
+        self._graphs = graphs
+        self._counters = counters
+        self._flow = flow
+        self._worker = worker
+        self._next_seq = 1
+        self._unacked: dict[int, OutBatch] = {}
+        self._queue: deque[OutBatch] = deque()
+        self._sent_upto = 0  # highest seq whose sending has started
+        self._finished_upto = 0  # highest seq sent completely
+        self._wake = asyncio.Event()
+        self._results: deque[_Incoming] = deque()
+        self._scratch = bytearray()
+        self.dead: EmberlinkError | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._send_loop(), name=f"send {self._link.peer}"),
+            asyncio.create_task(self._recv_loop(), name=f"recv {self._link.peer}"),
+        ]
+
+    # -- sending ---------------------------------------------------------------------------------------
+
+    def submit(self, messages: list[m.ClientMessage], bulks: list[np.ndarray], nbytes: int) -> None:
+        """Queue one batch (called on the loop through call_soon_threadsafe)."""
+        if self.dead is not None:
+            return
+        batch = OutBatch(self._next_seq, messages, bulks, nbytes)
+        self._next_seq += 1
+        self._unacked[batch.seq] = batch
+        self._queue.append(batch)
+        self._wake.set()
+
+    async def _send_loop(self) -> None:
+        try:
+            while True:
+                while not self._queue:
+                    self._wake.clear()
+                    await self._wake.wait()
+                batch = self._queue.popleft()
+                if batch.seq <= self._sent_upto:
+                    self._counters.batches_resent += 1
+                self._sent_upto = max(self._sent_upto, batch.seq)
+                self._counters.batches_sent += 1
+                await self._send_frames(self._frames(batch))
+                self._finished_upto = max(self._finished_upto, batch.seq)
+        except TransportError as e:
+            self.fail(WorkerLost(f"lost worker {self._worker} while sending: {e}"))
+        except EmberlinkError as e:
+            self.fail(e)
+
+    def _frames(self, batch: OutBatch) -> Iterator[bytes | bytearray]:
+        channel = self._channel
+        yield channel.seal(m.encode_batch(m.Batch(batch.seq, tuple(batch.messages))), MESSAGE)
+        bar = _progress(batch.nbytes, "upload")
+        for array in batch.bulks:
+            for frame in channel.seal_chunks(memoryview(array).cast("B"), self.chunk_size):
+                if bar is not None:
+                    bar.update(len(frame) - OVERHEAD)
+                yield frame
+        if bar is not None:
+            bar.close()
+
+    async def _send_frames(self, frames: Iterator[bytes | bytearray]) -> None:
+        parts: list[bytes | bytearray] = []
+        size = 0
+        for frame in frames:
+            if parts and size + len(frame) > BLOB_TARGET:
+                await self._send_blob(parts)
+                parts, size = [], 0
+            parts.append(frame)
+            size += len(frame)
+        if parts:
+            await self._send_blob(parts)
+
+    async def _send_blob(self, parts: list[bytes | bytearray]) -> None:
+        blob = parts[0] if len(parts) == 1 and type(parts[0]) is bytes else b"".join(parts)
+        await self._link.send(blob)  # type: ignore[arg-type]
+        self._counters.bytes_sent += len(blob)
+
+    # -- receiving -------------------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        try:
+            while True:
+                blob = await self._link.recv()
+                self._counters.bytes_received += len(blob)
+                for frame in split_frames(blob):
+                    if frame[1] == BULK:
+                        self._on_bulk(frame)
+                    else:
+                        self._on_reply(frame)
+        except TransportError as e:
+            self.fail(WorkerLost(f"lost worker {self._worker}: {e}"))
+        except EmberlinkError as e:
+            self.fail(e)
+
+    def _on_reply(self, frame: memoryview) -> None:
+        if self._results:
+            raise ProtocolError("worker sent a reply before the bytes of its previous result")
+        kind, plaintext = self._channel.open(frame)
+        if kind is not MESSAGE:
+            raise ProtocolError(f"expected a MESSAGE frame, got {kind.name}")
+        reply = m.decode_reply(plaintext)
+        self._acknowledge(reply.ack)
+        for msg in reply.messages:
+            t = type(msg)
+            if t is m.Result:
+                self._on_result(msg)  # type: ignore[arg-type]
+            elif t is m.Done:
+                self._resolve(msg.rid, None)  # type: ignore[union-attr]
+            elif t is m.StatsReply:
+                self._resolve(msg.rid, dict(msg.stats))  # type: ignore[union-attr]
+            elif t is m.Error:
+                self._on_error(msg)  # type: ignore[arg-type]
+            elif t is m.GraphUnknown:
+                self._resend(msg)  # type: ignore[arg-type]
+
+    def _acknowledge(self, ack: int) -> None:
+        batches = nbytes = 0
+        unacked = self._unacked
+        while unacked:
+            seq = next(iter(unacked))
+            if seq > ack:
+                break
+            nbytes += unacked.pop(seq).nbytes
+            batches += 1
+        if batches:
+            self._flow.on_ack(batches, nbytes)
+
+    def _resolve(self, rid: int, value: Any) -> None:
+        fut = self._flow.futures.pop(rid, None)
+        if fut is not None and not fut.done():  # a duplicate answer is ignored
+            fut.set_result(value)
+
+    def _on_error(self, msg: m.Error) -> None:
+        error = RemoteError.from_wire(msg.code, msg.message)
+        if msg.rid == 0:
+            raise _SessionOver(error)
+        fut = self._flow.futures.pop(msg.rid, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(error)
+
+    def _on_result(self, msg: m.Result) -> None:
+        array = np.empty(msg.shape, dtype=msg.dtype)
+        if msg.nbytes == 0:
+            self._resolve(msg.rid, array)
+            return
+        view = memoryview(array).cast("B") if msg.rid in self._flow.futures else None
+        self._results.append(_Incoming(msg.rid, array, view, msg.nbytes, _progress(msg.nbytes, "download")))
+
+    def _on_bulk(self, frame: memoryview) -> None:
+        if not self._results:
+            raise ProtocolError("BULK frame without a result announcing it")
+        target = self._results[0]
+        n = parse_header(frame)[4] - TAG_SIZE
+        if n > target.remaining:
+            raise ProtocolError(f"BULK frame of {n} bytes where {target.remaining} remain of the result")
+        if target.view is None:
+            if len(self._scratch) < n:
+                self._scratch = bytearray(n)
+            self._channel.open_into(frame, memoryview(self._scratch))
+        else:
+            self._channel.open_into(frame, target.view[len(target.view) - target.remaining :])
+        target.remaining -= n
+        if target.bar is not None:
+            target.bar.update(n)
+        if target.remaining == 0:
+            self._results.popleft()
+            if target.bar is not None:
+                target.bar.close()
+            self._resolve(target.rid, target.array)
+
+    def _resend(self, msg: m.GraphUnknown) -> None:
+        """The worker lacks a graph that batch `msg.seq` executes: register it there and resend."""
+        first = self._unacked.get(msg.seq)
+        if first is None:
+            return  # stale: that batch was acknowledged already
+        body = self._graphs.get(msg.gid)
+        if body is None:
+            raise ProtocolError(f"worker asked for graph {msg.gid.hex()}, which this client never sent")
+        self._counters.graph_cache_misses += 1
+        first.messages.insert(0, m.Register(msg.gid, body))
+        resend = [b for seq, b in self._unacked.items() if msg.seq <= seq <= self._sent_upto]
+        seqs = {b.seq for b in resend}
+        self._queue = deque(resend + [b for b in self._queue if b.seq not in seqs])
+        self._wake.set()
+
+    # -- ending ----------------------------------------------------------------------------------------
+
+    def fail(self, error: EmberlinkError) -> None:
+        """The session is over: every waiting future and every later call gets `error`."""
+        if isinstance(error, _SessionOver):
+            error = error.error
+        if self.dead is not None:
+            return
+        self.dead = error
+        for target in self._results:
+            if target.bar is not None:
+                target.bar.close()
+        self._results.clear()
+        futures = self._flow.futures
+        for rid in list(futures):
+            fut = futures.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(error)
+        self._flow.on_dead(error)
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        asyncio.get_running_loop().create_task(self._link.close())
+
+    async def drain(self, timeout: float) -> None:
+        """Wait until everything queued has been sent (or the session died), at most `timeout` s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.dead is None and (self._queue or self._finished_upto < self._next_seq - 1):
+            if loop.time() > deadline:
+                return
+            await asyncio.sleep(0.005)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self._link.close()
+        if self.dead is None:
+            self.dead = WorkerLost(f"the session with worker {self._worker} is closed")
+
+
+class _SessionOver(ProtocolError):
+    """Internal: the worker ended the session with Error(0, ...); carries that error."""
+
+    def __init__(self, error: RemoteError) -> None:
+        super().__init__(str(error))
+        self.error = error

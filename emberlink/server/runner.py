@@ -1,0 +1,231 @@
+"""The device-thread half of a session: applies batches to the tensor store; no I/O, no asyncio.
+
+A `BatchRunner` is called only on the device thread, one batch at a time in arrival order. It
+implements the worker's side of docs/internals.md section 6: batches apply strictly in seq order;
+a batch naming a graph that is neither cached nor registered earlier in it is not applied at all
+(`GraphUnknown`), and every later batch is discarded until that seq comes again; the graphs a
+batch uses are held (pinned) for the whole batch; failures poison only the ids they would have
+produced. A ProtocolError raised here ends the session.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from emberlink.errors import EmberlinkError, ExecutionError, ProtocolError
+from emberlink.graph_replay.plan import Plan
+from emberlink.protocol import messages as m
+from emberlink.server.graphs import GraphView
+from emberlink.server.store import Failure, TensorStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Incoming:
+    """A received batch with its uploads' bytes: one array per Upload, None where the quota refused it."""
+
+    batch: m.Batch
+    uploads: list[np.ndarray | None]
+    reserved: int  # bytes the event loop reserved for these uploads
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """What applying a batch produced: messages for the client and the arrays its Results carry."""
+
+    ack: int
+    messages: list[m.WorkerMessage] = field(default_factory=list)
+    bulks: list[np.ndarray] = field(default_factory=list)
+    close: str | None = None  # the client's Close reason: end the session after this reply
+
+
+@dataclass(slots=True)
+class Counters:
+    batches: int = 0
+    executes: int = 0
+    registers: int = 0
+    uploads: int = 0
+    reads: int = 0
+    failures: int = 0
+    graph_unknown: int = 0
+    discarded_batches: int = 0
+
+
+class BatchRunner:
+    """Applies one session's batches to its store. Device thread only."""
+
+    def __init__(
+        self,
+        backend: Any,
+        store: TensorStore,
+        graphs: GraphView,
+        stats: Callable[[], dict[str, m.StatValue]],
+    ) -> None:
+        self._backend = backend
+        self._store = store
+        self._graphs = graphs
+        self._stats = stats
+        self.applied = 0  # highest seq applied
+        self._resync: int | None = None  # discarding until this seq arrives again
+        self._first_failure: Failure | None = None
+        self.closed = False
+        self.counters = Counters()
+
+    # -- one batch ----------------------------------------------------------------------------------
+
+    def apply(self, incoming: Incoming) -> Outgoing | None:
+        """Apply a batch; None when it was discarded (nothing to say)."""
+        batch = incoming.batch
+        if self.closed:
+            self._release(incoming)
+            return None
+        if self._resync is not None:
+            if batch.seq != self._resync:
+                self.counters.discarded_batches += 1
+                self._release(incoming)
+                return None
+            self._resync = None
+        if batch.seq != self.applied + 1:
+            self._release(incoming)
+            raise ProtocolError(f"batch {batch.seq} out of order; expected batch {self.applied + 1}")
+        plans = self._plans_for(batch)
+        if isinstance(plans, m.GraphUnknown):
+            self._resync = batch.seq
+            self.counters.graph_unknown += 1
+            self._release(incoming)
+            return Outgoing(self.applied, [plans])
+        out = Outgoing(batch.seq)
+        uploads = iter(incoming.uploads)
+        for msg in batch.messages:
+            t = type(msg)
+            if t is m.Execute:
+                self._execute(msg, plans[msg.gid])  # type: ignore[union-attr, index]
+            elif t is m.Upload:
+                self._upload(msg, next(uploads))  # type: ignore[arg-type]
+            elif t is m.Drop:
+                for tid in msg.ids:  # type: ignore[union-attr]
+                    self._store.drop(tid)
+            elif t is m.Read:
+                self._read(msg, out)  # type: ignore[arg-type]
+            elif t is m.Sync:
+                self._sync(msg, out)  # type: ignore[arg-type]
+            elif t is m.Stats:
+                out.messages.append(m.StatsReply(msg.rid, self._stats()))  # type: ignore[union-attr]
+            elif t is m.Close:
+                out.close = msg.reason  # type: ignore[union-attr]
+                break
+            # Register was handled while resolving the batch's graphs.
+        self.applied = batch.seq
+        self.counters.batches += 1
+        return out
+
+    def _release(self, incoming: Incoming) -> None:
+        if incoming.reserved:
+            self._store.quota.release(incoming.reserved)
+
+    def _plans_for(self, batch: m.Batch) -> dict[bytes, Plan] | m.GraphUnknown:
+        """Every graph the batch executes, registering its Registers in order; pinned by the dict."""
+        plans: dict[bytes, Plan] = {}
+        for msg in batch.messages:
+            if type(msg) is m.Register:
+                plans[msg.gid] = self._graphs.register(msg.gid, msg.graph)
+                self.counters.registers += 1
+            elif type(msg) is m.Execute and msg.gid not in plans:
+                plan = self._graphs.get(msg.gid)
+                if plan is None:
+                    return m.GraphUnknown(batch.seq, msg.gid)
+                plans[msg.gid] = plan
+        return plans
+
+    # -- messages -----------------------------------------------------------------------------------
+
+    def _fail(self, tids: Sequence[int] | range, failure: Failure) -> None:
+        for tid in tids:
+            self._store.poison(tid, failure)
+        self.counters.failures += 1
+        if self._first_failure is None:
+            self._first_failure = failure
+
+    def _upload(self, msg: m.Upload, array: np.ndarray | None) -> None:
+        self.counters.uploads += 1
+        if array is None:
+            self._fail((msg.tid,), Failure("quota", self._store.quota.describe_refusal(msg.nbytes)))
+            return
+        try:
+            value = self._backend.from_numpy(array)
+        except EmberlinkError as e:
+            self._store.quota.release(msg.nbytes)
+            self._fail((msg.tid,), Failure(getattr(e, "code", "execution"), str(e)))
+            return
+        except MemoryError as e:
+            self._store.quota.release(msg.nbytes)
+            self._fail((msg.tid,), Failure("out_of_memory", f"storing upload {msg.tid}: {e}"))
+            return
+        self._store.put(msg.tid, value, msg.nbytes, charged=True)
+
+    def _execute(self, msg: m.Execute, plan: Plan) -> None:
+        self.counters.executes += 1
+        outs = range(msg.out_base, msg.out_base + len(plan.outputs))
+        inputs = []
+        for tid in msg.inputs:
+            try:
+                inputs.append(self._store.get(tid))
+            except LookupError as e:
+                self._fail(outs, e.args[0])
+                return
+        need = sum(plan.specs[v].nbytes for v in plan.outputs)
+        quota = self._store.quota
+        if not quota.reserve(need):
+            self._fail(outs, Failure("quota", quota.describe_refusal(need)))
+            return
+        try:
+            results = self._backend.run(plan, inputs, msg.bindings)
+        except ExecutionError as e:
+            self._fail(outs, Failure(e.code, e.message))
+            return
+        except EmberlinkError as e:
+            self._fail(outs, Failure("execution", str(e)))
+            return
+        except MemoryError as e:
+            self._fail(outs, Failure("out_of_memory", f"out of memory: {e}"))
+            return
+        except Exception as e:  # a backend bug is the computation's failure, not the session's
+            log.exception("backend failed running a graph")
+            self._fail(outs, Failure("execution", f"{type(e).__name__}: {e}"))
+            return
+        finally:
+            quota.release(need)
+        nbytes = self._backend.nbytes
+        for tid, value in zip(outs, results, strict=True):
+            self._store.put(tid, value, nbytes(value), charged=False)
+
+    def _read(self, msg: m.Read, out: Outgoing) -> None:
+        self.counters.reads += 1
+        try:
+            value = self._store.get(msg.tid)
+        except LookupError as e:
+            failure: Failure = e.args[0]
+            out.messages.append(m.Error(msg.rid, failure.code, failure.message))
+            return
+        host = np.ascontiguousarray(self._backend.to_numpy(value))
+        out.messages.append(m.Result(msg.rid, host.dtype.name, tuple(host.shape), int(host.nbytes)))
+        out.bulks.append(host)
+
+    def _sync(self, msg: m.Sync, out: Outgoing) -> None:
+        self._backend.synchronize()
+        failure, self._first_failure = self._first_failure, None
+        if failure is None:
+            out.messages.append(m.Done(msg.rid))
+        else:
+            out.messages.append(m.Error(msg.rid, failure.code, failure.message))
+
+    def close(self) -> None:
+        """Free everything the session holds; later batches are discarded."""
+        self.closed = True
+        self._store.clear()

@@ -1,0 +1,359 @@
+"""One client session on the worker: handshake, frames in and out, bulk buffers; the asyncio half.
+
+The event loop only moves bytes: it opens frames, decrypts uploads straight into preallocated
+arrays, and seals replies. Applying batches (and every backend call) happens on the device
+thread through `BatchRunner`, in arrival order. A frame that does not open or decode ends this
+session alone, with `Error(0, "refused", ...)`; every other session carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from emberlink.errors import ProtocolError, TransportError
+from emberlink.protocol import messages as m
+from emberlink.protocol.channel import BULK, MESSAGE, TAG_SIZE, Channel, parse_header, split_frames
+from emberlink.protocol.handshake import WorkerHandshake
+from emberlink.server.graphs import GraphView
+from emberlink.server.runner import BatchRunner, Incoming, Outgoing
+from emberlink.server.store import Quota, TensorStore
+from emberlink.transport.base import Link
+
+if TYPE_CHECKING:
+    from emberlink.server.worker import Worker
+
+log = logging.getLogger("emberlink.server")
+
+HANDSHAKE_TIMEOUT = 10.0
+BLOB_TARGET = 4 << 20
+"""Frames are packed into one transport blob up to about this size (transport.base.MAX_BLOB is 8 MiB)."""
+MAX_REPLY_MESSAGES = 32_768
+FINAL_SEND_TIMEOUT = 5.0
+
+
+class State(enum.Enum):
+    HANDSHAKE = "handshake"
+    OPEN = "open"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+@dataclass(slots=True)
+class _Target:
+    """Where the BULK frames of one Upload go: an array's bytes, or nowhere when the quota refused it."""
+
+    view: memoryview | None
+    remaining: int
+
+
+@dataclass(slots=True)
+class _Final:
+    """The last thing the sender says before the session ends (None: nothing, just stop)."""
+
+    error: m.Error | None
+
+
+class Session:
+    """A client session over one transport Link."""
+
+    def __init__(self, worker: Worker, link: Link) -> None:
+        self._worker = worker
+        self._link = link
+        self._loop = asyncio.get_running_loop()
+        self.peer = link.peer
+        self.client: str | None = None
+        self.state = State.HANDSHAKE
+        self.started = time.monotonic()
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.quota = Quota(worker.max_session_bytes)
+        self._store = TensorStore(self.quota)
+        self._runner: BatchRunner | None = None
+        self._channel: Channel | None = None
+        self._outbox: asyncio.Queue[Outgoing | _Final] = asyncio.Queue()
+        self._ended: asyncio.Future[tuple[str, m.Error | None]] = self._loop.create_future()
+        # The batch whose bulk is still arriving, and where each of its uploads' bytes go.
+        self._incoming: Incoming | None = None
+        self._targets: deque[_Target] = deque()
+        self._scratch = bytearray()
+        self._receiver: asyncio.Task[None] | None = None
+
+    # -- life cycle ----------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve the session until the client leaves, it breaks the protocol, or the worker drains."""
+        if not await self._handshake():
+            self.state = State.CLOSED
+            return
+        assert self.client is not None
+        self._runner = BatchRunner(
+            self._worker.device.backend,
+            self._store,
+            GraphView(self._worker.cache, self.client),
+            lambda: self._worker.stats_for(self),
+        )
+        self.state = State.OPEN
+        log.info("session %s: client %s connected from %s", self.id, self.client, self.peer)
+        sender = asyncio.create_task(self._send_loop(), name=f"send {self.peer}")
+        self._receiver = asyncio.create_task(self._receive_loop(), name=f"recv {self.peer}")
+        try:
+            reason, final = await self._ended
+        except asyncio.CancelledError:
+            reason, final = "cancelled", None
+            self._receiver.cancel()
+            sender.cancel()
+            await self._cleanup()
+            raise
+        self._receiver.cancel()
+        if final is not None or not sender.done():
+            self._outbox.put_nowait(_Final(final))
+            try:
+                await asyncio.wait_for(asyncio.shield(sender), FINAL_SEND_TIMEOUT)
+            except (TimeoutError, TransportError):
+                pass
+        sender.cancel()
+        await self._cleanup()
+        log.info(
+            "session %s: client %s ended (%s): %d bytes in, %d bytes out, %.3f s",
+            self.id,
+            self.client,
+            reason,
+            self.bytes_in,
+            self.bytes_out,
+            time.monotonic() - self.started,
+        )
+
+    @property
+    def id(self) -> str:
+        return self._channel.session_id.hex() if self._channel is not None else "-"
+
+    def _end(self, reason: str, final: m.Error | None = None) -> None:
+        if not self._ended.done():
+            self._ended.set_result((reason, final))
+
+    async def _cleanup(self) -> None:
+        self.state = State.CLOSED
+        incoming, self._incoming = self._incoming, None
+        if incoming is not None and incoming.reserved:
+            self.quota.release(incoming.reserved)
+        self._targets.clear()
+        runner = self._runner
+        if runner is not None:
+            # Behind any batch still queued for this session, which the closed runner discards.
+            await self._worker.device.run(runner.close)
+
+    async def drain(self) -> None:
+        """Stop reading, finish the batches already received, then end with `going_away`."""
+        if self.state is not State.OPEN:
+            return
+        self.state = State.DRAINING
+        if self._receiver is not None:
+            self._receiver.cancel()
+        await self._worker.device.run(lambda: None)  # every queued batch of ours has been applied
+        self._end("worker shutting down", m.Error(0, "going_away", "the worker is shutting down"))
+
+    # -- handshake -------------------------------------------------------------------------------------
+
+    async def _handshake(self) -> bool:
+        worker = self._worker
+        hs = WorkerHandshake(worker.identity, worker.allow, os.urandom, worker.limits())
+        try:
+            hello = await asyncio.wait_for(self._link.recv(), HANDSHAKE_TIMEOUT)
+            self.bytes_in += len(hello)
+            welcome = hs.receive_hello(hello)
+            await self._link.send(welcome)
+            self.bytes_out += len(welcome)
+            auth = await asyncio.wait_for(self._link.recv(), HANDSHAKE_TIMEOUT)
+            self.bytes_in += len(auth)
+            self._channel, self.client = hs.receive_auth(auth)
+        except ProtocolError as e:
+            log.warning("refused session from %s: %s", self.peer, e)
+            return False
+        except TimeoutError:
+            log.info("session from %s: no handshake within %s s", self.peer, HANDSHAKE_TIMEOUT)
+            return False
+        except TransportError as e:
+            log.info("session from %s ended during the handshake: %s", self.peer, e)
+            return False
+        return True
+
+    # -- receiving ---------------------------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        try:
+            while True:
+                blob = await self._link.recv()
+                self.bytes_in += len(blob)
+                for frame in split_frames(blob):
+                    if frame[1] == BULK:
+                        self._on_bulk(frame)
+                    else:
+                        self._on_message(frame)
+        except ProtocolError as e:
+            log.warning("session %s: client %s broke the protocol: %s", self.id, self.client, e)
+            self._end("refused", m.Error(0, "refused", str(e)))
+        except TransportError as e:
+            self._end(f"link lost: {e}")
+
+    def _on_message(self, frame: memoryview) -> None:
+        assert self._channel is not None
+        if self._incoming is not None:
+            raise ProtocolError("a batch arrived before the bulk bytes of the previous one")
+        kind, plaintext = self._channel.open(frame)
+        if kind is not MESSAGE:
+            raise ProtocolError(f"expected a MESSAGE frame, got {kind.name}")
+        batch = m.decode_batch(plaintext)
+        incoming = Incoming(batch, [], 0)
+        for msg in batch.messages:
+            if type(msg) is m.Upload:
+                incoming.uploads.append(self._prepare_upload(msg, incoming))
+        if self._targets:
+            self._incoming = incoming
+        else:
+            self._submit(incoming)
+
+    def _prepare_upload(self, msg: m.Upload, incoming: Incoming) -> np.ndarray | None:
+        """The array an upload's bytes are decrypted into, after the quota check (None: refused)."""
+        if not self.quota.reserve(msg.nbytes):
+            if msg.nbytes:
+                self._targets.append(_Target(None, msg.nbytes))
+            return None
+        incoming.reserved += msg.nbytes
+        try:
+            array = np.empty(msg.shape, dtype=msg.dtype)
+        except MemoryError:
+            # Treated like a refused upload: the runner poisons it, the bytes go to scratch.
+            self.quota.release(msg.nbytes)
+            incoming.reserved -= msg.nbytes
+            self._targets.append(_Target(None, msg.nbytes))
+            return None
+        if msg.nbytes:
+            self._targets.append(_Target(memoryview(array).cast("B"), msg.nbytes))
+        return array
+
+    def _on_bulk(self, frame: memoryview) -> None:
+        assert self._channel is not None
+        if not self._targets:
+            raise ProtocolError("BULK frame without an upload announcing it")
+        target = self._targets[0]
+        n = parse_header(frame)[4] - TAG_SIZE
+        if n > target.remaining:
+            raise ProtocolError(f"BULK frame of {n} bytes where {target.remaining} remain of the upload")
+        if target.view is None:
+            if len(self._scratch) < n:
+                self._scratch = bytearray(n)
+            self._channel.open_into(frame, memoryview(self._scratch))
+        else:
+            offset = len(target.view) - target.remaining
+            self._channel.open_into(frame, target.view[offset:])
+        target.remaining -= n
+        if target.remaining == 0:
+            self._targets.popleft()
+            if not self._targets and self._incoming is not None:
+                incoming, self._incoming = self._incoming, None
+                self._submit(incoming)
+
+    def _submit(self, incoming: Incoming) -> None:
+        self._worker.device.submit(self._apply, incoming)
+
+    # -- device thread -------------------------------------------------------------------------------------
+
+    def _apply(self, incoming: Incoming) -> None:
+        """On the device thread: apply one batch and hand its reply to the event loop."""
+        assert self._runner is not None
+        try:
+            out = self._runner.apply(incoming)
+        except ProtocolError as e:
+            self._call_soon(self._refuse, e)
+            return
+        except Exception as e:
+            log.exception("session %s: applying a batch failed", self.id)
+            self._call_soon(self._refuse, ProtocolError(f"internal error: {type(e).__name__}"))
+            return
+        if out is not None:
+            self._call_soon(self._post, out)
+
+    def _call_soon(self, fn: object, arg: object) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, arg)  # type: ignore[arg-type]
+        except RuntimeError:
+            pass  # the loop is gone: the whole worker is stopping
+
+    def _refuse(self, error: ProtocolError) -> None:
+        log.warning("session %s: client %s broke the protocol: %s", self.id, self.client, error)
+        self._end("refused", m.Error(0, "refused", str(error)))
+
+    def _post(self, out: Outgoing) -> None:
+        self._outbox.put_nowait(out)
+        if out.close is not None:
+            self._end(f"closed by the client: {out.close}")
+
+    # -- sending ---------------------------------------------------------------------------------------------
+
+    async def _send_loop(self) -> None:
+        try:
+            while True:
+                items = [await self._outbox.get()]
+                while not self._outbox.empty():
+                    items.append(self._outbox.get_nowait())
+                final = items[-1] if isinstance(items[-1], _Final) else None
+                outs = [o for o in items if isinstance(o, Outgoing)]
+                if outs or (final is not None and final.error is not None):
+                    await self._send_reply(outs, final.error if final is not None else None)
+                if final is not None:
+                    return
+        except TransportError as e:
+            self._end(f"link lost while sending: {e}")
+
+    async def _send_reply(self, outs: list[Outgoing], final: m.Error | None) -> None:
+        assert self._channel is not None
+        ack = max((o.ack for o in outs), default=self._runner.applied if self._runner else 0)
+        messages: list[m.WorkerMessage] = [msg for o in outs for msg in o.messages]
+        bulks = [b for o in outs for b in o.bulks]
+        if final is not None:
+            messages.append(final)
+        await self._send_frames(self._reply_frames(ack, messages, bulks))
+
+    def _reply_frames(
+        self, ack: int, messages: list[m.WorkerMessage], bulks: list[np.ndarray]
+    ) -> Iterator[bytes | bytearray]:
+        assert self._channel is not None
+        channel = self._channel
+        chunk = self._worker.chunk_size
+        pending = iter(bulks)
+        for start in range(0, max(len(messages), 1), MAX_REPLY_MESSAGES):
+            part = messages[start : start + MAX_REPLY_MESSAGES]
+            yield channel.seal(m.encode_reply(m.Reply(ack, tuple(part))), MESSAGE)
+            for msg in part:
+                if type(msg) is m.Result and msg.nbytes:
+                    yield from channel.seal_chunks(memoryview(next(pending)).cast("B"), chunk)
+
+    async def _send_frames(self, frames: Iterator[bytes | bytearray]) -> None:
+        parts: list[bytes | bytearray] = []
+        size = 0
+        for frame in frames:
+            if parts and size + len(frame) > BLOB_TARGET:
+                await self._send_blob(parts)
+                parts, size = [], 0
+            parts.append(frame)
+            size += len(frame)
+        if parts:
+            await self._send_blob(parts)
+
+    async def _send_blob(self, parts: list[bytes | bytearray]) -> None:
+        blob = parts[0] if len(parts) == 1 and type(parts[0]) is bytes else b"".join(parts)
+        await self._link.send(blob)  # type: ignore[arg-type]
+        self.bytes_out += len(blob)
+
+
+__all__ = ["Session", "State"]

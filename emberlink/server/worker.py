@@ -1,0 +1,164 @@
+"""The worker: what all sessions share (identity, allow policy, device thread, graph cache, stats).
+
+A `Worker` is transport-agnostic: `handle` is the `transport.Handler` a listener runs for each
+new Link. Listeners, signals and the ticket are the daemon's business (`server/daemon.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from emberlink.graph_replay.cache import GraphCache
+from emberlink.protocol import messages as m
+from emberlink.protocol.channel import CHUNK_SIZE
+from emberlink.protocol.identity import AllowPolicy, Identity
+from emberlink.server.device import DeviceThread
+from emberlink.server.session import Session, State
+from emberlink.transport.base import Link
+
+log = logging.getLogger("emberlink.server")
+
+DEFAULT_GRAPH_CACHE_BYTES = 256 << 20
+MAX_UNACKED_BATCHES = 64
+MAX_UNACKED_BYTES = 256 << 20
+
+
+class Worker:
+    """Serves sessions on one device. Create it inside the event loop that runs its listeners."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        allow: AllowPolicy,
+        *,
+        device: str = "cpu",
+        backend: Any = None,
+        max_session_bytes: int | None = None,
+        graph_cache_bytes: int = DEFAULT_GRAPH_CACHE_BYTES,
+        chunk_size: int = CHUNK_SIZE,
+    ) -> None:
+        self.identity = identity
+        self.allow = allow
+        self.max_session_bytes = max_session_bytes
+        self.chunk_size = chunk_size
+        self.device = DeviceThread(device, backend)
+        self.cache = GraphCache(graph_cache_bytes)
+        self.sessions: set[Session] = set()
+        self.draining = False
+        self.started = time.monotonic()
+        self.sessions_total = 0
+        self.sessions_refused = 0
+        self._closed_bytes_in = 0
+        self._closed_bytes_out = 0
+        self._peak_held = 0
+        if allow.admits_anyone:
+            log.warning(
+                "worker %s admits ANY client (--allow-any): anyone who can reach it can use it",
+                identity.node_id,
+            )
+
+    @property
+    def node_id(self) -> str:
+        return self.identity.node_id
+
+    def limits(self) -> dict[str, int]:
+        """What the Welcome tells a client about this worker."""
+        return {
+            "chunk_size": self.chunk_size,
+            "max_session_bytes": self.max_session_bytes or 0,
+            "max_unacked_batches": MAX_UNACKED_BATCHES,
+            "max_unacked_bytes": MAX_UNACKED_BYTES,
+        }
+
+    async def handle(self, link: Link) -> None:
+        """The per-Link coroutine listeners run (a `transport.Handler`)."""
+        if self.draining:
+            return
+        session = Session(self, link)
+        self.sessions.add(session)
+        try:
+            await session.run()
+        finally:
+            self.sessions.discard(session)
+            if session.client is None:
+                self.sessions_refused += 1
+            else:
+                self.sessions_total += 1
+            self._closed_bytes_in += session.bytes_in
+            self._closed_bytes_out += session.bytes_out
+
+    async def drain(self) -> None:
+        """SIGTERM: refuse new sessions, finish every session's queued work, end them with going_away."""
+        self.draining = True
+        await asyncio.gather(*(s.drain() for s in list(self.sessions)), return_exceptions=True)
+        # Give each session a moment to flush its last reply and close.
+        for _ in range(100):
+            if not any(s.state is not State.CLOSED for s in self.sessions):
+                break
+            await asyncio.sleep(0.01)
+
+    def close(self) -> None:
+        """Stop the device thread (after its queued work)."""
+        self.device.shutdown()
+
+    # -- stats --------------------------------------------------------------------------------------------
+
+    def held_bytes(self) -> int:
+        """Bytes every session holds or has reserved for uploads in flight."""
+        held = sum(s.quota.used for s in list(self.sessions))
+        self._peak_held = max(self._peak_held, held)
+        return held
+
+    def memory_stats(self) -> dict[str, int]:
+        """in_use_bytes, peak_bytes, pool_bytes: the backend's figures, or the stores' where it has none."""
+        backend = dict(self.device.backend.memory_stats())
+        held = self.held_bytes()
+        return {
+            "in_use_bytes": max(held, int(backend.get("in_use_bytes", 0))),
+            "peak_bytes": max(self._peak_held, int(backend.get("peak_bytes", 0))),
+            "pool_bytes": int(backend.get("pool_bytes", 0)),
+        }
+
+    def stats_for(self, session: Session) -> dict[str, m.StatValue]:
+        """The StatsReply for one session: worker-wide memory and traffic, this client's cache, this session.
+
+        Cache figures are the asking client's own (its NodeId's part of the cache): one client
+        learns nothing about another's graphs.
+        """
+        sessions = list(self.sessions)
+        stats: dict[str, m.StatValue] = {
+            "device": self.device.spec,
+            "backend": str(self.device.backend.name),
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "sessions_open": sum(1 for s in sessions if s.state is State.OPEN),
+            "sessions_total": self.sessions_total + len(sessions),
+            "bytes_in": self._closed_bytes_in + sum(s.bytes_in for s in sessions),
+            "bytes_out": self._closed_bytes_out + sum(s.bytes_out for s in sessions),
+        }
+        stats.update(self.memory_stats())
+        stats.update({f"cache_{k}": v for k, v in self._cache_stats(session.client).items()})
+        counters = session._runner.counters if session._runner is not None else None
+        stats.update(
+            session_tensors=len(session._store),
+            session_bytes=session.quota.used,
+            session_peak_bytes=session.quota.peak,
+            session_bytes_in=session.bytes_in,
+            session_bytes_out=session.bytes_out,
+        )
+        if counters is not None:
+            stats.update({f"session_{k}": v for k, v in vars_of(counters).items()})
+        return stats
+
+    def _cache_stats(self, owner: str | None) -> dict[str, int]:
+        if owner is None:
+            return {}
+        raw = self.cache.stats(owner)
+        return {k: int(v) for k, v in raw.items() if isinstance(v, int | float)}
+
+
+def vars_of(obj: Any) -> dict[str, int]:
+    """The int fields of a slotted dataclass."""
+    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
