@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Self, TypeVar
 
-from emberlink.client.gradients import RULES
+from emberlink.client.gradients import RULES, UNIT_SEED
 from emberlink.client.tensor import GRAD_MODE, Tensor, create
 from emberlink.errors import DeviceError, ShapeError
 
@@ -83,7 +83,11 @@ def backward(root: Tensor, gradient: Tensor | None = None) -> None:
             raise ShapeError(
                 f"backward() without a gradient needs a one-element tensor, got shape {root.shape}"
             )
-        g = create(root.device, "ones", (), (("dtype", root.dtype), ("shape", root.shape)))
+        ctx = root._ctx
+        if ctx is not None and ctx is not _FREED and ctx[0] in UNIT_SEED:
+            g: Tensor | float = 1.0  # the rule folds the seed into a binding: no ones tensor
+        else:
+            g = create(root.device, "ones", (), (("dtype", root.dtype), ("shape", root.shape)))
     else:
         if not isinstance(gradient, Tensor):
             raise TypeError(f"gradient must be a Tensor, got {type(gradient).__name__}")
@@ -99,11 +103,12 @@ def backward(root: Tensor, gradient: Tensor | None = None) -> None:
         GRAD_MODE.enabled = prev
 
 
-def _run(root: Tensor, g: Tensor) -> None:
+def _run(root: Tensor, g: Tensor | float) -> None:
     if root._ctx is None:  # the root is itself a leaf
+        assert isinstance(g, Tensor)
         root.grad = g if root.grad is None else root.grad + g
         return
-    grads: dict[int, Tensor] = {id(root): g}
+    grads: dict[int, Tensor | float] = {id(root): g}
     for t in _topological(root):
         ctx = t._ctx
         t._ctx = _FREED

@@ -26,6 +26,7 @@ from emberlink.client.dtypes import DEFAULT_FLOAT, DEFAULT_INT, FLOAT_DTYPES, dt
 from emberlink.client.executor import Call, Executor
 from emberlink.client.tensor import Scalar, Tensor, create, norm_shape, scalar
 from emberlink.errors import DeviceError, DTypeError, ShapeError
+from emberlink.graph_replay import canonical
 from emberlink.graph_replay.ir import Graph
 
 Spec = tuple[str, tuple[int, ...]]
@@ -274,7 +275,7 @@ class Device:
     def _build(self, key: tuple[Any, ...]) -> _Memo:
         entries, in_specs, bind_kinds, outputs = key
         built = segment.build_graph(entries, in_specs, bind_kinds, outputs)
-        memo = _Memo(built, _graph_id(built.graph))
+        memo = _Memo(built, canonical.graph_id(canonical.encode_graph(built.graph)))
         if len(self._memo) >= MEMO_LIMIT:
             del self._memo[next(iter(self._memo))]
         self._memo[key] = memo
@@ -399,17 +400,6 @@ class Device:
     def randn(self, shape: Any, *, seed: int, dtype: Any = DEFAULT_FLOAT) -> Tensor:
         """Standard normal numbers (Box-Muller over `rand`'s generator); see `rand`."""
         return create(self, "randn", (_seed(seed),), (("dtype", dtype_name(dtype)), ("shape", _shape(shape))))
-
-
-def _graph_id(graph: Graph) -> bytes:
-    try:
-        from emberlink.graph_replay import canonical
-    except ImportError:  # TEMPORARY until graph_replay/canonical.py lands: not the canonical id
-        import hashlib
-
-        return hashlib.blake2b(repr(graph).encode(), digest_size=16).digest()
-    gid: bytes = canonical.graph_id(canonical.encode_graph(graph))
-    return gid
 
 
 def _shape(shape: Any) -> tuple[int, ...]:

@@ -28,8 +28,11 @@ def _fit(g: Tensor, spec: Spec | str) -> Tensor | None:
     """`g` reduced to an operand's shape and cast to its dtype; None for a scalar operand."""
     if isinstance(spec, str):
         return None
+    gspec = g._v.spec
+    if gspec == spec:
+        return g
     dtype, shape = spec
-    gshape = g.shape
+    gshape = gspec[1]
     if gshape != shape:
         lead = len(gshape) - len(shape)
         axes = tuple(range(lead)) + tuple(
@@ -112,7 +115,7 @@ _UNARY: dict[str, Callable[[Tensor, Any, Any], Tensor]] = {
     "square": lambda g, x, y: g * (x * 2.0),
     "tanh": lambda g, x, y: g * (1.0 - y * y),
     "sigmoid": lambda g, x, y: g * (y * (1.0 - y)),
-    "relu": lambda g, x, y: _zeros_where(x > 0, g, True),
+    "relu": lambda g, x, y: g * (x > 0),
     "sin": lambda g, x, y: g * x.cos(),
     "cos": lambda g, x, y: -(g * x.sin()),
 }
@@ -134,18 +137,27 @@ def _reduction_parts(g: Tensor, S: Any, A: Any) -> tuple[Tensor, tuple[int, ...]
     return g.reshape(kshape), shape, axis
 
 
-def _sum(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+def _count(shape: tuple[int, ...], axis: tuple[int, ...] | None) -> int:
+    n = 1
+    for i, d in enumerate(shape):
+        if axis is None or i in axis:
+            n *= d
+    return n
+
+
+def _sum(g: Tensor | float, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    if isinstance(g, float):  # the implicit seed of backward(): every element gets 1
+        return (create(P[0].device, "full", (g,), (("dtype", S[0][0]), ("shape", S[0][1]))),)
     gk, shape, _ = _reduction_parts(g, S, A)
     return (gk.broadcast_to(shape),)
 
 
-def _mean(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    gk, shape, axis = _reduction_parts(g, S, A)
-    count = 1
-    for i, d in enumerate(shape):
-        if axis is None or i in axis:
-            count *= d
-    return (_fit((gk / max(count, 1)).broadcast_to(shape), S[0]),)
+def _mean(g: Tensor | float, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+    count = max(_count(S[0][1], dict(A)["axis"]), 1)
+    if isinstance(g, float):  # the implicit seed of backward(): every element gets 1/count
+        return (create(P[0].device, "full", (g / count,), (("dtype", S[0][0]), ("shape", S[0][1]))),)
+    gk, shape, _ = _reduction_parts(g, S, A)
+    return (_fit((gk / count).broadcast_to(shape), S[0]),)
 
 
 def _extreme_value(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
@@ -163,19 +175,41 @@ def _prod(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor 
     return ((gk * out) / x,)  # no zeros in x: the product rule through division
 
 
+_SWAP_LAST: dict[int, tuple[tuple[str, tuple[int, ...]], ...]] = {}
+
+
+def _mT(x: Tensor) -> Tensor:
+    """The last two axes swapped; recorded directly (this runs twice per matmul per step)."""
+    n = x.ndim
+    attrs = _SWAP_LAST.get(n)
+    if attrs is None:
+        axes = (*range(n - 2), n - 1, n - 2)
+        attrs = _SWAP_LAST[n] = (("axes", axes),)
+    return apply("permute_dims", (x,), attrs)
+
+
 def _matmul(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
     a, b = Tensor(V[0]), Tensor(V[1])
-    # Promote 1-D operands the way matmul does, so one rule covers every case.
+    if a.ndim == 1 or b.ndim == 1:
+        return _matmul_vector(g, P, a, b, S)
+    ga = _fit(g @ _mT(b), S[0]) if P[0] is not None else None
+    gb = _fit(_mT(a) @ g, S[1]) if P[1] is not None else None
+    return ga, gb
+
+
+def _matmul_vector(g: Tensor, P: Any, a: Tensor, b: Tensor, S: Any) -> Sequence[Tensor | None]:
+    # Promote 1-D operands the way matmul does, then reuse the matrix rule's algebra.
     a2 = a.reshape(1, a.shape[0]) if a.ndim == 1 else a
     b2 = b.reshape(b.shape[0], 1) if b.ndim == 1 else b
     gshape = g.shape
     if a.ndim == 1:
-        gshape = (*gshape[: len(gshape) - (b.ndim > 1)], 1, *gshape[len(gshape) - (b.ndim > 1) :])
+        cut = len(gshape) - (b.ndim > 1)
+        gshape = (*gshape[:cut], 1, *gshape[cut:])
     if b.ndim == 1:
         gshape = (*gshape, 1)
     g2 = g.reshape(gshape)
-    ga = _fit(g2 @ b2.mT, (S[0][0], a2.shape)) if P[0] is not None else None
-    gb = _fit(a2.mT @ g2, (S[1][0], b2.shape)) if P[1] is not None else None
+    ga = _fit(g2 @ _mT(b2), (S[0][0], a2.shape)) if P[0] is not None else None
+    gb = _fit(_mT(a2) @ g2, (S[1][0], b2.shape)) if P[1] is not None else None
     return (
         None if ga is None else ga.reshape(a.shape),
         None if gb is None else gb.reshape(b.shape),
@@ -251,21 +285,25 @@ def _log_softmax(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[
     return (_fit(g - Tensor(O).exp() * total, S[0]),)
 
 
-def _cross_entropy(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+def _cross_entropy(g: Tensor | float, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
     reduction = dict(A)["reduction"]
     logits, labels = Tensor(V[0]), Tensor(V[1])
     n, c = logits.shape
     p = apply("softmax", (logits,), (("axis", 1),))
     onehot = apply("one_hot", (labels,), (("dtype", logits.dtype), ("num_classes", c)))
     d = p - onehot
+    # (softmax - one_hot) * g / N; with the implicit seed g = 1.0 the scale is a binding.
     if reduction == "mean":
         scale: Tensor | Scalar = g / max(n, 1)
-    elif reduction == "sum":
+    elif reduction == "sum" or isinstance(g, float):
         scale = g
     else:
         scale = g.reshape(n, 1)
     return d * scale, None
 
+
+UNIT_SEED = frozenset({"cross_entropy", "sum", "mean"})
+"""Ops whose rule takes the implicit seed of `loss.backward()` as the Python float 1.0."""
 
 RULES: dict[str, Rule] = {
     "add": _add,

@@ -110,6 +110,7 @@ def apply(op: str, args: Sequence[Tensor | Scalar], attrs: tuple[Any, ...] = ())
     """Record `op` on its tensor operands' device; Python scalars become bindings.
 
     `attrs` is a tuple of `(name, value)` pairs sorted by name, already normalized by the caller.
+    This is the hot path of every step: keep it free of anything a replayed step does not need.
     """
     vals: list[Value | Scalar] = []
     specs: list[Spec | str] = []
@@ -143,7 +144,7 @@ def apply(op: str, args: Sequence[Tensor | Scalar], attrs: tuple[Any, ...] = ())
         out._rg = True
         out._ctx = (
             op,
-            tuple(a if isinstance(a, Tensor) and a._rg else None for a in args),
+            tuple([a if isinstance(a, Tensor) and a._rg else None for a in args]),
             vals if op in _SAVES_INPUTS else None,
             specs,
             attrs,
