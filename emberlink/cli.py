@@ -41,9 +41,97 @@ def keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- worker, ping, demo ------------------------------------------------------------------------------
+# Their modules import gRPC and the backends, so they are imported when the command runs, which
+# keeps `emberlink keygen` fast.
+
+
+def _byte_count(text: str) -> int:
+    """A byte count: digits with an optional K, M, G or T suffix (powers of 1024), e.g. 512M."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    suffix = t[-1:] if t[-1:] in units else ""
+    number = t[: len(t) - len(suffix)]
+    if not number.isdigit():
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 1073741824, 512M, 4G)")
+    return int(number) * units[suffix]
+
+
+def add_worker(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("worker", help="serve this machine's CPU or GPU to allowed clients")
+    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where to listen (port 0 picks one)")
+    p.add_argument(
+        "--key", required=True, type=Path, metavar="FILE", help="the worker's key file (mode 0600)"
+    )
+    who = p.add_mutually_exclusive_group(required=True)
+    who.add_argument("--allow", type=Path, metavar="FILE", help="allowed client NodeIds, one a line")
+    who.add_argument("--allow-any", action="store_true", help="admit every client (logged loudly)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (default: cpu)")
+    p.add_argument("--ticket-file", type=Path, metavar="FILE", help="also write the ticket to this file")
+    p.add_argument("--max-session-bytes", type=_byte_count, metavar="N", help="bytes one session may hold")
+    p.add_argument(
+        "--graph-cache-bytes", type=_byte_count, metavar="N", help="graph cache budget (default 256M)"
+    )
+    p.add_argument("--advertise", metavar="HOST:PORT", help="the address put in the ticket")
+    p.add_argument("--relay", metavar="nats://HOST:PORT", help="also serve through this NATS relay")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.set_defaults(run=worker)
+
+
+def worker(args: argparse.Namespace) -> int:
+    from emberlink.server.daemon import worker_command
+
+    return worker_command(args)
+
+
+def add_ping(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("ping", help="time the handshake and round trips to a worker")
+    p.add_argument("ticket", help="the worker's ticket (emberlink://...)")
+    p.add_argument(
+        "--key",
+        type=Path,
+        default=None,
+        help="client key file (default: $EMBERLINK_KEY, else ~/.config/emberlink/client.key)",
+    )
+    p.add_argument("--count", type=int, default=10, help="round trips to time (default 10)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the worker (default 10)")
+    p.set_defaults(run=ping)
+
+
+def ping(args: argparse.Namespace) -> int:
+    from emberlink.client.ping import ping as run_ping
+
+    result = run_ping(args.ticket, key=args.key, count=args.count, timeout=args.timeout)
+    print(f"worker {result.worker} via {result.path}")
+    print(f"handshake: {result.handshake_s * 1e3:.2f} ms (including the admission round trip)")
+    print(f"round trip: median {result.median_s * 1e3:.3f} ms over {len(result.round_trips_s)}")
+    return 0
+
+
+def add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("demo", help="train a small classifier through an in-process worker")
+    p.add_argument("--epochs", type=int, default=12, help="passes over the training set (default 12)")
+    p.set_defaults(run=demo)
+
+
+def demo(args: argparse.Namespace) -> int:
+    import logging
+
+    from emberlink.server.demo import run_demo
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    result = run_demo(epochs=args.epochs)
+    return 0 if result["accuracy"] > 0.9 else 1
+
+
 # Each subcommand module adds itself here: a function that registers a parser whose defaults
 # set `run` to the handler.
-COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [add_keygen]
+COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
+    add_keygen,
+    add_worker,
+    add_ping,
+    add_demo,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -356,7 +356,7 @@ class RemoteExecutor:
 
         try:
             self._loop_thread.call(shutdown(), CLOSE_TIMEOUT + 1)
-        except Exception as e:  # closing must not fail a user's `with` block
+        except (EmberlinkError, TimeoutError, RuntimeError) as e:  # closing must not fail a `with` block
             log.debug("closing the session with %s: %s", self.worker_node_id, e)
         self._dead = self._dead or WorkerLost(f"the session with worker {self.worker_node_id} is closed")
 

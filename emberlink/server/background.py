@@ -11,7 +11,7 @@ import itertools
 import logging
 import os
 from collections.abc import Awaitable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from emberlink.client.loop import LoopThread
 from emberlink.protocol.identity import AllowPolicy, Identity
@@ -108,7 +108,7 @@ class BackgroundWorker:
             if self._owns_loop:
                 self.loop_thread.stop()
 
-    def __enter__(self) -> BackgroundWorker:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

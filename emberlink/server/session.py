@@ -24,7 +24,6 @@ from emberlink.errors import ProtocolError, TransportError
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import BULK, MESSAGE, TAG_SIZE, Channel, parse_header, split_frames
 from emberlink.protocol.handshake import WorkerHandshake
-from emberlink.server.graphs import GraphView
 from emberlink.server.runner import BatchRunner, Incoming, Outgoing
 from emberlink.server.store import Quota, TensorStore
 from emberlink.transport.base import Link
@@ -99,7 +98,7 @@ class Session:
         self._runner = BatchRunner(
             self._worker.device.backend,
             self._store,
-            GraphView(self._worker.cache, self.client),
+            self._worker.graphs_of(self.client),
             lambda: self._worker.stats_for(self),
         )
         self.state = State.OPEN

@@ -1,0 +1,190 @@
+"""`emberlink worker`: configuration, listeners, the ticket, signals; the worker process's main.
+
+Start-up errors (a missing or unreadable key, a malformed allow file, a bad flag) are reported
+in one line and exit with status 2. The ticket is the first line of stdout, flushed at once,
+so a parent process can read it; logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from emberlink.errors import ConfigError, DeviceError, EmberlinkError
+from emberlink.protocol.identity import AllowPolicy, Identity
+from emberlink.protocol.ticket import Ticket
+from emberlink.server.device import parse_device
+from emberlink.server.malloc import tune_malloc
+from emberlink.server.worker import DEFAULT_GRAPH_CACHE_BYTES, Worker
+from emberlink.transport.grpc import GrpcListener
+
+log = logging.getLogger("emberlink.server")
+
+DRAIN_GRACE = 10.0
+
+RelayHook = Callable[[Worker, Any, Ticket], Awaitable[None]]
+RELAY_HOOKS: list[RelayHook] = []
+"""Called with (worker, relay listener, ticket) once the worker is attached to its relay; the
+discovery part of the project adds presence publishing here."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    identity: Identity
+    allow: AllowPolicy
+    host: str
+    port: int
+    advertise: tuple[str, int] | None
+    device: str
+    relay: str | None
+    ticket_file: Path | None
+    max_session_bytes: int | None
+    graph_cache_bytes: int
+
+
+def parse_host_port(text: str, what: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port`; ConfigError otherwise."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise ConfigError(f"{what} must be HOST:PORT, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port_text)
+
+
+def load_config(args: argparse.Namespace) -> WorkerConfig:
+    """Everything the worker needs from its flags and files; ConfigError or DeviceError if unusable."""
+    identity = Identity.load(args.key)
+    allow = AllowPolicy.allow_any() if args.allow_any else AllowPolicy.from_file(args.allow)
+    host, port = parse_host_port(args.listen, "--listen")
+    advertise = parse_host_port(args.advertise, "--advertise") if args.advertise else None
+    parse_device(args.device)
+    if args.relay is not None and not args.relay.startswith("nats://"):
+        raise ConfigError(f"--relay must be nats://HOST:PORT, got {args.relay!r}")
+    if args.max_session_bytes is not None and args.max_session_bytes <= 0:
+        raise ConfigError("--max-session-bytes must be positive")
+    return WorkerConfig(
+        identity=identity,
+        allow=allow,
+        host=host,
+        port=port,
+        advertise=advertise,
+        device=args.device,
+        relay=args.relay,
+        ticket_file=args.ticket_file,
+        max_session_bytes=args.max_session_bytes,
+        graph_cache_bytes=args.graph_cache_bytes
+        if args.graph_cache_bytes is not None
+        else DEFAULT_GRAPH_CACHE_BYTES,
+    )
+
+
+def worker_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        config = load_config(args)
+    except (ConfigError, DeviceError) as e:
+        print(f"emberlink worker: error: {e}", file=sys.stderr)
+        return 2
+    tune_malloc()
+    try:
+        return asyncio.run(serve(config))
+    except (ConfigError, DeviceError) as e:
+        print(f"emberlink worker: error: {e}", file=sys.stderr)
+        return 2
+    except EmberlinkError as e:
+        print(f"emberlink worker: error: {e}", file=sys.stderr)
+        return 1
+
+
+def ticket_for(config: WorkerConfig, port: int) -> Ticket:
+    """The ticket clients use: the advertised address, else the listening one (0.0.0.0 → 127.0.0.1)."""
+    if config.advertise is not None:
+        host, adv_port = config.advertise
+        port = adv_port or port
+    else:
+        host = config.host
+        if host in ("0.0.0.0", "::", ""):
+            log.warning(
+                "listening on %s but no --advertise given: the ticket says 127.0.0.1, which only this "
+                "machine can use",
+                host or "all interfaces",
+            )
+            host = "127.0.0.1"
+    return Ticket(config.identity.node_id, ((host, port),), relay=config.relay)
+
+
+async def serve(config: WorkerConfig) -> int:
+    """Run the worker until SIGTERM or SIGINT, then drain; returns the exit status."""
+    worker = Worker(
+        config.identity,
+        config.allow,
+        device=config.device,
+        max_session_bytes=config.max_session_bytes,
+        graph_cache_bytes=config.graph_cache_bytes,
+    )
+    listeners: list[Any] = []
+    try:
+        grpc_listener = GrpcListener(config.host, config.port, worker.handle)
+        port = await grpc_listener.start()
+        listeners.append(grpc_listener)
+        ticket = ticket_for(config, port)
+        if config.relay is not None:
+            listeners.append(await start_relay(worker, config.relay, ticket))
+        print(ticket, flush=True)
+        if config.ticket_file is not None:
+            write_ticket(config.ticket_file, str(ticket))
+        log.info("worker %s serving %s on %s:%d", worker.node_id, config.device, config.host, port)
+        await wait_for_signal()
+        log.info("draining: finishing queued work, then closing %d session(s)", len(worker.sessions))
+        await worker.drain()
+    finally:
+        for listener in listeners:
+            await listener.stop(DRAIN_GRACE)
+        worker.close()
+    log.info("worker %s stopped", worker.node_id)
+    return 0
+
+
+async def start_relay(worker: Worker, url: str, ticket: Ticket) -> Any:
+    """Attach to the NATS relay (when this build has the NATS transport) and run the relay hooks."""
+    try:
+        from emberlink.transport.nats import NatsListener
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"--relay needs the NATS transport: pip install 'emberlink[nats]' ({e})") from e
+    listener = NatsListener(url, worker.node_id, worker.handle)
+    await listener.start()
+    log.info("worker %s attached to relay %s", worker.node_id, url)
+    for hook in RELAY_HOOKS:
+        await hook(worker, listener, ticket)
+    return listener
+
+
+def write_ticket(path: Path, ticket: str) -> None:
+    try:
+        path.write_text(ticket + "\n", encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot write ticket file {path}: {e.strerror}") from e
+
+
+async def wait_for_signal() -> None:
+    """Return on SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not on this platform, or not the main thread
+            signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop.set))
+    await stop.wait()
