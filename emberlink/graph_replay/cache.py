@@ -15,75 +15,89 @@ from dataclasses import dataclass
 
 from emberlink.errors import ConfigError
 from emberlink.graph_replay.canonical import encode_graph
-from emberlink.graph_replay.ir import Graph
 from emberlink.graph_replay.plan import Plan
 
 
-@dataclass(frozen=True, eq=False, slots=True)
-class CacheEntry:
-    """A cached graph, its compiled plan, and the bytes it is charged."""
-
-    graph: Graph
-    plan: Plan
-    size: int
+@dataclass(eq=False, slots=True)
+class _Counts:
+    size: int = 0
+    entries: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
 
 
 class GraphCache:
-    """LRU of `(client, gid) -> CacheEntry` under `budget_bytes` shared by every client."""
+    """LRU of `(client, gid) -> Plan` under `budget_bytes` shared by every client.
+
+    A plan carries its graph (`plan.graph`), so the entry is the plan plus the bytes it is charged.
+    """
 
     def __init__(self, budget_bytes: int) -> None:
         if type(budget_bytes) is not int or budget_bytes < 0:
             raise ConfigError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
         self._budget = budget_bytes
-        self._entries: OrderedDict[tuple[str, bytes], CacheEntry] = OrderedDict()
-        self._size = 0
-        self._hits = self._misses = self._evictions = 0
+        self._entries: OrderedDict[tuple[str, bytes], tuple[Plan, int]] = OrderedDict()
+        self._total = _Counts()
+        self._clients: dict[str, _Counts] = {}
         self._lock = threading.Lock()
 
-    def get(self, client: str, gid: bytes) -> CacheEntry | None:
-        """The entry `client` stored under `gid` (now the most recently used), or None."""
+    def _count(self, client: str) -> tuple[_Counts, _Counts]:
+        return self._total, self._clients.setdefault(client, _Counts())
+
+    def get(self, client: str, gid: bytes) -> Plan | None:
+        """The plan `client` stored under `gid` (now the most recently used), or None."""
         key = (client, gid)
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                self._misses += 1
+            found = self._entries.get(key)
+            for c in self._count(client):
+                if found is None:
+                    c.misses += 1
+                else:
+                    c.hits += 1
+            if found is None:
                 return None
             self._entries.move_to_end(key)
-            self._hits += 1
-            return entry
+            return found[0]
 
-    def put(
-        self, client: str, gid: bytes, graph: Graph, plan: Plan, *, graph_bytes: int | None = None
-    ) -> bool:
-        """Store a graph for `client`, evicting least recently used entries to fit.
+    def put(self, client: str, gid: bytes, plan: Plan, size: int | None = None) -> bool:
+        """Store `plan` (and so its graph) for `client`, evicting least recently used entries to fit.
 
-        `graph_bytes` is the canonical encoding's length when the caller has it (else it is
-        computed). Returns False, storing nothing, when the entry alone exceeds the budget.
+        `size` defaults to the canonical encoding's length plus `plan.overhead_bytes`; pass it when
+        the caller already has the bytes. Returns False, storing and evicting nothing, when the
+        entry alone exceeds the budget.
         """
-        if graph_bytes is None:
-            graph_bytes = len(encode_graph(graph))
-        entry = CacheEntry(graph, plan, graph_bytes + plan.overhead_bytes)
+        if size is None:
+            size = len(encode_graph(plan.graph)) + plan.overhead_bytes
         key = (client, gid)
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._size -= old.size
-            if entry.size > self._budget:
+            self._remove(key)
+            if size > self._budget:
                 return False
-            while self._size + entry.size > self._budget:
-                _, evicted = self._entries.popitem(last=False)
-                self._size -= evicted.size
-                self._evictions += 1
-            self._entries[key] = entry
-            self._size += entry.size
+            while self._total.size + size > self._budget:
+                oldest = next(iter(self._entries))
+                self._remove(oldest)
+                for c in self._count(oldest[0]):
+                    c.evictions += 1
+            self._entries[key] = (plan, size)
+            for c in self._count(client):
+                c.size += size
+                c.entries += 1
             return True
+
+    def _remove(self, key: tuple[str, bytes]) -> None:
+        found = self._entries.pop(key, None)
+        if found is not None:
+            for c in self._count(key[0]):
+                c.size -= found[1]
+                c.entries -= 1
 
     def forget(self, client: str) -> int:
         """Drop every entry of `client`; returns how many there were."""
         with self._lock:
             keys = [k for k in self._entries if k[0] == client]
             for k in keys:
-                self._size -= self._entries.pop(k).size
+                self._remove(k)
             return len(keys)
 
     def __contains__(self, key: tuple[str, bytes]) -> bool:
@@ -91,17 +105,21 @@ class GraphCache:
         with self._lock:
             return key in self._entries
 
-    def stats(self) -> dict[str, int]:
-        """`size` and `budget` in bytes, `entries`, `hits`, `misses`, `evictions`."""
+    def stats(self, client: str | None = None) -> dict[str, int]:
+        """`size` (bytes), `entries`, `hits`, `misses`, `evictions` and `budget` (bytes).
+
+        With `client`, only that client's figures (what a client may be told); without, the worker's.
+        """
         with self._lock:
+            c = self._total if client is None else self._clients.get(client, _Counts())
             return {
-                "size": self._size,
+                "size": c.size,
+                "entries": c.entries,
+                "hits": c.hits,
+                "misses": c.misses,
+                "evictions": c.evictions,
                 "budget": self._budget,
-                "entries": len(self._entries),
-                "hits": self._hits,
-                "misses": self._misses,
-                "evictions": self._evictions,
             }
 
 
-__all__ = ["CacheEntry", "GraphCache"]
+__all__ = ["GraphCache"]

@@ -11,109 +11,122 @@ from emberlink.graph_replay.ir import Graph, Node, TensorSpec
 from emberlink.graph_replay.plan import Plan, compile_plan
 
 
-def _graph(n: int) -> tuple[bytes, Graph, Plan]:
-    """A distinct one-node graph per n (the input length differs)."""
+def _plan(n: int) -> tuple[bytes, Plan]:
+    """A distinct one-node graph per n (the input length differs), compiled."""
     g = Graph((TensorSpec("float32", (n,)),), (), (Node("exp", (0,)),), (1,))
-    return graph_id(encode_graph(g)), g, compile_plan(g)
+    return graph_id(encode_graph(g)), compile_plan(g)
 
 
 def _size(n: int) -> int:
-    _, g, plan = _graph(n)
-    return len(encode_graph(g)) + plan.overhead_bytes
+    _, plan = _plan(n)
+    return len(encode_graph(plan.graph)) + plan.overhead_bytes
 
 
 def test_a_client_gets_back_what_it_put() -> None:
     cache = GraphCache(1 << 20)
-    gid, g, plan = _graph(1)
-    assert cache.put("alice", gid, g, plan)
-    entry = cache.get("alice", gid)
-    assert entry is not None and entry.graph == g and entry.plan is plan
-    assert entry.size == len(encode_graph(g)) + plan.overhead_bytes
+    gid, plan = _plan(1)
+    assert cache.put("alice", gid, plan)
+    assert cache.get("alice", gid) is plan
+    assert cache.stats()["size"] == _size(1)
 
 
 def test_a_client_never_sees_another_clients_entries() -> None:
     cache = GraphCache(1 << 20)
-    gid, g, plan = _graph(1)
-    cache.put("alice", gid, g, plan)
+    gid, plan = _plan(1)
+    cache.put("alice", gid, plan)
     assert cache.get("bob", gid) is None
     assert ("bob", gid) not in cache and ("alice", gid) in cache
 
 
+def test_a_clients_stats_show_only_its_own_entries() -> None:
+    cache = GraphCache(1 << 20)
+    (gid1, p1), (gid2, p2) = _plan(1), _plan(2)
+    cache.put("alice", gid1, p1)
+    cache.put("alice", gid2, p2)
+    cache.get("alice", gid1)
+    cache.get("bob", gid1)
+    bob = cache.stats("bob")
+    assert (bob["entries"], bob["size"], bob["hits"], bob["misses"]) == (0, 0, 0, 1)
+    alice = cache.stats("alice")
+    assert (alice["entries"], alice["hits"], alice["misses"]) == (2, 1, 0)
+    assert cache.stats()["entries"] == 2 and cache.stats()["misses"] == 1
+
+
 def test_least_recently_used_is_evicted_first_across_clients() -> None:
-    size = _size(1)
-    cache = GraphCache(3 * size)
+    cache = GraphCache(3 * _size(1))
     ids = {}
     for n, client in ((1, "alice"), (2, "bob"), (3, "alice")):
-        gid, g, plan = _graph(n)
+        gid, plan = _plan(n)
         ids[n] = gid
-        assert cache.put(client, gid, g, plan)
+        assert cache.put(client, gid, plan)
     assert cache.get("alice", ids[1]) is not None  # 1 is now the most recent; 2 is the oldest
-    gid4, g4, plan4 = _graph(4)
-    assert cache.put("bob", gid4, g4, plan4)
-    assert cache.get("bob", ids[2]) is None
-    assert cache.get("alice", ids[1]) is not None and cache.get("alice", ids[3]) is not None
-    assert cache.stats()["evictions"] == 1
+    gid4, plan4 = _plan(4)
+    assert cache.put("carol", gid4, plan4)
+    assert ("bob", ids[2]) not in cache
+    assert ("alice", ids[1]) in cache and ("alice", ids[3]) in cache
+    assert cache.stats()["evictions"] == 1 and cache.stats("bob")["evictions"] == 1
 
 
 def test_size_never_exceeds_the_budget() -> None:
     budget = int(2.5 * _size(1))
     cache = GraphCache(budget)
     for n in range(1, 30):
-        gid, g, plan = _graph(n)
-        cache.put(f"c{n % 3}", gid, g, plan)
+        gid, plan = _plan(n)
+        cache.put(f"c{n % 3}", gid, plan)
         assert cache.stats()["size"] <= budget
     assert cache.stats()["entries"] == 2
 
 
 def test_a_graph_larger_than_the_budget_is_not_stored() -> None:
-    gid, g, plan = _graph(1)
+    gid, plan = _plan(1)
     cache = GraphCache(_size(1) - 1)
-    assert cache.put("alice", gid, g, plan) is False
+    assert cache.put("alice", gid, plan) is False
     assert cache.get("alice", gid) is None
     assert cache.stats()["size"] == 0 and cache.stats()["evictions"] == 0
 
 
 def test_a_too_large_graph_evicts_nothing_else() -> None:
     cache = GraphCache(_size(1) + 10)
-    gid, g, plan = _graph(1)
-    cache.put("alice", gid, g, plan)
-    assert cache.put("alice", b"x" * 16, g, plan, graph_bytes=10_000) is False
-    assert cache.get("alice", gid) is not None
+    gid, plan = _plan(1)
+    cache.put("alice", gid, plan)
+    assert cache.put("alice", b"x" * 16, plan, 10_000) is False
+    assert cache.get("alice", gid) is plan
 
 
 def test_putting_the_same_key_again_replaces_it_without_double_counting() -> None:
     cache = GraphCache(1 << 20)
-    gid, g, plan = _graph(1)
-    cache.put("alice", gid, g, plan)
-    cache.put("alice", gid, g, plan)
+    gid, plan = _plan(1)
+    cache.put("alice", gid, plan)
+    cache.put("alice", gid, plan)
     assert cache.stats()["entries"] == 1 and cache.stats()["size"] == _size(1)
+
+
+def test_an_explicit_size_is_what_the_entry_is_charged() -> None:
+    cache = GraphCache(1 << 20)
+    gid, plan = _plan(1)
+    cache.put("alice", gid, plan, 12_345)
+    assert cache.stats()["size"] == 12_345 == cache.stats("alice")["size"]
 
 
 def test_counters_count_hits_misses_and_evictions() -> None:
     cache = GraphCache(_size(1))
-    (gid1, g1, p1), (gid2, g2, p2) = _graph(1), _graph(2)
-    cache.put("a", gid1, g1, p1)
+    (gid1, p1), (gid2, p2) = _plan(1), _plan(2)
+    cache.put("a", gid1, p1)
     cache.get("a", gid1)
     cache.get("a", gid2)
-    cache.put("a", gid2, g2, p2)
-    assert cache.stats() == {
-        "size": _size(2),
-        "budget": _size(1),
-        "entries": 1,
-        "hits": 1,
-        "misses": 1,
-        "evictions": 1,
-    }
+    cache.put("a", gid2, p2)
+    want = {"size": _size(2), "budget": _size(1), "entries": 1, "hits": 1, "misses": 1, "evictions": 1}
+    assert cache.stats() == want == cache.stats("a")
 
 
 def test_forget_drops_only_that_clients_entries() -> None:
     cache = GraphCache(1 << 20)
-    (gid1, g1, p1), (gid2, g2, p2) = _graph(1), _graph(2)
-    cache.put("a", gid1, g1, p1)
-    cache.put("b", gid2, g2, p2)
+    (gid1, p1), (gid2, p2) = _plan(1), _plan(2)
+    cache.put("a", gid1, p1)
+    cache.put("b", gid2, p2)
     assert cache.forget("a") == 1
     assert ("a", gid1) not in cache and ("b", gid2) in cache
-    assert cache.stats()["size"] == _size(2)
+    assert cache.stats()["size"] == _size(2) and cache.stats("a")["size"] == 0
 
 
 def test_a_negative_budget_is_a_config_error() -> None:
