@@ -110,7 +110,7 @@ def ping(args: argparse.Namespace) -> int:
 
 def add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("demo", help="train a small classifier through an in-process worker")
-    p.add_argument("--epochs", type=int, default=12, help="passes over the training set (default 12)")
+    p.add_argument("--epochs", type=int, default=30, help="passes over the training set (default 30)")
     p.set_defaults(run=demo)
 
 

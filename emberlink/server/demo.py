@@ -19,10 +19,10 @@ from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.server.background import BackgroundWorker
 from emberlink.server.malloc import tune_malloc
 
-EPOCHS = 12
+EPOCHS = 30
 BATCH = 64
 HIDDEN = 128
-LR = 0.05
+LR = 0.1
 
 
 def load_digits_split(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -16,7 +16,7 @@ from emberlink.protocol import messages as m
 from emberlink.protocol.channel import CHUNK_SIZE
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.server.device import DeviceThread
-from emberlink.server.graphs import ClientGraphs, GraphView
+from emberlink.server.graphs import GraphView
 from emberlink.server.session import Session, State
 from emberlink.transport.base import Link
 
@@ -47,7 +47,6 @@ class Worker:
         self.chunk_size = chunk_size
         self.device = DeviceThread(device, backend)
         self.cache = GraphCache(graph_cache_bytes)
-        self._client_graphs: dict[str, ClientGraphs] = {}
         self.sessions: set[Session] = set()
         self.draining = False
         self.started = time.monotonic()
@@ -76,11 +75,8 @@ class Worker:
         }
 
     def graphs_of(self, client: str) -> GraphView:
-        """The cache as `client` sees it; its bookkeeping outlives its sessions, like the cache."""
-        mine = self._client_graphs.get(client)
-        if mine is None:
-            mine = self._client_graphs[client] = ClientGraphs()
-        return GraphView(self.cache, client, mine)
+        """The cache as `client` sees it (its entries outlive its sessions)."""
+        return GraphView(self.cache, client)
 
     async def handle(self, link: Link) -> None:
         """The per-Link coroutine listeners run (a `transport.Handler`)."""
@@ -162,10 +158,7 @@ class Worker:
         return stats
 
     def _cache_stats(self, owner: str | None) -> dict[str, int]:
-        mine = self._client_graphs.get(owner) if owner is not None else None
-        stats = mine.stats(self.cache, owner) if mine is not None and owner is not None else {}
-        stats["budget"] = self.cache.stats()["budget"]
-        return stats
+        return self.cache.stats(owner) if owner is not None else {}
 
     def log_stats(self) -> None:
         """Worker-wide figures (which no client is told) to the log."""
