@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -324,9 +325,8 @@ async def _interleaved(makers: list[Callable[[], Awaitable[object]]], repeats: i
     return runs
 
 
-def _med(values: list[object], index: int | None = None) -> float:
-    picked = [v if index is None else v[index] for v in values]  # type: ignore[index]
-    return float(statistics.median(picked))  # type: ignore[type-var]
+def _med(values: list[Any], index: int | None = None) -> float:
+    return float(statistics.median(v if index is None else v[index] for v in values))
 
 
 async def measure(n: int = 2000, total: int = 64 * MiB, repeats: int = 5) -> list[Row]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import grpc.aio
@@ -57,8 +57,8 @@ def _rpc_error_text(e: grpc.RpcError) -> str:
     return f"{code.name if code else 'error'}: {details}"
 
 
-def _cancelled_by_us(task: asyncio.Task[Any] | None) -> bool:
-    """Whether a CancelledError came from a closed call rather than from cancelling our task."""
+def _spurious_cancel(task: asyncio.Task[Any] | None) -> bool:
+    """Whether a CancelledError came out of a dead call (grpc.aio does that) rather than task.cancel()."""
     return task is not None and task.cancelling() == 0
 
 
@@ -82,7 +82,7 @@ class GrpcClientLink:
         except asyncio.InvalidStateError as e:
             raise TransportError(f"send to {self.peer} failed: the session has ended") from e
         except asyncio.CancelledError:
-            if self._closed and _cancelled_by_us(asyncio.current_task()):
+            if self._closed and _spurious_cancel(asyncio.current_task()):
                 raise TransportError(f"link to {self.peer} is closed") from None
             raise
 
@@ -95,12 +95,12 @@ class GrpcClientLink:
             raise TransportError(f"receive from {self.peer} failed: {_rpc_error_text(e)}") from e
         except asyncio.CancelledError:
             # grpc.aio raises CancelledError from read() on a call cancelled by close().
-            if self._closed and _cancelled_by_us(asyncio.current_task()):
+            if self._closed and _spurious_cancel(asyncio.current_task()):
                 raise TransportError(f"link to {self.peer} is closed") from None
             raise
         if msg is grpc.aio.EOF:
             raise TransportError(f"peer {self.peer} closed the session")
-        return msg  # type: ignore[no-any-return]
+        return cast(bytes, msg)
 
     async def close(self) -> None:
         if self._closed:
@@ -137,26 +137,30 @@ class GrpcServerLink:
         try:
             await self._context.write(blob)
         except asyncio.CancelledError:
-            if self._gone is not None and _cancelled_by_us(asyncio.current_task()):
+            if self._gone is not None and _spurious_cancel(asyncio.current_task()):
                 raise TransportError(self._gone) from None
             raise
         except Exception as e:  # grpc.aio raises several unrelated types on a dead call
-            raise TransportError(f"send to {self.peer} failed: {type(e).__name__}: {e}") from e
+            if self._gone is not None:
+                raise TransportError(self._gone) from e
+            raise TransportError(f"send to {self.peer} failed: the call is over ({type(e).__name__})") from e
 
     async def recv(self) -> bytes:
         self._check_open()
         try:
             msg = await self._context.read()
         except asyncio.CancelledError:
-            if self._gone is not None and _cancelled_by_us(asyncio.current_task()):
+            if self._gone is not None and _spurious_cancel(asyncio.current_task()):
                 raise TransportError(self._gone) from None
             raise
         except Exception as e:
+            if self._gone is not None:
+                raise TransportError(self._gone) from e
             raise TransportError(f"receive from {self.peer} failed: {type(e).__name__}: {e}") from e
         if msg is grpc.aio.EOF:
             self._gone = f"peer {self.peer} closed the session"
             raise TransportError(self._gone)
-        return msg  # type: ignore[return-value]
+        return cast(bytes, msg)
 
     async def close(self) -> None:
         self._closed = True
@@ -187,7 +191,7 @@ class GrpcListener:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Session": method}),))
         address = _target(self.host, self.port)
         try:
-            port = server.add_insecure_port(address)
+            port = int(server.add_insecure_port(address))
         except RuntimeError as e:
             raise TransportError(f"cannot listen on {address}: {e}") from e
         if port == 0:
@@ -202,13 +206,13 @@ class GrpcListener:
         # Sent at once, so the client's connect() learns the session is open without a round trip of data.
         await context.send_initial_metadata(())
         link = GrpcServerLink(context, context.peer())
-        task = self._sessions.spawn(link)
+        self._sessions.spawn(link)
         try:
             await link.finished
         except asyncio.CancelledError:
-            # grpc cancels the servicer when the call dies underneath it (or on server stop).
-            link._call_ended(f"session with {link.peer} was cancelled")
-            task.cancel()
+            # grpc cancels the servicer when the peer resets the call (or on server stop). The handler
+            # is not cancelled: its next recv or send raises TransportError, as the contract says.
+            link._call_ended(f"session with {link.peer} was cancelled by the peer")
             raise
 
     async def stop(self, grace: float | None = None) -> None:

@@ -1,5 +1,4 @@
-"""The NATS relay transport: sessions on random per-session subjects, blobs fragmented under the
-server's max_payload; never looks inside a blob and never puts a client's identity on the relay."""
+"""The NATS relay transport; never reads a blob, never puts a client's identity on the relay."""
 
 from __future__ import annotations
 
@@ -11,10 +10,13 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit, urlunsplit
 
-import nats.errors
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+try:
+    import nats.errors
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+except ImportError as e:  # nats-py is an optional dependency
+    raise ImportError("the NATS relay transport needs nats-py: pip install 'emberlink[nats]'") from e
 
 from emberlink.errors import TransportError, TransportTimeout
 from emberlink.transport.base import MAX_BLOB, Handler, check_blob
@@ -272,7 +274,7 @@ class NatsListener:
         self._links[nc] = set()
         try:
             node_sub = await nc.subscribe(self.subject, cb=self._on_request)
-            await nc.flush(self._connect_timeout)
+            await nc.flush(self._connect_timeout)  # type: ignore[arg-type]  # nats-py takes any number
         except (TimeoutError, nats.errors.Error) as e:
             await nc.close()
             raise TransportError(f"cannot subscribe on NATS relay at {_redact(self.url)}: {e}") from e

@@ -218,3 +218,28 @@ async def test_idle_session_survives_several_keepalive_rounds() -> None:
     assert await ping_pong(link, [b"still here"]) == [b"still here"]
     await link.close()
     await listener.stop(1)
+
+
+@pytest.mark.parametrize("busy", ["sending", "sleeping"])
+async def test_peer_reset_reaches_the_worker_handler_as_transport_error_not_cancellation(busy: str) -> None:
+    recorder = Recorder()
+
+    async def handler(link: Link) -> None:
+        try:
+            if busy == "sending":  # blocks on flow control: the client never reads
+                while True:
+                    await link.send(bytes(MAX_BLOB))
+            await asyncio.sleep(0.3)
+            await link.recv()
+        except BaseException as e:
+            recorder.ended.set_result(e)
+            raise
+
+    listener, port = await started(handler)
+    link = await grpc_transport.connect("127.0.0.1", port)
+    await asyncio.sleep(0.1)
+    link._call.cancel()  # an RST_STREAM, not a clean half-close
+    error = await within(5, recorder.ended)
+    assert isinstance(error, TransportError)
+    await link.close()
+    await listener.stop(1)
