@@ -1,0 +1,317 @@
+"""Shape and dtype inference, one function per op family; no arrays, no I/O.
+
+Each function takes `(op, input specs, attrs)` with attrs already checked by `ops.check_attrs`
+(the casts only tell mypy) and input kinds already checked by `ops.infer`; it returns the output
+spec or raises ShapeError/DTypeError naming the op and every operand's shape or dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import cast
+
+from emberlink.errors import DTypeError, ShapeError
+from emberlink.graph_replay.ir import MAX_RANK, AttrValue, Key, TensorSpec
+from emberlink.graph_replay.promotion import broadcast_shapes, float_dtype_for, promote, promote_all
+
+UNARY_SAME = ("negative", "abs", "square", "sign", "relu")
+UNARY_FLOAT = ("exp", "log", "sqrt", "tanh", "sigmoid", "sin", "cos")
+ARITH = ("add", "subtract", "multiply", "divide", "pow", "maximum", "minimum")
+COMPARE = ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal")
+LOGICAL = ("logical_and", "logical_or")
+BINARY = ARITH + COMPARE + LOGICAL
+
+
+def _dt(spec: TensorSpec) -> str:
+    return f"{spec.dtype} scalar" if spec.weak else spec.dtype
+
+
+def _norm_axis(op: str, axis: int, ndim: int, *, extra: int = 0) -> int:
+    """Normalize a possibly negative axis into `[0, ndim + extra)`."""
+    n = ndim + extra
+    if not -n <= axis < n:
+        raise ShapeError(f"{op}: axis {axis} is out of range for rank {ndim}")
+    return axis + n if axis < 0 else axis
+
+
+def _norm_axes(op: str, axis: AttrValue, spec: TensorSpec) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(spec.ndim))
+    raw = (axis,) if isinstance(axis, int) else cast(tuple[int, ...], axis)
+    axes = tuple(_norm_axis(op, a, spec.ndim) for a in raw)
+    if len(set(axes)) != len(axes):
+        raise ShapeError(f"{op}: repeated axis in {axis!r} for shape {spec.shape}")
+    return axes
+
+
+# Inference functions, one per family. Attrs arrive validated by check_attrs; casts only tell mypy.
+
+
+def creation(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    return TensorSpec(cast(str, a["dtype"]), cast(tuple[int, ...], a["shape"]))
+
+
+def arange(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    start, stop, step = (cast(int | float, a[k]) for k in ("start", "stop", "step"))
+    dtype = cast(str, a["dtype"])
+    if dtype == "bool":
+        raise DTypeError(f"{op}: dtype bool is not allowed")
+    if step == 0:
+        raise ShapeError(f"{op}: step must not be 0")
+    if isinstance(start, int) and isinstance(stop, int) and isinstance(step, int):
+        n = len(range(start, stop, step))
+    else:
+        q = (stop - start) / step
+        if not math.isfinite(q):
+            raise ShapeError(f"{op}: ({start}, {stop}, {step}) gives too many elements")
+        n = max(0, math.ceil(q))
+    return TensorSpec(dtype, (n,))
+
+
+def eye(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    return TensorSpec(cast(str, a["dtype"]), (cast(int, a["n"]), cast(int, a["m"])))
+
+
+def unary(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    x = ins[0]
+    if op == "logical_not":
+        if x.kind != "bool":
+            raise DTypeError(f"{op}: needs a bool operand, got {x.dtype}")
+        return x
+    if op in UNARY_FLOAT:
+        return TensorSpec(float_dtype_for(x), x.shape)
+    if x.kind == "bool":
+        raise DTypeError(f"{op}: needs a numeric operand, got {x.dtype}")
+    return x
+
+
+def binary(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    x, y = ins
+    if x.weak and y.weak:
+        raise DTypeError(f"{op}: needs at least one tensor, got {_dt(x)} and {_dt(y)}")
+    shape = broadcast_shapes(op, x, y)
+    if op in LOGICAL:
+        if x.kind != "bool" or y.kind != "bool":
+            raise DTypeError(f"{op}: needs bool operands, got {_dt(x)} and {_dt(y)}")
+        return TensorSpec("bool", shape)
+    dtype = promote(x, y)
+    if op in COMPARE:
+        return TensorSpec("bool", shape)
+    if op in ("maximum", "minimum"):
+        return TensorSpec(dtype, shape)
+    if dtype == "bool":
+        raise DTypeError(f"{op}: needs numeric operands, got {_dt(x)} and {_dt(y)}")
+    if op == "divide":
+        dtype = float_dtype_for(TensorSpec(dtype, ()))
+    return TensorSpec(dtype, shape)
+
+
+def where(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    cond, x, y = ins
+    if cond.dtype != "bool":
+        raise DTypeError(f"{op}: condition must be bool, got {cond.dtype}")
+    return TensorSpec(promote(x, y), broadcast_shapes(op, cond, x, y))
+
+
+def astype(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    return TensorSpec(cast(str, a["dtype"]), ins[0].shape)
+
+
+def _reduced_shape(x: TensorSpec, axes: tuple[int, ...], keepdims: bool) -> tuple[int, ...]:
+    if keepdims:
+        return tuple(1 if i in axes else d for i, d in enumerate(x.shape))
+    return tuple(d for i, d in enumerate(x.shape) if i not in axes)
+
+
+def reduce(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    x = ins[0]
+    axes = _norm_axes(op, a["axis"], x)
+    if op in ("max", "min", "argmax", "argmin") and any(x.shape[i] == 0 for i in axes):
+        raise ShapeError(f"{op}: cannot reduce shape {x.shape} over an empty axis (axis={a['axis']!r})")
+    shape = _reduced_shape(x, axes, cast(bool, a["keepdims"]))
+    if op in ("argmax", "argmin"):
+        dtype = "int64"
+    elif op in ("sum", "prod"):
+        dtype = "int64" if x.kind != "float" else x.dtype
+    elif op == "mean":
+        dtype = float_dtype_for(x)
+    else:
+        dtype = x.dtype
+    return TensorSpec(dtype, shape)
+
+
+def matmul(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    x, y = ins
+    if x.ndim == 0 or y.ndim == 0:
+        raise ShapeError(f"{op}: operands must be at least 1-D, got shapes {x.shape} and {y.shape}")
+    dtype = promote(x, y)
+    if dtype == "bool":
+        raise DTypeError(f"{op}: needs numeric operands, got {x.dtype} and {y.dtype}")
+    xs = (1, *x.shape) if x.ndim == 1 else x.shape
+    ys = (*y.shape, 1) if y.ndim == 1 else y.shape
+    if xs[-1] != ys[-2]:
+        raise ShapeError(f"{op}: shapes {x.shape} and {y.shape} do not align: {xs[-1]} != {ys[-2]}")
+    try:
+        batch = broadcast_shapes(op, TensorSpec("bool", xs[:-2]), TensorSpec("bool", ys[:-2]))
+    except ShapeError:
+        raise ShapeError(f"{op}: batch dims of shapes {x.shape} and {y.shape} do not broadcast") from None
+    shape = batch + ((xs[-2],) if x.ndim > 1 else ()) + ((ys[-1],) if y.ndim > 1 else ())
+    return TensorSpec(dtype, shape)
+
+
+def reshape(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    x, shape = ins[0], cast(tuple[int, ...], a["shape"])
+    if math.prod(shape) != x.size:
+        raise ShapeError(f"{op}: cannot reshape {x.shape} ({x.size} elements) to {shape}")
+    return TensorSpec(x.dtype, shape)
+
+
+def permute_dims(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    x, axes = ins[0], cast(tuple[int, ...], a["axes"])
+    norm = tuple(_norm_axis(op, ax, x.ndim) for ax in axes) if len(axes) == x.ndim else ()
+    if sorted(norm) != list(range(x.ndim)) or len(axes) != x.ndim:
+        raise ShapeError(f"{op}: axes {axes} are not a permutation of the axes of shape {x.shape}")
+    return TensorSpec(x.dtype, tuple(x.shape[i] for i in norm))
+
+
+def broadcast_to(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    x, shape = ins[0], cast(tuple[int, ...], a["shape"])
+    ok = len(shape) >= x.ndim and all(d in (1, t) for d, t in zip(reversed(x.shape), reversed(shape)))
+    if not ok:
+        raise ShapeError(f"{op}: cannot broadcast shape {x.shape} to {shape}")
+    return TensorSpec(x.dtype, shape)
+
+
+def expand_dims(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    x = ins[0]
+    axis = _norm_axis(op, cast(int, a["axis"]), x.ndim, extra=1)
+    return TensorSpec(x.dtype, x.shape[:axis] + (1,) + x.shape[axis:])
+
+
+def squeeze(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    x = ins[0]
+    axes = _norm_axes(op, a["axis"], x)
+    if any(x.shape[i] != 1 for i in axes):
+        raise ShapeError(f"{op}: cannot squeeze axes {a['axis']!r} of shape {x.shape}: size is not 1")
+    return TensorSpec(x.dtype, tuple(d for i, d in enumerate(x.shape) if i not in axes))
+
+
+def concat(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    first, shapes = ins[0], [s.shape for s in ins]
+    dtype = promote_all(ins)
+    if op == "stack":
+        if any(s != first.shape for s in shapes):
+            raise ShapeError(f"{op}: shapes {', '.join(map(str, shapes))} are not all equal")
+        axis = _norm_axis(op, cast(int, a["axis"]), first.ndim, extra=1)
+        return TensorSpec(dtype, first.shape[:axis] + (len(ins),) + first.shape[axis:])
+    if first.ndim == 0:
+        raise ShapeError(f"{op}: cannot concatenate 0-d operands")
+    axis = _norm_axis(op, cast(int, a["axis"]), first.ndim)
+    for s in shapes:
+        if len(s) != first.ndim or any(d != f for i, (d, f) in enumerate(zip(s, first.shape)) if i != axis):
+            raise ShapeError(f"{op}: shapes {', '.join(map(str, shapes))} differ off axis {axis}")
+    total = sum(s[axis] for s in shapes)
+    return TensorSpec(dtype, first.shape[:axis] + (total,) + first.shape[axis + 1 :])
+
+
+def _getitem_shape(op: str, shape: tuple[int, ...], key: Key) -> tuple[int, ...]:
+    out: list[int] = []
+    d = 0
+    for item in key:
+        if item[0] == "n":
+            out.append(1)
+            continue
+        if d >= len(shape):
+            raise ShapeError(f"{op}: key {key!r} indexes more axes than shape {shape} has")
+        dim = shape[d]
+        if item[0] == "i":
+            index = cast(tuple[str, int], item)[1]
+            if index >= dim:
+                raise ShapeError(f"{op}: index {index} is out of range for axis {d} of shape {shape}")
+        else:
+            _, start, stop, step = cast(tuple[str, int, int, int], item)
+            if start > dim or stop > dim:
+                raise ShapeError(f"{op}: slice {start}:{stop} is out of range for axis {d} of shape {shape}")
+            out.append(len(range(start, stop, step)))
+        d += 1
+    return (*out, *shape[d:])
+
+
+def getitem(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    x = ins[0]
+    return TensorSpec(x.dtype, _getitem_shape(op, x.shape, cast(Key, a["key"])))
+
+
+def getitem_grad(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    g, shape = ins[0], cast(tuple[int, ...], a["shape"])
+    want = _getitem_shape(op, shape, cast(Key, a["key"]))
+    if want != g.shape:
+        raise ShapeError(f"{op}: gradient shape {g.shape} != {want}, the shape of the key into {shape}")
+    return TensorSpec(g.dtype, shape)
+
+
+def _check_indices(op: str, ind: TensorSpec) -> None:
+    if ind.kind != "int":
+        raise DTypeError(f"{op}: indices must be int32 or int64, got {ind.dtype}")
+
+
+def take(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    x, ind = ins
+    _check_indices(op, ind)
+    if a["axis"] is None:
+        if x.size == 0 and ind.size > 0:
+            raise ShapeError(f"{op}: cannot take {ind.shape} indices from empty shape {x.shape}")
+        return TensorSpec(x.dtype, ind.shape)
+    axis = _norm_axis(op, cast(int, a["axis"]), x.ndim)
+    if x.shape[axis] == 0 and ind.size > 0:
+        raise ShapeError(f"{op}: cannot take {ind.shape} indices from empty axis {axis} of {x.shape}")
+    return TensorSpec(x.dtype, x.shape[:axis] + ind.shape + x.shape[axis + 1 :])
+
+
+def scatter_add(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    g, ind = ins
+    _check_indices(op, ind)
+    if g.kind == "bool":
+        raise DTypeError(f"{op}: needs a numeric gradient, got {g.dtype}")
+    size = cast(int, a["size"])
+    if a["axis"] is None:
+        if g.shape != ind.shape:
+            raise ShapeError(f"{op}: gradient shape {g.shape} != indices shape {ind.shape} (axis=None)")
+        return TensorSpec(g.dtype, (size,))
+    out_ndim = g.ndim - ind.ndim + 1
+    if out_ndim < 1:
+        raise ShapeError(f"{op}: gradient shape {g.shape} is too small for indices shape {ind.shape}")
+    axis = _norm_axis(op, cast(int, a["axis"]), out_ndim)
+    if g.shape[axis : axis + ind.ndim] != ind.shape:
+        raise ShapeError(f"{op}: gradient shape {g.shape} does not hold indices shape {ind.shape} at {axis}")
+    return TensorSpec(g.dtype, g.shape[:axis] + (size,) + g.shape[axis + ind.ndim :])
+
+
+def softmax(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    x = ins[0]
+    _norm_axis(op, cast(int, a["axis"]), x.ndim)
+    return TensorSpec(float_dtype_for(x), x.shape)
+
+
+def cross_entropy(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    logits, labels = ins
+    if logits.kind != "float":
+        raise DTypeError(f"{op}: logits must be float, got {logits.dtype} (labels {labels.dtype})")
+    _check_indices(op, labels)
+    if logits.ndim != 2 or labels.ndim != 1 or logits.shape[0] != labels.shape[0] or logits.shape[1] == 0:
+        raise ShapeError(f"{op}: needs logits [N, C>0] and labels [N], got {logits.shape} and {labels.shape}")
+    shape = labels.shape if a["reduction"] == "none" else ()
+    return TensorSpec(logits.dtype, shape)
+
+
+def one_hot(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    labels = ins[0]
+    _check_indices(op, labels)
+    if labels.ndim >= MAX_RANK:
+        raise ShapeError(f"{op}: labels of shape {labels.shape} leave no room for the class axis")
+    return TensorSpec(cast(str, a["dtype"]), (*labels.shape, cast(int, a["num_classes"])))
+
+
+def rand(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    return creation(op, ins, a)
