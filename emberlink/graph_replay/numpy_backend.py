@@ -1,4 +1,4 @@
-"""The reference backend: what every op means, written over an array module `xp`; run on NumPy here.
+"""The reference backend: each op's meaning, over an array module `xp`, run on NumPy here; no I/O.
 
 The functions below take `xp` (NumPy here, CuPy in cupy_backend.py) so the two backends share one
 definition; CuPy replaces only the entries it must. `OP_TABLE` is an explicit dict from op name to

@@ -8,12 +8,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from emberlink.errors import DTypeError, ExecutionError, OutOfMemory
 from emberlink.graph_replay.backend import run_plan
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
 from emberlink.graph_replay.numpy_backend import OP_TABLE, NumpyBackend
-from emberlink.graph_replay.ops import OPS, check_attrs
+from emberlink.graph_replay.ops import OPS, check_attrs, infer, operand_dtype
 from emberlink.graph_replay.plan import Step, compile_plan
 
 from .cases import CASE_IDS, CASES, Case, assert_close, run_case
@@ -198,3 +201,72 @@ def test_memory_stats_report_the_peak_estimate() -> None:
     stats = backend.memory_stats()
     assert stats["peak_bytes"] == 4000 + 2 * 4000
     assert set(stats) >= {"in_use_bytes", "peak_bytes", "pool_bytes"}
+
+
+# -- properties ------------------------------------------------------------------------------------
+
+_DTYPES = ["bool", "int32", "int64", "float16", "float32", "float64"]
+_NUMERIC_OPS = ["add", "subtract", "multiply", "maximum", "minimum", "less", "equal", "greater_equal"]
+
+
+def _sample(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    if dtype == "bool":
+        return np.asarray(rng.random(shape) < 0.5)
+    return np.asarray(rng.integers(-4, 5, size=shape).astype(dtype))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from(_NUMERIC_OPS),
+    st.sampled_from(_DTYPES),
+    st.sampled_from(_DTYPES),
+    hnp.mutually_broadcastable_shapes(num_shapes=2, max_dims=3, max_side=3),
+    st.integers(0, 2**32 - 1),
+)
+def test_binary_ops_agree_with_inference_and_numpy_in_the_promoted_dtype(
+    op: str, da: str, db: str, shapes: Any, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    a, b = _sample(rng, da, shapes.input_shapes[0]), _sample(rng, db, shapes.input_shapes[1])
+    case = Case("p", op, (a, b))
+    try:
+        spec = infer(op, [TensorSpec(da, a.shape), TensorSpec(db, b.shape)])
+    except DTypeError:
+        assert "bool" in (da, db)  # arithmetic on bool and bool is the only refusal here
+        return
+    got = run_case(NumpyBackend(), case)  # the run loop checks the result against `spec`
+    assert (str(got.dtype), got.shape) == (spec.dtype, spec.shape)
+    common = operand_dtype(op, [TensorSpec(da, a.shape), TensorSpec(db, b.shape)])
+    fn = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply, "maximum": np.maximum}
+    fn |= {"minimum": np.minimum, "less": np.less, "equal": np.equal, "greater_equal": np.greater_equal}
+    want = fn[op](a.astype(common), b.astype(common))
+    np.testing.assert_array_equal(got, want)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from(["sum", "mean", "max", "min", "prod", "argmax", "argmin"]),
+    st.sampled_from(_DTYPES),
+    hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=4),
+    st.data(),
+)
+def test_reductions_agree_with_inference_for_any_axes(
+    op: str, dtype: str, shape: tuple[int, ...], data: Any
+) -> None:
+    ndim = len(shape)
+    if op in ("argmax", "argmin"):
+        axis: Any = data.draw(st.none() | st.integers(-ndim, ndim - 1))
+    else:
+        axis = data.draw(st.none() | st.integers(-ndim, ndim - 1) | hnp.valid_tuple_axes(ndim))
+    keepdims = data.draw(st.booleans())
+    x = _sample(np.random.default_rng(0), dtype, shape)
+    case = Case("r", op, (x,), {"axis": axis, "keepdims": keepdims})
+    got = run_case(NumpyBackend(), case)
+    spec = infer(op, [TensorSpec(dtype, shape)], {"axis": axis, "keepdims": keepdims})
+    assert (str(got.dtype), got.shape) == (spec.dtype, spec.shape)
+
+
+def test_a_huge_float_scalar_overflows_float16_to_inf_without_error() -> None:
+    x = np.array([1.0, -1.0], np.float16)
+    got = run_case(NumpyBackend(), Case("o", "multiply", (x, 1e10)))
+    np.testing.assert_array_equal(got, np.array([np.inf, -np.inf], np.float16))
