@@ -1,0 +1,89 @@
+"""What a worker says about itself on the relay: builds its signed presence message; no I/O but reading
+the free memory of its device."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from emberlink.protocol.presence import Presence, encode_presence
+from emberlink.server.device import parse_device
+
+if TYPE_CHECKING:
+    from emberlink.server.worker import Worker
+
+log = logging.getLogger("emberlink.server")
+
+
+def free_memory(spec: str) -> int:
+    """Bytes free on the device: the GPU's free memory for cuda:N, the host's available memory for cpu."""
+    kind, index = parse_device(spec)
+    if kind == "cuda":
+        try:
+            import cupy
+
+            with cupy.cuda.Device(index):
+                free, _total = cupy.cuda.runtime.memGetInfo()
+            return int(free)
+        except (ImportError, RuntimeError) as e:  # CUDARuntimeError is a RuntimeError: report 0, keep going
+            log.debug("presence: cannot read free memory of %s: %s", spec, e)
+            return 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def queued_work(worker: Worker) -> int:
+    """Work items waiting for the device thread (batches of every session, not yet applied)."""
+    # DeviceThread keeps a one-thread ThreadPoolExecutor; its queue holds what is not running yet.
+    queue = getattr(getattr(worker.device, "_pool", None), "_work_queue", None)
+    try:
+        return int(queue.qsize()) if queue is not None else 0
+    except (AttributeError, NotImplementedError):
+        return 0
+
+
+class PresenceSource:
+    """Builds the worker's current presence message each time it is called (a `transport.presence.Payload`).
+
+    `serving()` says whether clients can reach the worker through the relay right now; while it
+    is false the worker stays silent, so nobody is sent to a relay path that is not there.
+    """
+
+    def __init__(self, worker: Worker, ticket: str, serving: Callable[[], bool] | None = None) -> None:
+        self._worker = worker
+        self._ticket = ticket
+        self._serving = serving
+        self._seq = itertools.count(1)
+
+    def current(self) -> Presence:
+        worker = self._worker
+        return Presence(
+            ticket=self._ticket,
+            device=worker.device.spec,
+            free_bytes=free_memory(worker.device.spec),
+            sessions=len(worker.sessions),
+            queued=queued_work(worker),
+            admits_anyone=worker.allow.admits_anyone,
+            draining=worker.draining,
+            seq=next(self._seq),
+        )
+
+    def __call__(self) -> bytes | None:
+        if self._serving is not None and not self._serving():
+            return None
+        return encode_presence(self.current(), self._worker.identity)
+
+
+__all__ = ["PresenceSource", "free_memory", "queued_work"]

@@ -1,0 +1,196 @@
+"""Presence on a NATS relay: a worker's beacon (periodic messages, answers to queries) and the query
+that collects them; carries opaque bytes only, never reads what a presence message says.
+
+Subjects: a worker publishes on `emberlink.presence.<node-id>` every few seconds and answers a query
+published on `emberlink.discover` by replying to the query's inbox. The query itself is empty: it
+says nothing about who asks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from emberlink.errors import TransportError
+from emberlink.transport.nats import _node_subject, _open, _redact
+
+log = logging.getLogger("emberlink.transport.presence")
+
+PRESENCE_PREFIX = "emberlink.presence."
+QUERY_SUBJECT = "emberlink.discover"
+INTERVAL_S = 2.0
+_BACKOFF_FIRST_S = 0.1
+_BACKOFF_MAX_S = 2.0
+
+Payload = Callable[[], bytes | None]
+"""Builds the current presence message; None means "stay silent now" (e.g. not serving the relay)."""
+
+
+def presence_subject(node_id: str) -> str:
+    return PRESENCE_PREFIX + _node_subject(node_id).rpartition(".")[2]
+
+
+class Beacon:
+    """Publishes `payload()` on the node's presence subject every `interval` s and answers queries.
+
+    It holds its own NATS connection and re-attaches, with backoff, whenever the relay goes away
+    (including when it is unreachable at start), until `stop()`.
+    """
+
+    def __init__(
+        self, url: str, node_id: str, payload: Payload, *, interval: float = INTERVAL_S, timeout: float = 5.0
+    ) -> None:
+        self.url = url
+        self.subject = presence_subject(node_id)
+        self._payload = payload
+        self._interval = interval
+        self._timeout = timeout
+        self._nc: Client | None = None
+        self._lost = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.attached = asyncio.Event()
+
+    async def start(self) -> None:
+        """Start beaconing; returns at once, attaching in the background if the relay is not up yet."""
+        self._lost.set()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"presence {self.subject}")
+
+    async def _attach(self) -> None:
+        nc = await _open(self.url, self._timeout, self._on_lost)
+        try:
+            await nc.subscribe(QUERY_SUBJECT, cb=self._on_query)
+            await nc.flush(self._timeout)  # type: ignore[arg-type]  # nats-py takes any number
+        except (TimeoutError, nats.errors.Error) as e:
+            await nc.close()
+            raise TransportError(f"cannot subscribe on NATS relay at {_redact(self.url)}: {e}") from e
+        self._nc = nc
+        self._lost.clear()
+        self.attached.set()
+
+    async def _on_lost(self, nc: Client) -> None:
+        if nc is self._nc:
+            self._nc = None
+            self.attached.clear()
+            self._lost.set()
+
+    async def _run(self) -> None:
+        delay = _BACKOFF_FIRST_S
+        while True:
+            if self._lost.is_set():
+                try:
+                    await self._attach()
+                except TransportError as e:
+                    log.debug("presence: attaching to %s failed: %s", _redact(self.url), e)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, _BACKOFF_MAX_S)
+                    continue
+                delay = _BACKOFF_FIRST_S
+            await self.publish()
+            try:
+                await asyncio.wait_for(self._lost.wait(), self._interval)
+            except TimeoutError:
+                pass
+
+    async def publish(self) -> None:
+        """Publish the current presence now (e.g. right after the load changed); no-op while detached."""
+        nc = self._nc
+        data = self._payload()
+        if nc is None or data is None:
+            return
+        try:
+            await nc.publish(self.subject, data)
+        except nats.errors.Error as e:
+            log.debug("presence: publish on %s failed: %s", self.subject, e)
+
+    async def _on_query(self, msg: Msg) -> None:
+        data = self._payload()
+        if not msg.reply or data is None:
+            return
+        try:
+            await msg.respond(data)
+        except nats.errors.Error as e:
+            log.debug("presence: answering a query failed: %s", e)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        nc, self._nc = self._nc, None
+        self.attached.clear()
+        if nc is not None:
+            await nc.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Heard:
+    """One presence message as it arrived: an answer to our query, or a periodic one."""
+
+    subject: str
+    data: bytes
+    answer: bool
+
+
+async def query(url: str, *, window: float, quiet: float, timeout: float = 5.0) -> list[Heard]:
+    """Ask every worker on the relay for its presence and listen to the periodic ones.
+
+    Returns after `window` seconds, or earlier once some worker answered and no further answer
+    came for `quiet` seconds. TransportError if the relay cannot be reached.
+    """
+    loop = asyncio.get_running_loop()
+    heard: list[Heard] = []
+    last_answer: list[float] = []
+    arrived = asyncio.Event()
+
+    async def lost(_nc: Client) -> None:
+        arrived.set()
+
+    nc = await _open(url, timeout, lost)
+    inbox = nc.new_inbox()
+
+    async def on_answer(msg: Msg) -> None:
+        heard.append(Heard(msg.subject, msg.data, True))
+        last_answer[:] = [loop.time()]
+        arrived.set()
+
+    async def on_periodic(msg: Msg) -> None:
+        heard.append(Heard(msg.subject, msg.data, False))
+
+    start = loop.time()
+    try:
+        await nc.subscribe(inbox, cb=on_answer)
+        await nc.subscribe(PRESENCE_PREFIX + "*", cb=on_periodic)
+        await nc.publish(QUERY_SUBJECT, b"", reply=inbox)
+        await nc.flush(timeout)  # type: ignore[arg-type]  # nats-py takes any number
+        while not nc.is_closed:
+            now = loop.time()
+            end = start + window
+            if last_answer:
+                end = min(end, last_answer[0] + quiet)
+            if now >= end:
+                break
+            arrived.clear()
+            try:
+                await asyncio.wait_for(arrived.wait(), end - now)
+            except TimeoutError:
+                pass
+    except (TimeoutError, nats.errors.Error) as e:
+        raise TransportError(f"cannot query presence on {_redact(url)}: {type(e).__name__}: {e}") from e
+    finally:
+        closed = nc.is_closed
+        await nc.close()
+    if closed:
+        raise TransportError(f"lost the NATS relay at {_redact(url)} while collecting presence")
+    return heard
+
+
+__all__ = ["PRESENCE_PREFIX", "QUERY_SUBJECT", "Beacon", "Heard", "presence_subject", "query"]
