@@ -158,17 +158,16 @@ async def serve(config: WorkerConfig) -> int:
 
 
 async def start_relay(worker: Worker, url: str, ticket: Ticket) -> Any:
-    """Attach to the NATS relay (when this build has the NATS transport) and run the relay hooks."""
+    """Serve through the NATS relay and publish presence (server/relay.py), then run the relay hooks."""
     try:
-        from emberlink.transport.nats import NatsListener
-    except ModuleNotFoundError as e:
+        from emberlink.server.relay import RelayService
+    except ImportError as e:  # nats-py missing: transport.nats raises ImportError saying so
         raise ConfigError(f"--relay needs the NATS transport: pip install 'emberlink[nats]' ({e})") from e
-    listener = NatsListener(url, worker.node_id, worker.handle)
-    await listener.start()
-    log.info("worker %s attached to relay %s", worker.node_id, url)
+    service = RelayService(worker, url, ticket)
+    await service.start()  # a relay that is down now is retried in the background
     for hook in RELAY_HOOKS:
-        await hook(worker, listener, ticket)
-    return listener
+        await hook(worker, service.listener, ticket)
+    return service
 
 
 def write_ticket(path: Path, ticket: str) -> None:
