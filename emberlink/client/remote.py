@@ -288,7 +288,7 @@ class RemoteExecutor:
 
     def upload(self, buf: int, array: np.ndarray) -> None:
         self._check()
-        a = np.ascontiguousarray(array)
+        a = array if array.flags.c_contiguous else np.array(array, order="C")
         if a.dtype.name not in m.DTYPES:
             raise DTypeError(f"dtype {a.dtype} cannot be sent to a worker; allowed: {', '.join(m.DTYPES)}")
         self._pending.append(m.Upload(buf, a.dtype.name, tuple(a.shape), int(a.nbytes)))

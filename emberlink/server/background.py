@@ -1,8 +1,9 @@
-"""A worker running in this process, on its own event-loop thread: for `emberlink demo`, tests, benches.
+"""A worker running inside this process, on an event-loop thread: for `emberlink demo`, tests, benches.
 
-It listens on loopback gRPC (port 0) and, optionally, on an in-process memory endpoint. The
-memory transport is single-loop, so clients of that endpoint run their session on this same
-loop (`loop_thread`); gRPC clients can live anywhere.
+It listens on loopback gRPC (port 0) and, optionally, on an in-process memory endpoint. By default
+it runs on the process's I/O loop (`client.loop.io_loop`), the one remote devices use: the memory
+transport is single-loop, so clients of that endpoint must share the worker's loop, and a loop
+that carried gRPC is never closed (see client/loop.py), so no extra loop is made and thrown away.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, Self, TypeVar
 
-from emberlink.client.loop import LoopThread
+from emberlink.client.loop import LoopThread, io_loop
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.ticket import Ticket
 from emberlink.server.worker import Worker
@@ -24,7 +25,7 @@ _names = itertools.count(1)
 
 
 class BackgroundWorker:
-    """`Worker` + listeners on a `LoopThread`. Use as a context manager or call `stop()`."""
+    """`Worker` plus listeners on a loop thread. A context manager; or call `stop()`."""
 
     def __init__(
         self,
@@ -39,27 +40,25 @@ class BackgroundWorker:
     ) -> None:
         self.identity = identity if identity is not None else Identity.generate(os.urandom)
         self.allow = allow if allow is not None else AllowPolicy.allow_any()
-        self._owns_loop = loop_thread is None
-        self.loop_thread = loop_thread if loop_thread is not None else LoopThread("emberlink-worker")
+        self.loop_thread = loop_thread if loop_thread is not None else io_loop()
+        self.host = host
         self.port: int | None = None
         self.memory_name: str | None = None
         self.hub: Any = None
         self._listeners: list[Any] = []
         self._stopped = False
+        self.worker = Worker(self.identity, self.allow, **worker_options)
         try:
-            self.worker: Worker = self.loop_thread.call(self._start(grpc, memory, host, worker_options), 30)
+            self.call(self._start(grpc, memory), 30)
         except BaseException:
-            if self._owns_loop:
-                self.loop_thread.stop()
+            self.stop()
             raise
-        self.host = host
 
-    async def _start(self, grpc: bool, memory: bool, host: str, options: dict[str, Any]) -> Worker:
-        worker = Worker(self.identity, self.allow, **options)
+    async def _start(self, grpc: bool, memory: bool) -> None:
         if grpc:
             from emberlink.transport.grpc import GrpcListener
 
-            listener = GrpcListener(host, 0, worker.handle)
+            listener = GrpcListener(self.host, 0, self.worker.handle)
             self.port = await listener.start()
             self._listeners.append(listener)
         if memory:
@@ -67,10 +66,9 @@ class BackgroundWorker:
 
             self.hub = MemoryHub()
             self.memory_name = f"worker-{next(_names)}"
-            mem = MemoryListener(self.memory_name, worker.handle, hub=self.hub)
+            mem = MemoryListener(self.memory_name, self.worker.handle, hub=self.hub)
             await mem.start()
             self._listeners.append(mem)
-        return worker
 
     @property
     def node_id(self) -> str:
@@ -83,30 +81,30 @@ class BackgroundWorker:
             raise RuntimeError("this worker has no gRPC listener")
         return str(Ticket(self.node_id, ((self.host, self.port),)))
 
-    def call(self, fn: Awaitable[T] | Coroutine[Any, Any, T], timeout: float | None = 30) -> T:
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 30) -> T:
         """Run a coroutine on the worker's loop and wait for it."""
-        return self.loop_thread.call(fn, timeout)  # type: ignore[arg-type]
+        return self.loop_thread.call(coro, timeout)
 
     def drain(self, timeout: float = 30) -> None:
-        """What SIGTERM does: finish queued work and end every session with going_away."""
+        """What SIGTERM does: stop accepting, finish queued work, end every session with going_away."""
         self.call(self._drain(), timeout)
 
     async def _drain(self) -> None:
         await self.worker.drain()
-        for listener in self._listeners:
+        listeners, self._listeners = self._listeners, []
+        for listener in listeners:
             await listener.stop(1.0)
-        self._listeners.clear()
 
     def stop(self) -> None:
-        if self._stopped or not self.loop_thread.alive:
+        """Drain, stop the listeners and the device thread. Idempotent."""
+        if self._stopped:
             return
         self._stopped = True
         try:
-            self.call(self._drain(), 30)
+            if self.loop_thread.alive:
+                self.call(self._drain(), 30)
         finally:
             self.worker.close()
-            if self._owns_loop:
-                self.loop_thread.stop()
 
     def __enter__(self) -> Self:
         return self

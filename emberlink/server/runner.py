@@ -213,7 +213,7 @@ class BatchRunner:
             failure: Failure = e.args[0]
             out.messages.append(m.Error(msg.rid, failure.code, failure.message))
             return
-        host = np.ascontiguousarray(self._backend.to_numpy(value))
+        host = _c_order(self._backend.to_numpy(value))
         out.messages.append(m.Result(msg.rid, host.dtype.name, tuple(host.shape), int(host.nbytes)))
         out.bulks.append(host)
 
@@ -229,3 +229,8 @@ class BatchRunner:
         """Free everything the session holds; later batches are discarded."""
         self.closed = True
         self._store.clear()
+
+
+def _c_order(a: np.ndarray) -> np.ndarray:
+    """a, or a C-ordered copy (np.ascontiguousarray would turn a 0-d array into 1-d)."""
+    return a if a.flags.c_contiguous else np.array(a, order="C")

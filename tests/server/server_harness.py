@@ -1,0 +1,125 @@
+"""Helpers for the worker's tests: remote devices over in-process workers, and a raw session client
+that speaks the session protocol frame by frame, so tests can send what a real client never would
+(forged registers, garbage, out-of-order batches)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from emberlink import Device
+from emberlink.client.remote import RemoteExecutor, connect_link, connect_ticket
+from emberlink.errors import TransportError
+from emberlink.protocol import messages as m
+from emberlink.protocol.channel import BULK, MESSAGE, Channel, split_frames
+from emberlink.protocol.handshake import ClientHandshake
+from emberlink.protocol.identity import Identity
+from emberlink.protocol.ticket import Ticket
+from emberlink.server.background import BackgroundWorker
+from emberlink.transport import memory
+from emberlink.transport.base import Link
+
+
+class RawClient:
+    """A client that builds and reads frames itself (runs on the worker's loop)."""
+
+    def __init__(self, link: Link, channel: Channel) -> None:
+        self.link = link
+        self.channel = channel
+
+    @classmethod
+    async def connect(cls, worker: BackgroundWorker, identity: Identity) -> RawClient:
+        link = await memory.connect(worker.memory_name, hub=worker.hub)  # type: ignore[arg-type]
+        hs = ClientHandshake(identity, worker.node_id, os.urandom)
+        await link.send(hs.hello())
+        auth, channel, _ = hs.receive_welcome(await link.recv())
+        await link.send(auth)
+        return cls(link, channel)
+
+    async def send(
+        self, seq: int, messages: Sequence[m.ClientMessage], bulks: Sequence[np.ndarray] = ()
+    ) -> None:
+        frames: list[bytes | bytearray] = [
+            self.channel.seal(m.encode_batch(m.Batch(seq, tuple(messages))), MESSAGE)
+        ]
+        for array in bulks:
+            frames.extend(self.channel.seal_chunks(memoryview(np.array(array, order="C")).cast("B")))
+        await self.link.send(b"".join(frames))
+
+    async def reply(self) -> tuple[m.Reply, list[np.ndarray]]:
+        """The next Reply and the arrays of its Results (in message order)."""
+        frames = split_frames(await self.link.recv())
+        kind, plain = self.channel.open(frames[0])
+        assert kind is MESSAGE
+        reply = m.decode_reply(plain)
+        arrays: list[np.ndarray] = []
+        rest = list(frames[1:])
+        for msg in reply.messages:
+            if type(msg) is m.Result:
+                out = np.empty(msg.shape, msg.dtype)
+                view = memoryview(out).cast("B")
+                done = 0
+                while done < msg.nbytes:
+                    if not rest:
+                        rest = list(split_frames(await self.link.recv()))
+                    kind, n = self.channel.open_into(rest.pop(0), view[done:])
+                    assert kind is BULK
+                    done += n
+                arrays.append(out)
+        return reply, arrays
+
+    async def reply_until(self, ack: int) -> list[m.WorkerMessage]:
+        """Every message received until the worker acknowledges batch `ack`."""
+        got: list[m.WorkerMessage] = []
+        while True:
+            reply, _ = await self.reply()
+            got.extend(reply.messages)
+            if reply.ack >= ack:
+                return got
+
+    async def ended(self) -> bool:
+        """Whether the worker closed the link (reading what is left first)."""
+        try:
+            while True:
+                await self.link.recv()
+        except TransportError:
+            return True
+
+    async def close(self) -> None:
+        await self.link.close()
+
+
+def new_identity() -> Identity:
+    return Identity.generate(os.urandom)
+
+
+def memory_device(worker: BackgroundWorker, identity: Identity | None = None) -> Device:
+    """A remote Device over the worker's memory endpoint (the session runs on the worker's loop)."""
+    executor = connect_link(
+        lambda: memory.connect(worker.memory_name, hub=worker.hub),  # type: ignore[arg-type]
+        worker.node_id,
+        identity or new_identity(),
+        path="memory",
+        loop_thread=worker.loop_thread,
+        timeout=10,
+    )
+    return Device(executor, "remote-memory")
+
+
+def grpc_device(worker: BackgroundWorker, identity: Identity | None = None) -> Device:
+    return Device(
+        connect_ticket(Ticket.parse(worker.ticket), identity or new_identity(), timeout=10), "remote-grpc"
+    )
+
+
+def executor_of(dev: Device) -> RemoteExecutor:
+    executor = dev._executor
+    assert isinstance(executor, RemoteExecutor)
+    return executor
+
+
+def worker_stats(dev: Device) -> dict[str, Any]:
+    return executor_of(dev).worker_stats()

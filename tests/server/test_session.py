@@ -1,0 +1,261 @@
+"""The worker's side of the session protocol, frame by frame (docs/internals.md section 6)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from server_harness import RawClient, memory_device, new_identity, worker_stats
+
+from emberlink.graph_replay.canonical import encode_graph, graph_id
+from emberlink.graph_replay.ir import Graph, Node, TensorSpec
+from emberlink.protocol import messages as m
+from emberlink.server.background import BackgroundWorker
+
+
+def scale_graph(n: int = 3) -> tuple[bytes, bytes]:
+    """(gid, body) of `x * s` for a float32 vector of n and a float binding."""
+    graph = Graph(
+        inputs=(TensorSpec("float32", (n,)),),
+        bindings=("float",),
+        nodes=(Node("multiply", (0, 1)),),
+        outputs=(2,),
+    )
+    body = encode_graph(graph)
+    return graph_id(body), body
+
+
+def upload(tid: int, array: np.ndarray) -> m.Upload:
+    return m.Upload(tid, array.dtype.name, array.shape, array.nbytes)
+
+
+X = np.array([1.0, 2.0, 3.0], np.float32)
+
+
+def run(worker: BackgroundWorker, coro):  # noqa: ANN001, ANN201
+    return worker.call(coro, 20)
+
+
+def test_one_batch_uploads_executes_and_reads(worker: BackgroundWorker) -> None:
+    gid, body = scale_graph()
+
+    async def go() -> tuple[m.Reply, list[np.ndarray]]:
+        c = await RawClient.connect(worker, new_identity())
+        await c.send(
+            1, [upload(1, X), m.Register(gid, body), m.Execute(gid, (1,), (2.0,), 2), m.Read(1, 2)], [X]
+        )
+        out = await c.reply()
+        await c.close()
+        return out
+
+    reply, arrays = run(worker, go())
+    assert reply.ack == 1
+    assert reply.messages == (m.Result(1, "float32", (3,), 12),)
+    np.testing.assert_array_equal(arrays[0], X * 2)
+
+
+def test_forged_register_is_refused_and_ends_only_that_session(worker: BackgroundWorker) -> None:
+    gid, body = scale_graph()
+    _, other_body = scale_graph(4)
+    bystander = memory_device(worker)
+
+    async def go() -> list[m.WorkerMessage]:
+        c = await RawClient.connect(worker, new_identity())
+        await c.send(1, [m.Register(gid, other_body)])
+        got = (await c.reply())[0].messages
+        assert await c.ended()
+        return list(got)
+
+    (error,) = run(worker, go())
+    assert type(error) is m.Error and error.rid == 0 and error.code == "refused"
+    assert "does not match" in error.message or "mismatch" in error.message
+    assert float((bystander.tensor(X) * 3.0).sum()) == 18.0
+    bystander.close()
+
+
+@pytest.mark.parametrize("garbage", [b"\x00" * 64, bytes(range(256)) * 3, b"\x01\x01" + b"\xff" * 40])
+def test_malformed_frame_after_handshake_ends_only_that_session(
+    worker: BackgroundWorker, garbage: bytes
+) -> None:
+    bystander = memory_device(worker)
+    x = bystander.tensor(X)
+
+    async def go() -> bool:
+        c = await RawClient.connect(worker, new_identity())
+        await c.link.send(garbage)
+        return await c.ended()
+
+    assert run(worker, go())
+    np.testing.assert_array_equal((x + 1.0).numpy(), X + 1)
+    assert worker_stats(bystander)["sessions_open"] == 1
+    bystander.close()
+
+
+def test_frame_sealed_for_another_session_is_refused(worker: BackgroundWorker) -> None:
+    async def go() -> bool:
+        a = await RawClient.connect(worker, new_identity())
+        b = await RawClient.connect(worker, new_identity())
+        frame = a.channel.seal(m.encode_batch(m.Batch(1, (m.Sync(1),))))
+        await b.link.send(frame)
+        ended = await b.ended()
+        await a.close()
+        return ended
+
+    assert run(worker, go())
+
+
+def test_batches_out_of_order_are_refused(worker: BackgroundWorker) -> None:
+    async def go() -> list[m.WorkerMessage]:
+        c = await RawClient.connect(worker, new_identity())
+        await c.send(2, [m.Sync(1)])
+        got = list((await c.reply())[0].messages)
+        assert await c.ended()
+        return got
+
+    (error,) = run(worker, go())
+    assert error.code == "refused" and "order" in error.message
+
+
+def test_unknown_graph_applies_nothing_of_its_batch_and_discards_later_batches(
+    worker: BackgroundWorker,
+) -> None:
+    gid, body = scale_graph()
+
+    async def go() -> tuple[list[m.WorkerMessage], list[m.WorkerMessage], list[np.ndarray]]:
+        c = await RawClient.connect(worker, new_identity())
+        # Batch 1 uploads and executes a graph the worker has never seen: nothing of it applies.
+        await c.send(1, [upload(1, X), m.Execute(gid, (1,), (2.0,), 2), m.Read(1, 2)], [X])
+        # Batch 2 was already on its way; it must be discarded, not applied out of turn.
+        await c.send(2, [m.Read(2, 1)])
+        first = list((await c.reply())[0].messages)
+        # The resend: batch 1 again with the Register first, then batch 2.
+        await c.send(
+            1, [m.Register(gid, body), upload(1, X), m.Execute(gid, (1,), (2.0,), 2), m.Read(1, 2)], [X]
+        )
+        await c.send(2, [m.Read(2, 1)])
+        second: list[m.WorkerMessage] = []
+        arrays: list[np.ndarray] = []
+        while True:
+            reply, got = await c.reply()
+            second.extend(reply.messages)
+            arrays.extend(got)
+            if reply.ack == 2:
+                break
+        await c.close()
+        return first, second, arrays
+
+    first, second, arrays = run(worker, go())
+    assert first == [m.GraphUnknown(1, gid)]
+    assert second == [m.Result(1, "float32", (3,), 12), m.Result(2, "float32", (3,), 12)]
+    np.testing.assert_array_equal(arrays[0], X * 2)
+    np.testing.assert_array_equal(arrays[1], X)
+
+
+def test_graph_cache_survives_a_reconnect_of_the_same_client(worker: BackgroundWorker) -> None:
+    gid, body = scale_graph()
+    me = new_identity()
+
+    async def go() -> list[m.WorkerMessage]:
+        c = await RawClient.connect(worker, me)
+        await c.send(1, [m.Register(gid, body), m.Sync(1)])
+        await c.reply_until(1)
+        await c.close()
+        again = await RawClient.connect(worker, me)
+        await again.send(1, [upload(1, X), m.Execute(gid, (1,), (3.0,), 2), m.Read(1, 2)], [X])
+        got = await again.reply_until(1)
+        await again.close()
+        return got
+
+    (result,) = run(worker, go())
+    assert type(result) is m.Result
+
+
+def test_clients_see_neither_each_others_graphs_nor_their_cache_figures(worker: BackgroundWorker) -> None:
+    gid, body = scale_graph()
+
+    async def go() -> tuple[list[m.WorkerMessage], dict, dict]:
+        a = await RawClient.connect(worker, new_identity())
+        b = await RawClient.connect(worker, new_identity())
+        await b.send(1, [m.Stats(1)])
+        (before,) = await b.reply_until(1)
+        await a.send(
+            1, [m.Register(gid, body), upload(1, X), m.Execute(gid, (1,), (2.0,), 2), m.Sync(1)], [X]
+        )
+        await a.reply_until(1)
+        await a.send(2, [m.Execute(gid, (1,), (2.0,), 3), m.Sync(2)])
+        await a.reply_until(2)
+        # b names a's graph without registering it: for b it does not exist.
+        await b.send(2, [upload(1, X), m.Execute(gid, (1,), (2.0,), 2), m.Read(2, 2)], [X])
+        unknown = await b.reply_until(1)
+        await b.send(2, [m.Stats(3)])
+        (after,) = await b.reply_until(2)
+        await a.close()
+        await b.close()
+        return unknown, before.stats, after.stats
+
+    unknown, before, after = run(worker, go())
+    assert unknown == [m.GraphUnknown(2, gid)]
+    cache_before = {k: v for k, v in before.items() if k.startswith("cache_") and k != "cache_misses"}
+    cache_after = {k: v for k, v in after.items() if k.startswith("cache_") and k != "cache_misses"}
+    assert cache_before == cache_after  # a's register and hit changed nothing b can see
+    assert after["cache_misses"] == before["cache_misses"] + 1  # b's own miss only
+
+
+def test_execution_error_poisons_only_its_outputs_and_the_session_lives(worker: BackgroundWorker) -> None:
+    gid, body = scale_graph(3)
+    wrong = np.arange(4, dtype=np.float32)  # the graph wants 3 elements
+
+    async def go() -> list[m.WorkerMessage]:
+        c = await RawClient.connect(worker, new_identity())
+        await c.send(
+            1,
+            [
+                upload(1, wrong),
+                upload(5, X),
+                m.Register(gid, body),
+                m.Execute(gid, (1,), (2.0,), 2),  # fails: poisons 2
+                m.Execute(gid, (2,), (2.0,), 3),  # reads poisoned 2: poisons 3 with the same error
+                m.Execute(gid, (5,), (2.0,), 4),  # fine
+                m.Read(1, 3),
+                m.Read(2, 4),
+                m.Sync(3),
+                m.Sync(4),
+            ],
+            [wrong, X],
+        )
+        got = await c.reply_until(1)
+        await c.close()
+        return got
+
+    err3, ok4, sync_err, sync_done = run(worker, go())
+    assert type(err3) is m.Error and err3.rid == 1 and err3.code == "execution" and "input 0" in err3.message
+    assert type(ok4) is m.Result and ok4.rid == 2
+    assert type(sync_err) is m.Error and sync_err.rid == 3 and sync_err.message == err3.message
+    assert sync_done == m.Done(4)  # a sync reports each failure once
+
+
+def test_reading_an_unknown_or_dropped_tensor_answers_unknown_tensor(worker: BackgroundWorker) -> None:
+    async def go() -> list[m.WorkerMessage]:
+        c = await RawClient.connect(worker, new_identity())
+        await c.send(1, [upload(1, X), m.Drop((1, 99)), m.Read(1, 1), m.Read(2, 7)], [X])
+        got = await c.reply_until(1)
+        await c.close()
+        return got
+
+    a, b = run(worker, go())
+    assert (a.code, b.code) == ("unknown_tensor", "unknown_tensor")
+
+
+def test_upload_over_the_session_quota_is_poisoned_and_its_bytes_are_skipped(make_worker) -> None:  # noqa: ANN001
+    worker = make_worker(max_session_bytes=1000)
+    big = np.ones(400, np.float32)  # 1600 bytes
+
+    async def go() -> list[m.WorkerMessage]:
+        c = await RawClient.connect(worker, new_identity())
+        await c.send(1, [upload(1, big), upload(2, X), m.Read(1, 1), m.Read(2, 2)], [big, X])
+        got = await c.reply_until(1)
+        await c.close()
+        return got
+
+    refused, fine = run(worker, go())
+    assert type(refused) is m.Error and refused.code == "quota"
+    assert type(fine) is m.Result
