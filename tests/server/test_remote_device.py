@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from server_harness import executor_of, grpc_device, memory_device, new_identity, worker_stats
+from server_harness import executor_of, grpc_device, memory_device, new_identity
 
 import emberlink as el
 from emberlink.client import remote
@@ -55,7 +55,7 @@ def test_training_gives_the_same_losses_as_the_local_cpu(
     assert stats["round_trips"] >= 8 and stats["bytes_sent"] > 0 and stats["bytes_received"] > 0
 
 
-def test_a_graph_cache_smaller_than_one_graph_still_trains_identically(make_worker) -> None:  # noqa: ANN001
+def test_a_graph_cache_smaller_than_one_graph_still_trains_identically(make_worker) -> None:
     worker = make_worker(graph_cache_bytes=64)
     with el.Device.cpu() as cpu:
         expected = mlp_losses(cpu, 6)
@@ -148,7 +148,7 @@ def test_execution_failure_raises_at_the_read_and_once_at_sync(worker: Backgroun
         assert float(dev.tensor(np.float32(2)) * 3.0) == 6.0
 
 
-def test_quota_exceeded_fails_that_session_only(make_worker) -> None:  # noqa: ANN001
+def test_quota_exceeded_fails_that_session_only(make_worker) -> None:
     worker = make_worker(max_session_bytes=1 << 20)
     with memory_device(worker) as greedy, memory_device(worker) as modest:
         small = modest.tensor(np.ones(1000, np.float32))
@@ -185,7 +185,7 @@ def test_sixteen_concurrent_clients_train_correctly(worker: BackgroundWorker) ->
         try:
             with grpc_device(worker) as dev:
                 results[i] = mlp_losses(dev, 200, seed=i % 2)
-        except BaseException as e:  # reported below, in the test's thread
+        except Exception as e:  # noqa: BLE001 - reported below, in the test's thread
             errors.append(e)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
@@ -199,7 +199,7 @@ def test_sixteen_concurrent_clients_train_correctly(worker: BackgroundWorker) ->
         assert losses == expected[i % 2]
 
 
-def test_unknown_client_key_is_refused_with_an_auth_error_naming_it(make_worker) -> None:  # noqa: ANN001
+def test_unknown_client_key_is_refused_with_an_auth_error_naming_it(make_worker) -> None:
     allowed = new_identity()
     worker = make_worker(allow=AllowPolicy.of([allowed.node_id]))
     stranger = new_identity()
@@ -216,7 +216,7 @@ def test_ticket_with_another_node_id_is_refused_before_any_data_is_sent(worker: 
     sent: list[bytes] = []
 
     class Recording:
-        def __init__(self, link) -> None:  # noqa: ANN001
+        def __init__(self, link) -> None:
             self.link, self.peer = link, link.peer
 
         async def send(self, blob: bytes) -> None:

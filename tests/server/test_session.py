@@ -31,7 +31,7 @@ def upload(tid: int, array: np.ndarray) -> m.Upload:
 X = np.array([1.0, 2.0, 3.0], np.float32)
 
 
-def run(worker: BackgroundWorker, coro):  # noqa: ANN001, ANN201
+def run(worker: BackgroundWorker, coro):
     return worker.call(coro, 20)
 
 
@@ -54,7 +54,7 @@ def test_one_batch_uploads_executes_and_reads(worker: BackgroundWorker) -> None:
 
 
 def test_forged_register_is_refused_and_ends_only_that_session(worker: BackgroundWorker) -> None:
-    gid, body = scale_graph()
+    gid, _ = scale_graph()
     _, other_body = scale_graph(4)
     bystander = memory_device(worker)
 
@@ -245,7 +245,7 @@ def test_reading_an_unknown_or_dropped_tensor_answers_unknown_tensor(worker: Bac
     assert (a.code, b.code) == ("unknown_tensor", "unknown_tensor")
 
 
-def test_upload_over_the_session_quota_is_poisoned_and_its_bytes_are_skipped(make_worker) -> None:  # noqa: ANN001
+def test_upload_over_the_session_quota_is_poisoned_and_its_bytes_are_skipped(make_worker) -> None:
     worker = make_worker(max_session_bytes=1000)
     big = np.ones(400, np.float32)  # 1600 bytes
 
