@@ -1,10 +1,9 @@
 """Reverse-mode autograd over recorded ops: `backward` and `no_grad`; records, never computes.
 
-Each op on a tensor that requires grad stores `(op, parents, saved inputs, input specs, attrs,
-saved output)` on its result. `backward` walks that history from the loss in topological order,
-applies `gradients.RULES` (which record more ops on the same device), accumulates into each
-leaf's `.grad`, and frees the history as it goes, so the saved values stop being outputs of the
-next flush.
+Each op on a tensor that requires grad hangs a `GradNode` on its result (tensor.py). `backward`
+walks those nodes from the loss in topological order, applies `gradients.RULES` (which record
+more ops on the same device), accumulates into each leaf's `.grad`, and frees each node as it
+goes, so the values it saved stop being outputs of the next flush.
 """
 
 from __future__ import annotations
@@ -13,13 +12,10 @@ from collections.abc import Callable
 from typing import Any, Self, TypeVar
 
 from emberlink.client.gradients import RULES, UNIT_SEED
-from emberlink.client.tensor import GRAD_MODE, Tensor, create
+from emberlink.client.tensor import GRAD_MODE, GradNode, Tensor, create
 from emberlink.errors import DeviceError, ShapeError
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-_FREED: tuple[Any, ...] = ("freed",)
-"""History of a tensor a backward pass already went through."""
 
 
 class no_grad:
@@ -47,29 +43,28 @@ class no_grad:
         return wrapper  # type: ignore[return-value]
 
 
-def _topological(root: Tensor) -> list[Tensor]:
-    """Tensors with history reachable from `root`, each before the tensors it was computed from."""
-    order: list[Tensor] = []
+def _topological(root: GradNode) -> list[GradNode]:
+    """Nodes reachable from `root`, each before the nodes of the values it was computed from."""
+    order: list[GradNode] = []
     seen: set[int] = set()
-    stack: list[tuple[Tensor, bool]] = [(root, False)]
+    stack: list[tuple[GradNode, bool]] = [(root, False)]
     while stack:
-        t, done = stack.pop()
+        node, done = stack.pop()
         if done:
-            order.append(t)
+            order.append(node)
             continue
-        if id(t) in seen:
+        if id(node) in seen:
             continue
-        seen.add(id(t))
-        stack.append((t, True))
-        ctx = t._ctx
-        if ctx is _FREED:
+        seen.add(id(node))
+        parents = node.parents
+        if parents is None:
             raise RuntimeError(
                 "backward through a graph a second time: its history was freed by the first backward()"
             )
-        if ctx is not None:
-            for p in ctx[1]:
-                if p is not None and p._ctx is not None and id(p) not in seen:
-                    stack.append((p, False))
+        stack.append((node, True))
+        for p in parents:
+            if type(p) is GradNode and id(p) not in seen:
+                stack.append((p, False))
     order.reverse()
     return order
 
@@ -78,14 +73,15 @@ def backward(root: Tensor, gradient: Tensor | None = None) -> None:
     """Accumulate d(root)/d(leaf) into `.grad` of every leaf that requires grad."""
     if not root._rg:
         raise RuntimeError("backward() on a tensor that does not require grad (no leaf it depends on does)")
+    node = root._ctx
+    g: Tensor | float
     if gradient is None:
         if root.size != 1:
             raise ShapeError(
                 f"backward() without a gradient needs a one-element tensor, got shape {root.shape}"
             )
-        ctx = root._ctx
-        if ctx is not None and ctx is not _FREED and ctx[0] in UNIT_SEED:
-            g: Tensor | float = 1.0  # the rule folds the seed into a binding: no ones tensor
+        if node is not None and node.op in UNIT_SEED:
+            g = 1.0  # the rule folds the seed into a binding: no ones tensor, no multiply
         else:
             g = create(root.device, "ones", (), (("dtype", root.dtype), ("shape", root.shape)))
     else:
@@ -98,30 +94,34 @@ def backward(root: Tensor, gradient: Tensor | None = None) -> None:
         g = gradient.detach().astype(root.dtype)
     prev, GRAD_MODE.enabled = GRAD_MODE.enabled, False
     try:
-        _run(root, g)
+        if node is None:  # the root is itself a leaf (g is a tensor: UNIT_SEED needs an op)
+            assert isinstance(g, Tensor)
+            _accumulate(root, g)
+        else:
+            _run(node, g)
     finally:
         GRAD_MODE.enabled = prev
 
 
-def _run(root: Tensor, g: Tensor | float) -> None:
-    if root._ctx is None:  # the root is itself a leaf
-        assert isinstance(g, Tensor)
-        root.grad = g if root.grad is None else root.grad + g
-        return
+def _accumulate(leaf: Tensor, g: Tensor) -> None:
+    leaf.grad = g if leaf.grad is None else leaf.grad + g
+
+
+def _run(root: GradNode, g: Tensor | float) -> None:
     grads: dict[int, Tensor | float] = {id(root): g}
-    for t in _topological(root):
-        ctx = t._ctx
-        t._ctx = _FREED
-        gt = grads.pop(id(t), None)
-        if gt is None or ctx is None:
-            continue
-        op, parents, saved, specs, attrs, out = ctx
-        for p, gp in zip(parents, RULES[op](gt, parents, saved, specs, attrs, out), strict=True):
-            if p is None or gp is None:
-                continue
-            if p._ctx is None:
-                p.grad = gp if p.grad is None else p.grad + gp
-            else:
-                k = id(p)
-                acc = grads.get(k)
-                grads[k] = gp if acc is None else acc + gp
+    for node in _topological(root):
+        gn = grads.pop(id(node), None)
+        parents = node.parents
+        assert parents is not None
+        if gn is not None:
+            for p, gp in zip(parents, RULES[node.op](gn, node), strict=True):
+                if p is None or gp is None:
+                    continue
+                if type(p) is GradNode:
+                    k = id(p)
+                    acc = grads.get(k)
+                    grads[k] = gp if acc is None else acc + gp
+                else:
+                    _accumulate(p, gp)
+        # Free the history as we go: saved values stop being outputs of the next flush.
+        node.parents = node.saved = node.out = None

@@ -122,6 +122,8 @@ class Device:
         self._graphs_built = 0
         self._memo_hits = 0
         self._flushes = 0
+        self._outputs_kept = 0
+        self._nodes_recorded = 0
         self._new_segment()
 
     # -- constructors -----------------------------------------------------------------------------
@@ -251,6 +253,7 @@ class Device:
                 outputs.append(i)
                 values.append(v)
         key = (tuple(entries), tuple(self._in_specs), tuple(self._bind_kinds), tuple(outputs))
+        self._nodes_recorded += len(entries)
         self._new_segment()
         if not outputs:  # nothing recorded is still wanted
             return
@@ -269,6 +272,7 @@ class Device:
         slots = memo.binding_slots
         bindings = tuple(bind_vals) if slots is None else tuple(bind_vals[b] for b in slots)
         self._flushes += 1
+        self._outputs_kept += len(values)
         call = Call(inputs, bindings, tuple(range(base, base + len(values))))
         self._executor.execute(memo.graph, memo.gid, call)
 
@@ -308,14 +312,18 @@ class Device:
         self._executor.sync()
 
     def stats(self) -> dict[str, int | str]:
-        """Executor counters (bytes_sent, bytes_received, round_trips, graphs_registered,
-        graph_replays, ...) plus this client's: graphs_built (memo misses), graph_memo_hits, flushes.
+        """Counters: the executor's (bytes_sent, bytes_received, round_trips, graphs_registered,
+        graph_replays, ...) and this client's: graphs_built (segments whose graph was new),
+        graph_memo_hits (segments that reused one), flushes (graphs sent), outputs_kept (values
+        materialized by flushes), nodes_recorded (flushed so far) and pending_nodes.
         """
         out = dict(self._executor.stats())
         out.update(
             graphs_built=self._graphs_built,
             graph_memo_hits=self._memo_hits,
             flushes=self._flushes,
+            outputs_kept=self._outputs_kept,
+            nodes_recorded=self._nodes_recorded,
             pending_nodes=len(self._entries),
         )
         return out

@@ -10,10 +10,11 @@ axes) and cast to the input's dtype.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from emberlink.client.tensor import Scalar, Tensor, apply, create
+from emberlink.client.tensor import GradNode, Scalar, Tensor, apply, create
 
 Spec = tuple[str, tuple[int, ...]]
 Rule = Callable[..., Sequence[Tensor | None]]
@@ -51,57 +52,64 @@ def _zeros_where(mask: Tensor, g: Tensor, keep_if: bool) -> Tensor:
     return apply("where", (mask, g, 0) if keep_if else (mask, 0, g))
 
 
-def _add(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    return _fit(g, S[0]) if P[0] is not None else None, _fit(g, S[1]) if P[1] is not None else None
+def _add(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    return _fit(g, n.specs[0]) if n.parents[0] is not None else None, _fit(g, n.specs[1]) if n.parents[
+        1
+    ] is not None else None
 
 
-def _subtract(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    return _fit(g, S[0]) if P[0] is not None else None, _fit(-g, S[1]) if P[1] is not None else None
+def _subtract(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    return _fit(g, n.specs[0]) if n.parents[0] is not None else None, _fit(-g, n.specs[1]) if n.parents[
+        1
+    ] is not None else None
 
 
-def _multiply(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    a, b = _t(V[0]), _t(V[1])
-    return _fit(g * b, S[0]) if P[0] is not None else None, _fit(g * a, S[1]) if P[1] is not None else None
+def _multiply(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    a, b = _t(n.saved[0]), _t(n.saved[1])
+    return _fit(g * b, n.specs[0]) if n.parents[0] is not None else None, _fit(
+        g * a, n.specs[1]
+    ) if n.parents[1] is not None else None
 
 
-def _divide(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    a, b = _t(V[0]), _t(V[1])
-    ga = _fit(g / b, S[0]) if P[0] is not None else None
-    gb = _fit(-(g * a) / (b * b), S[1]) if P[1] is not None else None
+def _divide(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    a, b = _t(n.saved[0]), _t(n.saved[1])
+    ga = _fit(g / b, n.specs[0]) if n.parents[0] is not None else None
+    gb = _fit(-(g * a) / (b * b), n.specs[1]) if n.parents[1] is not None else None
     return ga, gb
 
 
-def _pow(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    a, b, out = _t(V[0]), _t(V[1]), Tensor(O)
-    ga = _fit(g * (b * a ** (b - 1)), S[0]) if P[0] is not None else None
-    gb = _fit(g * (out * a.log()), S[1]) if P[1] is not None else None
+def _pow(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    a, b, out = _t(n.saved[0]), _t(n.saved[1]), Tensor(n.out)
+    ga = _fit(g * (b * a ** (b - 1)), n.specs[0]) if n.parents[0] is not None else None
+    log_a = math.log(a) if isinstance(a, float | int) else a.log()
+    gb = _fit(g * (out * log_a), n.specs[1]) if n.parents[1] is not None else None
     return ga, gb
 
 
 def _extremum(ge: bool) -> Rule:
-    def rule(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-        a, b = _t(V[0]), _t(V[1])
+    def rule(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+        a, b = _t(n.saved[0]), _t(n.saved[1])
         # Ties send the whole gradient to the first operand, so the two parts sum to g.
         mask = apply("greater_equal" if ge else "less_equal", (a, b))
-        ga = _fit(_zeros_where(mask, g, True), S[0]) if P[0] is not None else None
-        gb = _fit(_zeros_where(mask, g, False), S[1]) if P[1] is not None else None
+        ga = _fit(_zeros_where(mask, g, True), n.specs[0]) if n.parents[0] is not None else None
+        gb = _fit(_zeros_where(mask, g, False), n.specs[1]) if n.parents[1] is not None else None
         return ga, gb
 
     return rule
 
 
-def _where(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    c = Tensor(V[0])
-    gx = _fit(_zeros_where(c, g, True), S[1]) if P[1] is not None else None
-    gy = _fit(_zeros_where(c, g, False), S[2]) if P[2] is not None else None
+def _where(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    c = Tensor(n.saved[0])
+    gx = _fit(_zeros_where(c, g, True), n.specs[1]) if n.parents[1] is not None else None
+    gy = _fit(_zeros_where(c, g, False), n.specs[2]) if n.parents[2] is not None else None
     return None, gx, gy
 
 
 def _unary(fn: Callable[[Tensor, Any, Any], Tensor]) -> Rule:
-    def rule(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-        x = None if V is None else Tensor(V[0])
-        out = None if O is None else Tensor(O)
-        return (_fit(fn(g, x, out), S[0]),)
+    def rule(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+        x = None if n.saved is None else Tensor(n.saved[0])
+        out = None if n.out is None else Tensor(n.out)
+        return (_fit(fn(g, x, out), n.specs[0]),)
 
     return rule
 
@@ -121,18 +129,18 @@ _UNARY: dict[str, Callable[[Tensor, Any, Any], Tensor]] = {
 }
 
 
-def _astype(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    return (g.astype(S[0][0]),)
+def _astype(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    return (g.astype(n.specs[0][0]),)
 
 
 def _keepdims_shape(shape: tuple[int, ...], axis: tuple[int, ...] | None) -> tuple[int, ...]:
     return tuple(1 if axis is None or i in axis else d for i, d in enumerate(shape))
 
 
-def _reduction_parts(g: Tensor, S: Any, A: Any) -> tuple[Tensor, tuple[int, ...], tuple[int, ...] | None]:
+def _reduction_parts(g: Tensor, n: GradNode) -> tuple[Tensor, tuple[int, ...], tuple[int, ...] | None]:
     """The output gradient with the reduced axes kept (size 1), the input shape, and the axes."""
-    attrs = dict(A)
-    axis, shape = attrs["axis"], S[0][1]
+    attrs = dict(n.attrs)
+    axis, shape = attrs["axis"], n.specs[0][1]
     kshape = _keepdims_shape(shape, axis)
     return g.reshape(kshape), shape, axis
 
@@ -145,33 +153,33 @@ def _count(shape: tuple[int, ...], axis: tuple[int, ...] | None) -> int:
     return n
 
 
-def _sum(g: Tensor | float, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
+def _sum(g: Tensor | float, n: GradNode) -> Sequence[Tensor | None]:
     if isinstance(g, float):  # the implicit seed of backward(): every element gets 1
-        return (create(P[0].device, "full", (g,), (("dtype", S[0][0]), ("shape", S[0][1]))),)
-    gk, shape, _ = _reduction_parts(g, S, A)
+        return (create(n.dev, "full", (g,), (("dtype", n.specs[0][0]), ("shape", n.specs[0][1]))),)
+    gk, shape, _ = _reduction_parts(g, n)
     return (gk.broadcast_to(shape),)
 
 
-def _mean(g: Tensor | float, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    count = max(_count(S[0][1], dict(A)["axis"]), 1)
+def _mean(g: Tensor | float, n: GradNode) -> Sequence[Tensor | None]:
+    count = max(_count(n.specs[0][1], dict(n.attrs)["axis"]), 1)
     if isinstance(g, float):  # the implicit seed of backward(): every element gets 1/count
-        return (create(P[0].device, "full", (g / count,), (("dtype", S[0][0]), ("shape", S[0][1]))),)
-    gk, shape, _ = _reduction_parts(g, S, A)
-    return (_fit((gk / count).broadcast_to(shape), S[0]),)
+        return (create(n.dev, "full", (g / count,), (("dtype", n.specs[0][0]), ("shape", n.specs[0][1]))),)
+    gk, shape, _ = _reduction_parts(g, n)
+    return (_fit((gk / count).broadcast_to(shape), n.specs[0]),)
 
 
-def _extreme_value(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    gk, _, axis = _reduction_parts(g, S, A)
-    x, out = Tensor(V[0]), Tensor(O).reshape(gk.shape)
+def _extreme_value(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    gk, _, axis = _reduction_parts(g, n)
+    x, out = Tensor(n.saved[0]), Tensor(n.out).reshape(gk.shape)
     # Every element equal to the extreme shares the gradient equally.
     mask = (x == out).astype(x.dtype)
     count = apply("sum", (mask,), (("axis", axis), ("keepdims", True)))
     return (mask * (gk / count),)
 
 
-def _prod(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    gk, _, _ = _reduction_parts(g, S, A)
-    x, out = Tensor(V[0]), Tensor(O).reshape(gk.shape)
+def _prod(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    gk, _, _ = _reduction_parts(g, n)
+    x, out = Tensor(n.saved[0]), Tensor(n.out).reshape(gk.shape)
     return ((gk * out) / x,)  # no zeros in x: the product rule through division
 
 
@@ -188,16 +196,16 @@ def _mT(x: Tensor) -> Tensor:
     return apply("permute_dims", (x,), attrs)
 
 
-def _matmul(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    a, b = Tensor(V[0]), Tensor(V[1])
+def _matmul(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    a, b = Tensor(n.saved[0]), Tensor(n.saved[1])
     if a.ndim == 1 or b.ndim == 1:
-        return _matmul_vector(g, P, a, b, S)
-    ga = _fit(g @ _mT(b), S[0]) if P[0] is not None else None
-    gb = _fit(_mT(a) @ g, S[1]) if P[1] is not None else None
+        return _matmul_vector(g, n, a, b)
+    ga = _fit(g @ _mT(b), n.specs[0]) if n.parents[0] is not None else None
+    gb = _fit(_mT(a) @ g, n.specs[1]) if n.parents[1] is not None else None
     return ga, gb
 
 
-def _matmul_vector(g: Tensor, P: Any, a: Tensor, b: Tensor, S: Any) -> Sequence[Tensor | None]:
+def _matmul_vector(g: Tensor, n: GradNode, a: Tensor, b: Tensor) -> Sequence[Tensor | None]:
     # Promote 1-D operands the way matmul does, then reuse the matrix rule's algebra.
     a2 = a.reshape(1, a.shape[0]) if a.ndim == 1 else a
     b2 = b.reshape(b.shape[0], 1) if b.ndim == 1 else b
@@ -208,61 +216,62 @@ def _matmul_vector(g: Tensor, P: Any, a: Tensor, b: Tensor, S: Any) -> Sequence[
     if b.ndim == 1:
         gshape = (*gshape, 1)
     g2 = g.reshape(gshape)
-    ga = _fit(g2 @ _mT(b2), (S[0][0], a2.shape)) if P[0] is not None else None
-    gb = _fit(_mT(a2) @ g2, (S[1][0], b2.shape)) if P[1] is not None else None
+    ga = _fit(g2 @ _mT(b2), (n.specs[0][0], a2.shape)) if n.parents[0] is not None else None
+    gb = _fit(_mT(a2) @ g2, (n.specs[1][0], b2.shape)) if n.parents[1] is not None else None
     return (
         None if ga is None else ga.reshape(a.shape),
         None if gb is None else gb.reshape(b.shape),
     )
 
 
-def _reshape_back(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    return (g.reshape(S[0][1]),)
+def _reshape_back(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    return (g.reshape(n.specs[0][1]),)
 
 
-def _permute_dims(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    axes = dict(A)["axes"]
+def _permute_dims(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    axes = dict(n.attrs)["axes"]
     inverse = [0] * len(axes)
     for i, a in enumerate(axes):
         inverse[a] = i
     return (g.permute(inverse),)
 
 
-def _broadcast_to(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    return (_fit(g, S[0]),)
+def _broadcast_to(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    return (_fit(g, n.specs[0]),)
 
 
-def _concat(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    axis = dict(A)["axis"]
+def _concat(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    axis = dict(n.attrs)["axis"]
     grads: list[Tensor | None] = []
     offset = 0
-    for p, (_, shape) in zip(P, S, strict=True):
-        n = shape[axis]
+    for p, (_, shape) in zip(n.parents, n.specs, strict=True):
+        size = shape[axis]
         if p is not None:
-            key = tuple(("s", 0, d, 1) for d in shape[:axis]) + (("s", offset, offset + n, 1),)
+            key = tuple(("s", 0, d, 1) for d in shape[:axis]) + (("s", offset, offset + size, 1),)
             grads.append(apply("getitem", (g,), (("key", key),)))
         else:
             grads.append(None)
-        offset += n
+        offset += size
     return grads
 
 
-def _stack(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    axis = dict(A)["axis"]
+def _stack(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    axis = dict(n.attrs)["axis"]
     lead = tuple(("s", 0, d, 1) for d in g.shape[:axis])
     return [
-        None if p is None else apply("getitem", (g,), (("key", (*lead, ("i", i))),)) for i, p in enumerate(P)
+        None if p is None else apply("getitem", (g,), (("key", (*lead, ("i", i))),))
+        for i, p in enumerate(n.parents)
     ]
 
 
-def _getitem(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    key = dict(A)["key"]
-    return (apply("getitem_grad", (g,), (("key", key), ("shape", S[0][1]))),)
+def _getitem(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    key = dict(n.attrs)["key"]
+    return (apply("getitem_grad", (g,), (("key", key), ("shape", n.specs[0][1]))),)
 
 
-def _take(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    axis = dict(A)["axis"]
-    idx, shape = Tensor(V[1]), S[0][1]
+def _take(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    axis = dict(n.attrs)["axis"]
+    idx, shape = Tensor(n.saved[1]), n.specs[0][1]
     if axis is None:
         size = 1
         for d in shape:
@@ -272,33 +281,33 @@ def _take(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor 
     return apply("scatter_add", (g, idx), (("axis", axis), ("size", shape[axis]))), None
 
 
-def _softmax(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    axis = dict(A)["axis"]
-    y = Tensor(O)
+def _softmax(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    axis = dict(n.attrs)["axis"]
+    y = Tensor(n.out)
     dot = apply("sum", (g * y,), (("axis", (axis,)), ("keepdims", True)))
-    return (_fit(y * (g - dot), S[0]),)
+    return (_fit(y * (g - dot), n.specs[0]),)
 
 
-def _log_softmax(g: Tensor, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    axis = dict(A)["axis"]
+def _log_softmax(g: Tensor, n: GradNode) -> Sequence[Tensor | None]:
+    axis = dict(n.attrs)["axis"]
     total = apply("sum", (g,), (("axis", (axis,)), ("keepdims", True)))
-    return (_fit(g - Tensor(O).exp() * total, S[0]),)
+    return (_fit(g - Tensor(n.out).exp() * total, n.specs[0]),)
 
 
-def _cross_entropy(g: Tensor | float, P: Any, V: Any, S: Any, A: Any, O: Any) -> Sequence[Tensor | None]:
-    reduction = dict(A)["reduction"]
-    logits, labels = Tensor(V[0]), Tensor(V[1])
-    n, c = logits.shape
+def _cross_entropy(g: Tensor | float, n: GradNode) -> Sequence[Tensor | None]:
+    reduction = dict(n.attrs)["reduction"]
+    logits, labels = Tensor(n.saved[0]), Tensor(n.saved[1])
+    rows, classes = logits.shape
     p = apply("softmax", (logits,), (("axis", 1),))
-    onehot = apply("one_hot", (labels,), (("dtype", logits.dtype), ("num_classes", c)))
+    onehot = apply("one_hot", (labels,), (("dtype", logits.dtype), ("num_classes", classes)))
     d = p - onehot
     # (softmax - one_hot) * g / N; with the implicit seed g = 1.0 the scale is a binding.
     if reduction == "mean":
-        scale: Tensor | Scalar = g / max(n, 1)
+        scale: Tensor | Scalar = g / max(rows, 1)
     elif reduction == "sum" or isinstance(g, float):
         scale = g
     else:
-        scale = g.reshape(n, 1)
+        scale = g.reshape(rows, 1)
     return d * scale, None
 
 

@@ -43,6 +43,41 @@ class _GradMode:
 
 GRAD_MODE = _GradMode()
 
+
+class GradNode:
+    """Autograd history of one op's result: what its gradient rule needs, and where to send it.
+
+    `parents[i]` is the GradNode of input i, or the input Tensor itself when that is a leaf, or
+    None when input i takes no gradient. Only the values a rule needs are kept (`saved`, `out`),
+    so history does not hold every forward value alive. `backward` clears a node once used.
+    """
+
+    __slots__ = ("attrs", "dev", "op", "out", "parents", "saved", "specs")
+
+    # Any: rules index these freely; they are None only after backward() has used the node.
+    parents: Any
+    saved: Any
+    out: Any
+
+    def __init__(
+        self,
+        op: str,
+        parents: tuple[Any, ...] | None,
+        saved: list[Any] | None,
+        specs: list[Any],
+        attrs: tuple[Any, ...],
+        out: Value | None,
+        dev: Device,
+    ) -> None:
+        self.op = op
+        self.parents = parents
+        self.saved = saved
+        self.specs = specs
+        self.attrs = attrs
+        self.out = out
+        self.dev = dev
+
+
 # Ops whose gradient rule needs the input values, or the output value, kept until backward.
 _SAVES_INPUTS = frozenset(
     {
@@ -142,13 +177,14 @@ def apply(op: str, args: Sequence[Tensor | Scalar], attrs: tuple[Any, ...] = ())
     out = Tensor(dev._record(op, vals, attrs, spec))
     if needs_grad and GRAD_MODE.enabled and op in DIFFERENTIABLE and spec[0] in _FLOATS:
         out._rg = True
-        out._ctx = (
+        out._ctx = GradNode(
             op,
-            tuple([a if isinstance(a, Tensor) and a._rg else None for a in args]),
+            tuple([(a._ctx or a) if isinstance(a, Tensor) and a._rg else None for a in args]),
             vals if op in _SAVES_INPUTS else None,
             specs,
             attrs,
             out._v if op in _SAVES_OUTPUT else None,
+            dev,
         )
     return out
 
@@ -239,7 +275,7 @@ class Tensor:
 
     _v: Value
     _rg: bool
-    _ctx: tuple[Any, ...] | None
+    _ctx: GradNode | None
     grad: Tensor | None
 
     def __init__(self, value: Value) -> None:
