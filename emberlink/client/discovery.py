@@ -1,0 +1,144 @@
+"""Picking a worker on a NATS relay: collect the workers' signed presence, try them least loaded first,
+skip those that refuse this client; never sends anything that names the client to the relay.
+
+`Device.remote("nats://host:4222")` lands here (through client/remote.py's `_open_discovered`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from emberlink.errors import AuthError, ProtocolError, TransportError, WorkerLost
+from emberlink.protocol.presence import Presence, decode_presence
+from emberlink.protocol.ticket import Ticket
+
+if TYPE_CHECKING:
+    from emberlink.client.remote import RemoteExecutor
+
+log = logging.getLogger("emberlink.client")
+
+WINDOW_S = 2.5
+"""The longest discovery listens: every worker publishes presence at least this often (every 2 s)."""
+QUIET_S = 0.5
+"""Discovery ends this long after the last new answer to its query."""
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """A worker as discovery saw it: its presence and its ticket, with the relay it was seen on."""
+
+    presence: Presence
+    ticket: Ticket
+
+    @property
+    def node_id(self) -> str:
+        return self.ticket.node_id
+
+
+def survey(url: str, *, window: float = WINDOW_S, quiet: float = QUIET_S, timeout: float = 5.0) -> list[Seen]:
+    """Every worker whose presence arrived on the relay at `url` (latest message of each), least loaded first.
+
+    Ties are broken at random, so clients that see the same loads spread over the workers.
+    Messages that do not decode or whose signature does not verify are ignored.
+    """
+    from emberlink.client.loop import io_loop
+    from emberlink.transport.presence import PRESENCE_PREFIX, query
+
+    _check_url(url)
+    heard = io_loop().call(query(url, window=window, quiet=quiet, timeout=timeout), window + timeout + 1)
+    latest: dict[str, Presence] = {}
+    for message in heard:
+        try:
+            presence = decode_presence(message.data)
+            node_id = presence.node_id
+        except ProtocolError as e:  # AuthError included: someone spoke for a key it does not hold
+            log.debug("ignoring a presence message on %s: %s", message.subject, e)
+            continue
+        if not message.answer and message.subject != PRESENCE_PREFIX + node_id:
+            log.debug("ignoring presence for %s published on %s", node_id, message.subject)
+            continue
+        if node_id not in latest or presence.seq >= latest[node_id].seq:
+            latest[node_id] = presence
+    seen = [Seen(p, _via(Ticket.parse(p.ticket), url)) for p in latest.values()]
+    random.shuffle(seen)
+    seen.sort(key=lambda s: s.presence.load)  # stable: equal loads keep the shuffled order
+    return seen
+
+
+def _via(ticket: Ticket, url: str) -> Ticket:
+    """The ticket with the relay it was seen on: the worker's own relay URL may be a name only
+    its network resolves (`nats://nats:4222` inside a compose file)."""
+    try:
+        return dataclasses.replace(ticket, relay=url)
+    except ProtocolError:  # e.g. user:password in the URL, which a ticket cannot carry
+        return ticket
+
+
+def _check_url(url: str) -> None:
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "nats" or not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise TransportError(f"{url!r} is not a relay address: write nats://host:port")
+
+
+def open_discovered(
+    address: str, *, key: str | os.PathLike[str] | None = None, timeout: float = 30.0
+) -> RemoteExecutor:
+    """A session with the least-loaded worker on relay `address` that admits this client.
+
+    AuthError if workers were seen but none admitted this client; TransportError if none was seen
+    or none could be reached. Both messages say how many workers were seen.
+    """
+    from emberlink.client import paths
+    from emberlink.client.remote import load_client_identity
+
+    identity = load_client_identity(key)
+    deadline = time.monotonic() + timeout
+    candidates = [s for s in survey(address, window=min(WINDOW_S, timeout)) if not s.presence.draining]
+    if not candidates:
+        raise TransportError(
+            f"no worker seen on relay {address} within {WINDOW_S} s (0 workers seen): are workers "
+            f"started with --relay {address}?"
+        )
+    refused: list[str] = []
+    failed: list[str] = []
+    for seen in candidates:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            failed.append(f"{seen.node_id[:12]}: not tried, out of time ({timeout} s)")
+            break
+        try:
+            executor = paths.connect(seen.ticket, identity, timeout=remaining)
+        except AuthError as e:
+            log.info("worker %s does not admit this client: %s", seen.node_id, e)
+            refused.append(seen.node_id)
+            continue
+        except (TransportError, WorkerLost) as e:
+            log.info("worker %s could not be reached: %s", seen.node_id, e)
+            failed.append(f"{seen.node_id[:12]}: {e}")
+            continue
+        log.info("discovery on %s picked worker %s (load %s)", address, seen.node_id, seen.presence.load)
+        return executor
+    n = len(candidates)
+    if refused and not failed:
+        raise AuthError(
+            f"none of the {n} worker(s) seen on relay {address} admits this client ({identity.node_id}): "
+            "add its NodeId to a worker's allow file"
+        )
+    raise TransportError(
+        f"no usable worker on relay {address}: {n} seen, {len(refused)} refused this client "
+        f"({identity.node_id}), {len(failed)} unreachable: " + "; ".join(failed)
+    )
+
+
+__all__ = ["QUIET_S", "WINDOW_S", "Seen", "open_discovered", "survey"]

@@ -1,0 +1,148 @@
+"""Which way to reach a worker: its direct addresses first, its relay when direct fails or stalls; picks
+a Link and nothing else (the handshake and the session are client/remote.py's).
+
+A ticket with direct addresses and a relay gets a head start for the direct path (gRPC, its
+addresses in order): the relay is tried as soon as every direct address failed, or after
+`DIRECT_HEAD_START_S` if direct has not connected by then, whichever is first; the first Link up
+wins and the other attempt is abandoned. A relay-only ticket goes straight to the relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from emberlink.errors import TransportError, WorkerLost
+from emberlink.protocol.identity import Identity
+from emberlink.protocol.ticket import Ticket
+from emberlink.transport.base import Link
+
+if TYPE_CHECKING:
+    from emberlink.client.remote import RemoteExecutor
+
+log = logging.getLogger("emberlink.client")
+
+DIRECT_HEAD_START_S = 1.0
+"""How long the direct path has to itself before the relay is tried alongside it."""
+
+GRPC = "grpc"
+RELAY = "relay"
+
+
+async def connect_direct(ticket: Ticket, timeout: float) -> Link:
+    """A gRPC Link to the first of the ticket's addresses that answers."""
+    from emberlink.transport import grpc
+
+    errors: list[str] = []
+    for host, port in ticket.addrs:
+        try:
+            return await grpc.connect(host, port, timeout=timeout)
+        except TransportError as e:
+            errors.append(str(e))
+    raise TransportError("; ".join(errors) or "the ticket has no direct address")
+
+
+async def connect_relay(ticket: Ticket, timeout: float) -> Link:
+    """A Link through the ticket's NATS relay."""
+    if ticket.relay is None:
+        raise TransportError(f"the ticket of worker {ticket.node_id} names no relay")
+    try:
+        from emberlink.transport import nats
+    except ImportError as e:
+        raise TransportError(f"relay {ticket.relay}: {e}") from e
+    return await nats.connect(ticket.relay, ticket.node_id, timeout=timeout)
+
+
+async def open_link(
+    ticket: Ticket, *, timeout: float, head_start: float = DIRECT_HEAD_START_S
+) -> tuple[str, Link]:
+    """(path, Link) to the worker `ticket` names: "grpc" or "relay"; TransportError naming every failure."""
+    attempts: list[tuple[str, Callable[[], Coroutine[Any, Any, Link]]]] = []
+    if ticket.addrs:
+        attempts.append((GRPC, lambda: connect_direct(ticket, timeout)))
+    if ticket.relay is not None:
+        attempts.append((RELAY, lambda: connect_relay(ticket, timeout)))
+    if len(attempts) == 1:
+        path, attempt = attempts[0]
+        try:
+            return path, await attempt()
+        except TransportError as e:
+            raise TransportError(f"cannot reach worker {ticket.node_id} ({path}): {e}") from e
+    return await _race(ticket, attempts, head_start)
+
+
+async def _race(
+    ticket: Ticket, attempts: list[tuple[str, Callable[[], Coroutine[Any, Any, Link]]]], head_start: float
+) -> tuple[str, Link]:
+    loop = asyncio.get_running_loop()
+    tasks: dict[asyncio.Task[Link], str] = {}
+    errors: list[str] = []
+    (first_path, first), (second_path, second) = attempts
+    tasks[loop.create_task(first(), name=f"connect {first_path}")] = first_path
+    try:
+        done, _ = await asyncio.wait(tasks, timeout=head_start)
+        if not done or _failed(done):
+            tasks[loop.create_task(second(), name=f"connect {second_path}")] = second_path
+        while tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                path = tasks.pop(task)
+                error = task.exception()
+                if error is None:
+                    if path != first_path:
+                        log.info("worker %s: direct path failed or stalled, using the relay", ticket.node_id)
+                    return path, task.result()
+                if not isinstance(error, TransportError):
+                    raise error
+                errors.append(f"{path}: {error}")
+    finally:
+        if tasks:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+            for task in tasks:
+                if not task.cancelled() and task.exception() is None:
+                    await task.result().close()  # both came up: keep the winner only
+    raise TransportError(f"cannot reach worker {ticket.node_id}: " + "; ".join(errors))
+
+
+def _failed(done: set[asyncio.Task[Link]]) -> bool:
+    return any(task.exception() is not None for task in done)
+
+
+def connect(ticket: Ticket, identity: Identity, *, timeout: float = 30.0) -> RemoteExecutor:
+    """A RemoteExecutor for the worker `ticket` names, over the path `open_link` picks.
+
+    If the handshake fails on the direct path for a transport reason, the relay is tried once more.
+    """
+    from emberlink.client import remote
+    from emberlink.client.loop import io_loop
+
+    loop_thread = io_loop()
+    path, link = loop_thread.call(open_link(ticket, timeout=timeout), timeout + DIRECT_HEAD_START_S + 1)
+    try:
+        return remote.connect_link(
+            _given(link), ticket.node_id, identity, path=path, timeout=timeout, loop_thread=loop_thread
+        )
+    except (TransportError, WorkerLost) as e:
+        if path != GRPC or ticket.relay is None:
+            raise
+        log.info("worker %s: handshake over the direct path failed (%s); trying the relay", ticket.node_id, e)
+    relay_link = loop_thread.call(connect_relay(ticket, timeout), timeout + 1)
+    return remote.connect_link(
+        _given(relay_link), ticket.node_id, identity, path=RELAY, timeout=timeout, loop_thread=loop_thread
+    )
+
+
+def _given(link: Link) -> Callable[[], Awaitable[Link]]:
+    """A LinkFactory for a Link that is already open."""
+
+    async def factory() -> Link:
+        return link
+
+    return factory
+
+
+__all__ = ["DIRECT_HEAD_START_S", "connect", "connect_direct", "connect_relay", "open_link"]
