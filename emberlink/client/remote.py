@@ -82,7 +82,7 @@ def _open_discovered(address: str, *, key: str | os.PathLike[str] | None, timeou
     # Seam for discovery (another part of the project): `emberlink.client.discovery.open_discovered`
     # picks a worker from the relay's presence messages and calls `connect_ticket` with its ticket.
     try:
-        from emberlink.client import discovery  # type: ignore[attr-defined]
+        from emberlink.client import discovery
     except ModuleNotFoundError as e:
         if e.name != "emberlink.client.discovery":
             raise
@@ -92,37 +92,11 @@ def _open_discovered(address: str, *, key: str | os.PathLike[str] | None, timeou
 
 
 def connect_ticket(ticket: Ticket, identity: Identity, *, timeout: float = 30.0) -> RemoteExecutor:
-    """Open a session with the worker a ticket names: its direct addresses in order, then its relay."""
-    paths: list[tuple[str, LinkFactory]] = []
-    for host, port in ticket.addrs:
+    """Open a session with the worker a ticket names: direct first, the relay when direct fails or
+    stalls for about a second (client/paths.py); a relay-only ticket goes straight to the relay."""
+    from emberlink.client import paths
 
-        async def direct(host: str = host, port: int = port) -> Link:
-            from emberlink.transport import grpc
-
-            return await grpc.connect(host, port, timeout=timeout)
-
-        paths.append(("grpc", direct))
-    if ticket.relay is not None:
-        relay = ticket.relay
-
-        async def relayed() -> Link:
-            try:
-                from emberlink.transport import nats  # type: ignore[attr-defined]
-            except ModuleNotFoundError as e:
-                raise TransportError(
-                    f"relay {relay}: the NATS transport is not available in this build"
-                ) from e
-            link: Link = await nats.connect(relay, ticket.node_id, timeout=timeout)
-            return link
-
-        paths.append(("relay", relayed))
-    errors: list[str] = []
-    for path, factory in paths:
-        try:
-            return connect_link(factory, ticket.node_id, identity, path=path, timeout=timeout)
-        except (TransportError, WorkerLost) as e:
-            errors.append(f"{path}: {e}")
-    raise TransportError(f"cannot reach worker {ticket.node_id}: " + "; ".join(errors))
+    return paths.connect(ticket, identity, timeout=timeout)
 
 
 def connect_link(
