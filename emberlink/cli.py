@@ -7,9 +7,14 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from emberlink.errors import ConfigError, EmberlinkError
 from emberlink.protocol.identity import Identity, default_key_path
+from emberlink.protocol.ticket import Ticket
+
+if TYPE_CHECKING:
+    from emberlink.client.discovery import Seen
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -124,6 +129,61 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if result["accuracy"] > 0.9 else 1
 
 
+def add_cluster(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("cluster", help="workers on a NATS relay")
+    actions = p.add_subparsers(title="actions", metavar="ACTION")
+    ls = actions.add_parser("ls", help="list the workers whose presence the relay carries")
+    ls.add_argument("--nats", required=True, metavar="URL", help="the relay, nats://HOST:PORT")
+    ls.add_argument("--window", type=float, default=2.5, help="seconds to listen at most (default 2.5)")
+    ls.set_defaults(run=cluster_ls)
+
+    def usage(_args: argparse.Namespace) -> int:
+        p.print_help(sys.stderr)
+        return 2
+
+    p.set_defaults(run=usage)
+
+
+def cluster_ls(args: argparse.Namespace) -> int:
+    from emberlink.client.discovery import survey
+
+    seen = survey(args.nats, window=args.window)
+    if not seen:
+        print(f"no worker seen on {args.nats} within {args.window} s", file=sys.stderr)
+        return 1
+    print(cluster_table(seen))
+    return 0
+
+
+def cluster_table(seen: Sequence[Seen]) -> str:
+    """One row per worker: short NodeId, device, free memory, load, direct addresses, relay, admits."""
+    header = ("node", "device", "free", "load", "addresses", "relay", "admits")
+    rows = [header]
+    for s in seen:
+        p = s.presence
+        own = Ticket.parse(p.ticket)
+        rows.append(
+            (
+                s.node_id[:12],
+                p.device + (" (draining)" if p.draining else ""),
+                _bytes_text(p.free_bytes),
+                f"{p.sessions} sessions, {p.queued} queued",
+                ",".join(f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h, port in own.addrs) or "-",
+                own.relay or "-",
+                "anyone" if p.admits_anyone else "allow list",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def _bytes_text(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 # Each subcommand module adds itself here: a function that registers a parser whose defaults
 # set `run` to the handler.
 COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
@@ -131,6 +191,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], N
     add_worker,
     add_ping,
     add_demo,
+    add_cluster,
 ]
 
 
