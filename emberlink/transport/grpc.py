@@ -220,7 +220,9 @@ class GrpcListener:
         self._accepting = False
         await self._sessions.stop(grace)
         if self._server is not None:
-            await self._server.stop(None)
+            # Sessions are over by now; a grace (not None) makes grpc send a polite GOAWAY, which
+            # spares still-connected clients a "Got goaway ... Cancelling all calls" log line.
+            await self._server.stop(0.5)
             self._server = None
 
 
