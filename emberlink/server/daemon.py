@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -142,9 +143,10 @@ async def serve(config: WorkerConfig) -> int:
         ticket = ticket_for(config, port)
         if config.relay is not None:
             listeners.append(await start_relay(worker, config.relay, ticket))
-        print(ticket, flush=True)
+        # The file first: a parent that reads the first stdout line may look for the file at once.
         if config.ticket_file is not None:
             write_ticket(config.ticket_file, str(ticket))
+        print(ticket, flush=True)
         log.info("worker %s serving %s on %s:%d", worker.node_id, config.device, config.host, port)
         await wait_for_signal()
         log.info("draining: finishing queued work, then closing %d session(s)", len(worker.sessions))
@@ -171,8 +173,11 @@ async def start_relay(worker: Worker, url: str, ticket: Ticket) -> Any:
 
 
 def write_ticket(path: Path, ticket: str) -> None:
+    """Write the ticket atomically (a reader never sees a half-written file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.write_text(ticket + "\n", encoding="utf-8")
+        tmp.write_text(ticket + "\n", encoding="utf-8")
+        os.replace(tmp, path)
     except OSError as e:
         raise ConfigError(f"cannot write ticket file {path}: {e.strerror}") from e
 
