@@ -84,6 +84,7 @@ class NatsServer:
         if self._proc is None:
             return
         if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)  # a frozen server cannot act on SIGTERM
             self._proc.send_signal(signal.SIGTERM)
             try:
                 self._proc.wait(5)
@@ -100,6 +101,12 @@ class NatsServer:
             self._proc.kill()
         self._proc.wait()
         self._proc = None
+
+    def send_signal(self, sig: int) -> None:
+        """E.g. SIGSTOP to freeze the relay without closing its sockets, SIGCONT to thaw it."""
+        if self._proc is None:
+            raise RuntimeError("nats-server is not running")
+        self._proc.send_signal(sig)
 
     def restart(self) -> NatsServer:
         """Start again on the same port."""

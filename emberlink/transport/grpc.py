@@ -193,9 +193,8 @@ class GrpcListener:
         try:
             port = int(server.add_insecure_port(address))
         except RuntimeError as e:
+            await server.stop(None)
             raise TransportError(f"cannot listen on {address}: {e}") from e
-        if port == 0:
-            raise TransportError(f"cannot listen on {address}")
         await server.start()
         self._server, self.port, self._accepting = server, port, True
         return port

@@ -243,3 +243,21 @@ async def test_peer_reset_reaches_the_worker_handler_as_transport_error_not_canc
     assert isinstance(error, TransportError)
     await link.close()
     await listener.stop(1)
+
+
+async def test_memoryview_and_bytearray_blobs_are_sent_as_bytes() -> None:
+    listener, port = await started(echo)
+    link = await grpc_transport.connect("127.0.0.1", port)
+    data = bytearray(b"sealed frame")
+    await link.send(memoryview(data))
+    await link.send(data)
+    assert [await link.recv(), await link.recv()] == [bytes(data), bytes(data)]
+    await link.close()
+    await listener.stop(1)
+
+
+async def test_second_listener_on_a_taken_port_fails_instead_of_sharing_it() -> None:
+    listener, port = await started(echo)
+    with pytest.raises(TransportError, match=f"127.0.0.1:{port}"):
+        await grpc_transport.GrpcListener("127.0.0.1", port, echo).start()
+    await listener.stop(1)

@@ -304,3 +304,28 @@ async def test_listener_publishes_and_collect_gathers_presence(nats_server) -> N
 def test_node_id_must_be_a_single_subject_token() -> None:
     with pytest.raises(TransportError, match="subject token"):
         nats_transport.NatsListener("nats://127.0.0.1:1", "a.b", echo)
+
+
+async def test_frozen_relay_fails_links_by_silence_and_sessions_resume_after(nats_server) -> None:
+    listener = await listening(nats_server.url)
+    link = await nats_transport.connect(nats_server.url, NODE)
+    assert await ping_pong(link, [b"alive"]) == [b"alive"]
+    nats_server.send_signal(signal.SIGSTOP)  # sockets stay open: only heartbeats can tell
+    try:
+        with pytest.raises(TransportError, match="no word"):
+            await within(5, link.recv())
+    finally:
+        nats_server.send_signal(signal.SIGCONT)
+    await link.close()
+    await within(10, listener.attached.wait())
+    fresh = None
+    for _ in range(50):  # the listener may still be re-attaching after its ping timeout
+        try:
+            fresh = await nats_transport.connect(nats_server.url, NODE, timeout=2)
+            break
+        except TransportError:
+            await asyncio.sleep(0.2)
+    assert fresh is not None
+    assert await ping_pong(fresh, [b"thawed"]) == [b"thawed"]
+    await fresh.close()
+    await listener.stop(1)
