@@ -20,7 +20,9 @@ DEVICE_FACTORIES: list[tuple[str, Callable[[], Device]]] = [("cpu", Device.cpu)]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "dev" in metafunc.fixturenames:
+    # Tests that need a fresh device of the same kind (a second one, or one they close
+    # themselves) take `device_factory` directly.
+    if "device_factory" in metafunc.fixturenames:
         metafunc.parametrize(
             "device_factory", [f for _, f in DEVICE_FACTORIES], ids=[n for n, _ in DEVICE_FACTORIES]
         )
@@ -45,15 +47,15 @@ def rng() -> np.random.Generator:
 # memory Link is single-loop, so the worker serves on the client's I/O loop) and over gRPC on
 # loopback. One worker serves the whole test run; each device is its own session.
 
-import atexit  # noqa: E402
-import os  # noqa: E402
+import atexit
+import os
 
-from emberlink.client.loop import io_loop  # noqa: E402
-from emberlink.client.remote import connect_link, connect_ticket  # noqa: E402
-from emberlink.protocol.identity import Identity  # noqa: E402
-from emberlink.protocol.ticket import Ticket  # noqa: E402
-from emberlink.server.background import BackgroundWorker  # noqa: E402
-from emberlink.transport import memory  # noqa: E402
+from emberlink.client.loop import io_loop
+from emberlink.client.remote import connect_link, connect_ticket
+from emberlink.protocol.identity import Identity
+from emberlink.protocol.ticket import Ticket
+from emberlink.server.background import BackgroundWorker
+from emberlink.transport import memory
 
 _REMOTE: dict[str, object] = {}
 

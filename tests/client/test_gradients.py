@@ -108,7 +108,17 @@ def test_max_gradient_is_shared_between_ties(dev: Device) -> None:
     np.testing.assert_allclose(x.grad.numpy(), [0.0, 0.5, 0.5, 0.0])
 
 
-@pytest.mark.parametrize(("sa", "sb"), [((3, 4), (4, 5)), ((4,), (4, 5)), ((3, 4), (4,)), ((4,), (4,)), ((2, 3, 4), (4, 5)), ((2, 1, 3, 4), (2, 4, 2))])
+@pytest.mark.parametrize(
+    ("sa", "sb"),
+    [
+        ((3, 4), (4, 5)),
+        ((4,), (4, 5)),
+        ((3, 4), (4,)),
+        ((4,), (4,)),
+        ((2, 3, 4), (4, 5)),
+        ((2, 1, 3, 4), (2, 4, 2)),
+    ],
+)
 def test_matmul_gradient(dev: Device, rng, sa, sb) -> None:
     gradcheck(dev, el.matmul, u(rng, *sa), u(rng, *sb))
 
@@ -130,7 +140,14 @@ def test_concat_and_stack_gradients(dev: Device, rng) -> None:
 
 @pytest.mark.parametrize(
     "key",
-    [1, -1, slice(1, None), (slice(None, None, -1), 0), (None, Ellipsis, slice(0, 3, 2)), (1, slice(2, 0, -1))],
+    [
+        1,
+        -1,
+        slice(1, None),
+        (slice(None, None, -1), 0),
+        (None, Ellipsis, slice(0, 3, 2)),
+        (1, slice(2, 0, -1)),
+    ],
 )
 def test_getitem_gradient(dev: Device, rng, key) -> None:
     gradcheck(dev, lambda x: x[key], u(rng, 3, 4))

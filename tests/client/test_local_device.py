@@ -1,0 +1,133 @@
+"""The local device itself: constructors, the Device.remote seam, stats, and LocalExecutor."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import emberlink as el
+from emberlink import Device, DeviceError, ExecutionError, UnknownTensor
+from emberlink.client.executor import Call
+from emberlink.client.local import LocalExecutor, numpy_backend
+from emberlink.graph_replay.ir import Graph, Node, TensorSpec
+
+
+def test_cpu_device_names_itself() -> None:
+    with Device.cpu() as dev:
+        assert str(dev) == "cpu" and "cpu" in repr(dev)
+        assert dev.stats()["backend"] == "numpy"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
+def test_cuda_without_cupy_says_what_to_install() -> None:
+    with pytest.raises(DeviceError, match=r"emberlink\[cuda13\].*emberlink\[cuda12\]"):
+        Device.cuda(0)
+
+
+@pytest.mark.gpu
+def test_cuda_device_runs_a_step() -> None:
+    pytest.importorskip("cupy")
+    with Device.cuda(0) as dev:
+        x = dev.tensor(np.arange(6, dtype="float32").reshape(2, 3))
+        np.testing.assert_allclose((x @ x.T).numpy(), np.arange(6).reshape(2, 3) @ np.arange(6).reshape(3, 2))
+        assert dev.memory_stats()["pool_bytes"] > 0
+
+
+def test_remote_calls_open_remote_of_the_remote_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def open_remote(address: str, *, key: str | None, timeout: float) -> LocalExecutor:
+        calls.append((address, key, timeout))
+        return LocalExecutor(numpy_backend())
+
+    fake = types.ModuleType("emberlink.client.remote")
+    fake.open_remote = open_remote  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "emberlink.client.remote", fake)
+    with Device.remote("emberlink://abc@host:1", key="/tmp/k", timeout=5.0) as dev:
+        assert float(dev.tensor([1.0, 2.0]).sum()) == 3.0
+        assert "emberlink://abc@host:1" in str(dev)
+    assert calls == [("emberlink://abc@host:1", "/tmp/k", 5.0)]
+
+
+def test_remote_without_the_remote_module_is_a_device_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.import_module
+
+    def missing(name: str, *args: object) -> types.ModuleType:
+        if name == "emberlink.client.remote":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    with pytest.raises(DeviceError, match="remote"):
+        Device.remote("emberlink://abc@host:1")
+
+
+def test_local_stats_have_the_public_keys_and_count_plan_reuse() -> None:
+    with Device.cpu() as dev:
+        x = dev.tensor([1.0, 2.0])
+        for _ in range(3):
+            float((x * 2.0).sum())
+        stats = dev.stats()
+        assert stats["bytes_sent"] == stats["bytes_received"] == stats["round_trips"] == 0
+        assert stats["graphs_registered"] == 1 and stats["graph_replays"] == 2
+        mem = dev.memory_stats()
+        assert set(mem) >= {"in_use_bytes", "peak_bytes", "pool_bytes"}
+        assert mem["in_use_bytes"] >= 8
+
+
+def _double_graph() -> Graph:
+    return Graph(
+        inputs=(TensorSpec("float32", (2,)),),
+        bindings=("float",),
+        nodes=(Node("multiply", (0, 1)),),
+        outputs=(2,),
+    )
+
+
+def test_local_executor_runs_reads_and_drops() -> None:
+    ex = LocalExecutor(numpy_backend())
+    ex.upload(1, np.array([1.0, 2.0], dtype="float32"))
+    ex.execute(_double_graph(), b"g" * 16, Call((1,), (3.0,), (2,)))
+    out = ex.read(2).result()
+    np.testing.assert_array_equal(out, [3.0, 6.0])
+    out[0] = 99.0  # the caller's copy
+    np.testing.assert_array_equal(ex.read(2).result(), [3.0, 6.0])
+    ex.drop([1, 2, 12345])
+    with pytest.raises(UnknownTensor):
+        ex.read(2).result()
+    ex.sync()
+    ex.close()
+    ex.close()
+
+
+def test_local_executor_poisons_outputs_and_passes_poison_on() -> None:
+    ex = LocalExecutor(numpy_backend())
+    ex.upload(1, np.array([1.0, 2.0], dtype="float32"))
+    take = Graph(
+        inputs=(TensorSpec("float32", (2,)), TensorSpec("int64", (1,))),
+        bindings=(),
+        nodes=(Node("take", (0, 1), (("axis", 0),)),),
+        outputs=(2,),
+    )
+    ex.upload(2, np.array([7]))
+    ex.execute(take, b"t" * 16, Call((1, 2), (), (3,)))
+    with pytest.raises(ExecutionError, match="take"):
+        ex.read(3).result()
+    ex.execute(_double_graph(), b"g" * 16, Call((3,), (2.0,), (4,)))
+    with pytest.raises(ExecutionError, match="take"):
+        ex.read(4).result()
+    with pytest.raises(ExecutionError, match="take"):
+        ex.sync()
+    ex.sync()
+    ex.upload(3, np.zeros(2, dtype="float32"))  # a new upload replaces the poison
+    np.testing.assert_array_equal(ex.read(3).result(), [0.0, 0.0])
+
+
+def test_public_namespace_exports_the_api() -> None:
+    for name in ("Device", "Tensor", "nn", "optim", "no_grad", "errors", "ShapeError", "ExecutionError"):
+        assert hasattr(el, name)
+    assert el.errors.DeviceError is DeviceError
