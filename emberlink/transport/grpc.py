@@ -25,6 +25,9 @@ _MESSAGE_LIMIT = MAX_BLOB + 64 * 1024
 KEEPALIVE_MS = 300
 PING_TIMEOUT_MS = 1000
 
+#: How long close() waits to half-close politely before it cuts the call.
+_CLOSE_WAIT_S = 1.0
+
 _COMMON_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", _MESSAGE_LIMIT),
     ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
@@ -107,10 +110,11 @@ class GrpcClientLink:
             return
         self._closed = True
         try:
-            # Half-close first so the worker reads a clean end of stream after our last blob.
+            # Half-close first so the worker reads a clean end of stream after our last blob; bounded,
+            # because a worker that stopped reading must not make close() hang.
             if not self._call.done():
-                await self._call.done_writing()
-        except (grpc.RpcError, asyncio.InvalidStateError):
+                await asyncio.wait_for(self._call.done_writing(), _CLOSE_WAIT_S)
+        except (grpc.RpcError, asyncio.InvalidStateError, TimeoutError):
             pass
         await self._channel.close(None)
 
