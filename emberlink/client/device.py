@@ -37,6 +37,8 @@ MAX_PENDING = 4096
 MAX_DROPS = 1024
 """Freed buffer ids collected before they are sent to the executor without waiting for a flush."""
 
+_NATIVE = {np.dtype(name): name for name in ("bool", "int32", "int64", "float16", "float32", "float64")}
+
 MEMO_LIMIT = 512
 """Segments whose graphs a Device remembers (oldest forgotten first)."""
 
@@ -292,13 +294,20 @@ class Device:
             self._executor.drop(dropped)
 
     def _upload(self, array: np.ndarray) -> Value:
+        """Store `array` (C-ordered, owned by us) as a new buffer."""
         self._check_open()
+        name = _NATIVE.get(array.dtype)
+        if name is None:
+            name = array.dtype.name
+            if name not in _NATIVE.values():
+                raise DTypeError(f"dtype {name} is not supported; pass dtype= (e.g. 'float32' or 'int64')")
+            array = array.astype(name)  # e.g. big-endian data: native byte order
         if len(self._dropped) >= MAX_DROPS:
             self.flush()
         buf = self._next_buf
         self._next_buf = buf + 1
         self._executor.upload(buf, array)
-        return Value(self, buf, None, (array.dtype.name, array.shape))
+        return Value(self, buf, None, (name, array.shape))
 
     def _read(self, v: Value) -> np.ndarray:
         self._check_open()
@@ -348,17 +357,16 @@ class Device:
             alias: Tensor = data.detach() if dtype is None else data.astype(dtype).detach()
             return alias
         want = None if dtype is None else dtype_name(dtype)
-        python_data = isinstance(data, list | tuple | bool | int | float)
-        try:
-            array = np.array(data, dtype=want, order="C", copy=True)
-        except (TypeError, ValueError) as e:
-            raise DTypeError(f"cannot make a tensor from {type(data).__name__}: {e}") from e
-        if want is None:
-            name = array.dtype.name
-            if python_data and name == "float64":
-                array = array.astype(DEFAULT_FLOAT)
-            elif name not in ("bool", "int32", "int64", "float16", "float32", "float64"):
-                raise DTypeError(f"dtype {name} is not supported; pass dtype= (e.g. 'float32' or 'int64')")
+        if type(data) is np.ndarray and want is None:  # the per-step batch: keep it cheap
+            array = np.array(data, order="C", copy=True)
+        else:
+            try:
+                array = np.array(data, dtype=want, order="C", copy=True)
+            except (TypeError, ValueError) as e:
+                raise DTypeError(f"cannot make a tensor from {type(data).__name__}: {e}") from e
+            python_floats = want is None and isinstance(data, list | tuple | float)
+            if python_floats and array.dtype == np.float64:
+                array = array.astype(DEFAULT_FLOAT)  # Python data: torch's default float
         return Tensor(self._upload(array))
 
     def zeros(self, shape: Any, dtype: Any = DEFAULT_FLOAT) -> Tensor:

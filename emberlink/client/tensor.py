@@ -264,10 +264,18 @@ def _shape_args(shape: tuple[Any, ...]) -> tuple[int, ...]:
 class Tensor:
     """A lazily computed array on a Device. Create one with `dev.tensor(...)`, `dev.zeros(...)`, ...
 
-    Arithmetic and comparisons use Python operators with NumPy broadcasting, and Python scalars on
-    either side (`2 * x`, `x > 0`). Dtype promotion is NumPy's for two tensors, and a Python scalar
-    never widens a tensor's dtype (`float16 * 0.5` stays float16). Reading the data (`numpy()`,
-    `float(t)`, `item()`, `np.asarray(t)`) runs everything recorded so far on the device.
+    Arithmetic and comparisons use Python operators (`+ - * / ** @ == != < <= > >=`, `& | ~` on
+    bools) with NumPy broadcasting and Python scalars on either side (`2 * x`, `x > 0`). Two
+    tensors promote as in NumPy within a kind; across kinds the float (or int) operand's dtype
+    wins (`int64 + float16` is float16). A Python scalar never widens a tensor of its kind
+    (`float16 * 0.5` stays float16). The methods follow NumPy and the Array API (`sum`, `mean`,
+    `max`, `reshape`, `permute`, `transpose`, `T`, `mT`, `broadcast_to`, `expand_dims`, `squeeze`,
+    `take`, `astype`, ...); the same operations are functions of the `emberlink` namespace
+    (`el.exp`, `el.matmul`, `el.permute_dims`, `el.concat`, `el.stack`, `el.where`, ...).
+
+    Shapes and dtypes are known without running anything, and a bad shape raises at the line that
+    recorded the op. Reading the data (`numpy()`, `float(t)`, `int(t)`, `bool(t)`, `item()`,
+    `np.asarray(t)`) runs everything recorded so far on the device.
     """
 
     __slots__ = ("__weakref__", "_ctx", "_rg", "_v", "grad")
@@ -351,6 +359,8 @@ class Tensor:
         return array
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if copy is False:
+            raise ValueError("a Tensor's data lives on its device: converting it always copies")
         a = self.numpy()
         return a if dtype is None else a.astype(dtype, copy=False)
 
