@@ -23,6 +23,7 @@ lint: $(BIN)/.installed
 	$(BIN)/lint-imports
 
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
+# GPU tests (marker gpu) run on a CUDA machine: `python -m pytest -m gpu`.
 test: lint
-	$(BIN)/python -m pytest -q; rc=$$?; \
+	$(BIN)/python -m pytest -q -m "not gpu"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
