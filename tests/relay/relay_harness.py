@@ -1,0 +1,196 @@
+"""Helpers for the relay tests: worker and client processes, in-process relay workers, keys, and an
+eavesdropper on the NATS server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import nats
+
+from emberlink.protocol.identity import AllowPolicy, Identity
+from emberlink.protocol.ticket import Ticket
+from emberlink.server.background import BackgroundWorker
+from emberlink.server.relay import RelayService
+
+HERE = Path(__file__).parent
+
+
+def new_key(folder: Path, name: str) -> tuple[Identity, Path]:
+    identity = Identity.generate(os.urandom)
+    path = folder / f"{name}.key"
+    identity.save(path)
+    return identity, path
+
+
+def allow_file(folder: Path, name: str, *node_ids: str) -> Path:
+    path = folder / name
+    path.write_text("".join(f"{n}\n" for n in node_ids))
+    return path
+
+
+class Process:
+    """A subprocess whose stdout lines are read by a thread into a queue; stderr goes to a log file."""
+
+    def __init__(self, argv: list[str], log: Path, *, stdin: bool = False) -> None:
+        self.log = log
+        self._log_file = log.open("wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=self._log_file,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            env=env,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self.lines.put(raw.decode().rstrip("\n"))
+        self.lines.put(None)
+
+    def next_line(self, timeout: float) -> str:
+        """The next stdout line; fails the test with the log if none comes in time or the process ended."""
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no output within {timeout} s; log:\n{self.stderr()}") from None
+        if line is None:
+            self.lines.put(None)
+            raise AssertionError(f"process ended (rc={self.proc.wait()}); log:\n{self.stderr()}")
+        return line
+
+    def expect(self, prefix: str, timeout: float) -> str:
+        """Skip lines until one starts with `prefix`; return it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.next_line(max(deadline - time.monotonic(), 0.01))
+            if line.startswith(prefix):
+                return line
+
+    def send(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text.encode())
+        self.proc.stdin.flush()
+
+    def stderr(self) -> str:
+        self._log_file.flush()
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._reader.join(5)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        self._log_file.close()
+
+
+def worker_process(
+    folder: Path, name: str, *args: str, key: Path, prefix: list[str] | None = None
+) -> tuple[Process, Ticket]:
+    """`emberlink worker` (through `python -m emberlink`) and the ticket it printed."""
+    argv = [*(prefix or []), sys.executable, "-m", "emberlink", "worker", "--key", str(key), *args]
+    proc = Process(argv, folder / f"{name}.log")
+    try:
+        ticket = Ticket.parse(proc.next_line(30))
+    except BaseException:
+        proc.close()
+        raise
+    return proc, ticket
+
+
+def client_process(folder: Path, name: str, *args: str, prefix: list[str] | None = None) -> Process:
+    """tests/relay/relay_client.py in its own process (stdin open for commands)."""
+    argv = [*(prefix or []), sys.executable, str(HERE / "relay_client.py"), *args]
+    return Process(argv, folder / f"{name}.log", stdin=True)
+
+
+@contextlib.contextmanager
+def relay_worker(
+    url: str, allow: AllowPolicy | None = None, *, grpc: bool = True
+) -> Iterator[BackgroundWorker]:
+    """An in-process worker serving through the relay at `url` (and on loopback gRPC)."""
+    worker = BackgroundWorker(allow=allow, grpc=grpc)
+    ticket = Ticket(worker.node_id, ((worker.host, worker.port),) if worker.port else (), url)
+    service = RelayService(worker.worker, url, ticket)
+    try:
+        worker.call(service.start())
+        worker.relay = service  # type: ignore[attr-defined]
+        yield worker
+    finally:
+        with contextlib.suppress(Exception):
+            worker.call(service.stop(1.0))
+        worker.stop()
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.05)
+
+
+class Eavesdropper:
+    """Everything published on a NATS server (`>`), subjects, reply subjects and payloads, captured
+    by a plain nats-py client on its own thread."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.messages: list[tuple[str, str, bytes]] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._nc = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+
+    async def _start(self) -> nats.NATS:
+        nc = await nats.connect(self.url, allow_reconnect=False)
+
+        async def keep(msg: nats.aio.msg.Msg) -> None:
+            self.messages.append((msg.subject, msg.reply, bytes(msg.data)))
+
+        await nc.subscribe(">", cb=keep)
+        await nc.flush()
+        return nc
+
+    def everything(self) -> bytes:
+        """All captured subjects, reply subjects and payloads, concatenated."""
+        return b"\n".join(s.encode() + b" " + r.encode() + b" " + d for s, r, d in self.messages)
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self._nc.flush()
+            await self._nc.close()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()

@@ -1,0 +1,111 @@
+"""Presence messages: signed by the worker the ticket names, strictly decoded; forged ones are ignored."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import msgpack
+import nats
+import pytest
+from relay_harness import relay_worker, wait_until
+
+from emberlink.client.discovery import survey
+from emberlink.errors import AuthError, ProtocolError
+from emberlink.protocol.identity import Identity
+from emberlink.protocol.presence import LABEL, Presence, decode_presence, encode_presence
+from emberlink.transport.presence import PRESENCE_PREFIX
+
+WORKER = Identity.from_seed(bytes(range(32)))
+OTHER = Identity.from_seed(bytes(range(1, 33)))
+
+
+def presence(identity: Identity = WORKER, **changes: object) -> Presence:
+    base = Presence(
+        ticket=f"emberlink://{identity.node_id}@10.0.0.7:7443?relay=nats://10.0.0.1:4222",
+        device="cuda:0",
+        free_bytes=80 << 30,
+        sessions=2,
+        queued=5,
+        admits_anyone=False,
+        draining=False,
+        seq=9,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def test_presence_round_trips_and_orders_by_sessions_then_queued_work():
+    p = presence()
+    assert decode_presence(encode_presence(p, WORKER)) == p
+    assert presence(sessions=1, queued=50).load < presence(sessions=2, queued=0).load
+
+
+def test_presence_signed_by_another_key_than_the_tickets_is_refused():
+    with pytest.raises(ProtocolError):
+        encode_presence(presence(), OTHER)
+    body = msgpack.packb([presence().ticket, "cpu", 1, 0, 0, True, False, 1])
+    forged = msgpack.packb([1, body, OTHER.sign(LABEL + body)])
+    with pytest.raises(AuthError):
+        decode_presence(forged)
+
+
+def test_presence_whose_body_was_changed_after_signing_is_refused():
+    version, body, signature = msgpack.unpackb(encode_presence(presence(), WORKER))
+    fields = msgpack.unpackb(body)
+    fields[3] = 0  # claim no sessions
+    with pytest.raises(AuthError):
+        decode_presence(msgpack.packb([version, msgpack.packb(fields), signature]))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        ["not a ticket", "cpu", 1, 0, 0, True, False, 1],
+        [None, "cpu", 1, 0, 0, True, False, 1],
+        ["T", "", 1, 0, 0, True, False, 1],
+        ["T", "cpu", -1, 0, 0, True, False, 1],
+        ["T", "cpu", 1, 0.5, 0, True, False, 1],
+        ["T", "cpu", 1, 0, 0, 1, False, 1],
+        ["T", "cpu", 1, 0, 0, True, False],
+        ["T", "cpu", 1, 0, 0, True, False, 1, "extra"],
+    ],
+)
+def test_malformed_presence_is_a_protocol_error(fields):
+    ticket = presence().ticket
+    body = msgpack.packb([ticket if f == "T" else f for f in fields])
+    with pytest.raises(ProtocolError):
+        decode_presence(msgpack.packb([1, body, WORKER.sign(LABEL + body)]))
+
+
+@pytest.mark.parametrize(
+    "data", [b"", b"\xc1", msgpack.packb([2, b"", b""]), msgpack.packb({"v": 1}), b"x" * 5000]
+)
+def test_garbage_presence_is_a_protocol_error(data):
+    with pytest.raises(ProtocolError):
+        decode_presence(data)
+
+
+def test_discovery_ignores_presence_published_for_a_worker_without_its_key(nats_server):
+    async def forge() -> None:
+        nc = await nats.connect(nats_server.url)
+        body = msgpack.packb([presence(WORKER).ticket, "cuda:0", 1 << 40, 0, 0, True, False, 1])
+        for _ in range(40):
+            await nc.publish(
+                PRESENCE_PREFIX + WORKER.node_id, msgpack.packb([1, body, OTHER.sign(LABEL + body)])
+            )
+            await nc.publish(PRESENCE_PREFIX + WORKER.node_id, encode_presence(presence(OTHER), OTHER))
+            await asyncio.sleep(0.05)
+        await nc.close()
+
+    with relay_worker(nats_server.url) as honest:
+        wait_until(lambda: honest.node_id in {s.node_id for s in survey(nats_server.url)}, 10, "presence")
+
+        forger = threading.Thread(target=asyncio.run, args=(forge(),))
+        forger.start()
+        try:
+            seen = {s.node_id for s in survey(nats_server.url, window=1.5, quiet=1.5)}
+        finally:
+            forger.join()
+    # OTHER's own presence is validly signed but published on WORKER's subject: ignored too.
+    assert seen == {honest.node_id}
