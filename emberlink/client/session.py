@@ -171,7 +171,7 @@ class ClientSession:
         yield channel.seal(m.encode_batch(m.Batch(batch.seq, tuple(batch.messages))), MESSAGE)
         bar = _progress(batch.nbytes, "upload")
         for array in batch.bulks:
-            for frame in channel.seal_chunks(memoryview(array).cast("B"), self.chunk_size):
+            for frame in channel.seal_chunks(array.data.cast("B"), self.chunk_size):
                 if bar is not None:
                     bar.update(len(frame) - OVERHEAD)
                 yield frame
@@ -191,8 +191,9 @@ class ClientSession:
             await self._send_blob(parts)
 
     async def _send_blob(self, parts: list[bytes | bytearray]) -> None:
-        blob = parts[0] if len(parts) == 1 and type(parts[0]) is bytes else b"".join(parts)
-        await self._link.send(blob)  # type: ignore[arg-type]
+        first = parts[0]
+        blob = first if len(parts) == 1 and isinstance(first, bytes) else b"".join(parts)
+        await self._link.send(blob)
         self._counters.bytes_sent += len(blob)
 
     # -- receiving -------------------------------------------------------------------------------------
@@ -221,17 +222,17 @@ class ClientSession:
         reply = m.decode_reply(plaintext)
         self._acknowledge(reply.ack)
         for msg in reply.messages:
-            t = type(msg)
-            if t is m.Result:
-                self._on_result(msg)  # type: ignore[arg-type]
-            elif t is m.Done:
-                self._resolve(msg.rid, None)  # type: ignore[union-attr]
-            elif t is m.StatsReply:
-                self._resolve(msg.rid, dict(msg.stats))  # type: ignore[union-attr]
-            elif t is m.Error:
-                self._on_error(msg)  # type: ignore[arg-type]
-            elif t is m.GraphUnknown:
-                self._resend(msg)  # type: ignore[arg-type]
+            match msg:
+                case m.Result():
+                    self._on_result(msg)
+                case m.Done():
+                    self._resolve(msg.rid, None)
+                case m.StatsReply():
+                    self._resolve(msg.rid, dict(msg.stats))
+                case m.Error():
+                    self._on_error(msg)
+                case m.GraphUnknown():
+                    self._resend(msg)
 
     def _acknowledge(self, ack: int) -> None:
         batches = nbytes = 0
@@ -263,7 +264,7 @@ class ClientSession:
         if msg.nbytes == 0:
             self._resolve(msg.rid, array)
             return
-        view = memoryview(array).cast("B") if msg.rid in self._flow.futures else None
+        view = array.data.cast("B") if msg.rid in self._flow.futures else None
         self._results.append(_Incoming(msg.rid, array, view, msg.nbytes, _progress(msg.nbytes, "download")))
 
     def _on_bulk(self, frame: memoryview) -> None:

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -40,7 +41,7 @@ def load_digits_split(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return x[:cut], y[:cut], x[cut:], y[cut:]
 
 
-def run_demo(*, epochs: int = EPOCHS, out: object = None) -> dict[str, float]:
+def run_demo(*, epochs: int = EPOCHS, out: TextIO | None = None) -> dict[str, float]:
     """Train through an in-process worker; returns accuracy, median step seconds and bytes sent per step."""
     import emberlink as el
 

@@ -103,24 +103,25 @@ class BatchRunner:
         out = Outgoing(batch.seq)
         uploads = iter(incoming.uploads)
         for msg in batch.messages:
-            t = type(msg)
-            if t is m.Execute:
-                self._execute(msg, plans[msg.gid])  # type: ignore[union-attr, index]
-            elif t is m.Upload:
-                self._upload(msg, next(uploads))  # type: ignore[arg-type]
-            elif t is m.Drop:
-                for tid in msg.ids:  # type: ignore[union-attr]
-                    self._store.drop(tid)
-            elif t is m.Read:
-                self._read(msg, out)  # type: ignore[arg-type]
-            elif t is m.Sync:
-                self._sync(msg, out)  # type: ignore[arg-type]
-            elif t is m.Stats:
-                out.messages.append(m.StatsReply(msg.rid, self._stats()))  # type: ignore[union-attr]
-            elif t is m.Close:
-                out.close = msg.reason  # type: ignore[union-attr]
-                break
-            # Register was handled while resolving the batch's graphs.
+            match msg:
+                case m.Execute():
+                    self._execute(msg, plans[msg.gid])
+                case m.Upload():
+                    self._upload(msg, next(uploads))
+                case m.Drop():
+                    for tid in msg.ids:
+                        self._store.drop(tid)
+                case m.Read():
+                    self._read(msg, out)
+                case m.Sync():
+                    self._sync(msg, out)
+                case m.Stats():
+                    out.messages.append(m.StatsReply(msg.rid, self._stats()))
+                case m.Close():
+                    out.close = msg.reason
+                    break
+                case _:
+                    pass  # Register was handled while resolving the batch's graphs
         self.applied = batch.seq
         self.counters.batches += 1
         return out

@@ -14,9 +14,9 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -237,7 +237,7 @@ class Session:
             self._targets.append(_Target(None, msg.nbytes))
             return None
         if msg.nbytes:
-            self._targets.append(_Target(memoryview(array).cast("B"), msg.nbytes))
+            self._targets.append(_Target(array.data.cast("B"), msg.nbytes))
         return array
 
     def _on_bulk(self, frame: memoryview) -> None:
@@ -282,9 +282,9 @@ class Session:
         if out is not None:
             self._call_soon(self._post, out)
 
-    def _call_soon(self, fn: object, arg: object) -> None:
+    def _call_soon(self, fn: Callable[[Any], None], arg: object) -> None:
         try:
-            self._loop.call_soon_threadsafe(fn, arg)  # type: ignore[arg-type]
+            self._loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:
             pass  # the loop is gone: the whole worker is stopping
 
@@ -335,7 +335,7 @@ class Session:
             yield channel.seal(m.encode_reply(m.Reply(ack, tuple(part))), MESSAGE)
             for msg in part:
                 if type(msg) is m.Result and msg.nbytes:
-                    yield from channel.seal_chunks(memoryview(next(pending)).cast("B"), chunk)
+                    yield from channel.seal_chunks(next(pending).data.cast("B"), chunk)
 
     async def _send_frames(self, frames: Iterator[bytes | bytearray]) -> None:
         parts: list[bytes | bytearray] = []
@@ -350,8 +350,9 @@ class Session:
             await self._send_blob(parts)
 
     async def _send_blob(self, parts: list[bytes | bytearray]) -> None:
-        blob = parts[0] if len(parts) == 1 and type(parts[0]) is bytes else b"".join(parts)
-        await self._link.send(blob)  # type: ignore[arg-type]
+        first = parts[0]
+        blob = first if len(parts) == 1 and isinstance(first, bytes) else b"".join(parts)
+        await self._link.send(blob)
         self.bytes_out += len(blob)
 
 
