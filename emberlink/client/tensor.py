@@ -386,6 +386,8 @@ class Tensor:
         """This tensor on `device`: read here and uploaded there (crossing devices is explicit)."""
         if device is self._v.dev:
             return self
+        if not callable(getattr(device, "tensor", None)):
+            raise TypeError(f"to() takes a Device (e.g. el.Device.cpu()), got {type(device).__name__}")
         out = device.tensor(self.numpy())
         out._rg = self._rg and self._ctx is None
         return out
@@ -557,6 +559,14 @@ class Tensor:
 
     def prod(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
         return self._reduce("prod", axis, keepdims)
+
+    def any(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        """Whether any element (along `axis`) is true / non-zero (a bool tensor)."""
+        return self.astype("bool")._reduce("max", axis, keepdims)
+
+    def all(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:
+        """Whether every element (along `axis`) is true / non-zero (a bool tensor)."""
+        return self.astype("bool")._reduce("min", axis, keepdims)
 
     def argmax(self, axis: int | None = None, keepdims: bool = False) -> Tensor:
         """Index of the largest element (int64): over the flattened tensor when `axis` is None."""

@@ -102,6 +102,8 @@ def test_unsupported_operands_are_type_errors(dev: Device) -> None:
         x[[0, 1]]
     with pytest.raises(DTypeError, match="int64"):
         x * (2**70)
+    with pytest.raises(TypeError, match="Device"):
+        x.to("cpu")  # type: ignore[arg-type]
 
 
 # -- devices ----------------------------------------------------------------------------------------

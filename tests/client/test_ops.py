@@ -204,6 +204,15 @@ def test_reduction_matches_numpy(dev: Device, rng, name: str, axis, keepdims: bo
     check(got, REDUCTIONS[name](a, axis=axis, keepdims=keepdims).astype("float32"), rtol=1e-5)
 
 
+def test_any_and_all(dev: Device) -> None:
+    a = np.array([[0.0, 1.0], [0.0, 0.0]], dtype="float32")
+    x = dev.tensor(a)
+    check(x.any(), np.any(a))
+    check(x.any(axis=1), np.any(a, axis=1))
+    check((x >= 0).all(), np.all(a >= 0))
+    check(x.all(axis=0, keepdims=True), np.all(a, axis=0, keepdims=True))
+
+
 @pytest.mark.parametrize("axis", [None, 0, 1, -1])
 @pytest.mark.parametrize("name", ["argmax", "argmin"])
 def test_argmax_argmin_match_numpy(dev: Device, rng, name: str, axis) -> None:
