@@ -167,7 +167,7 @@ def cluster_table(seen: Sequence[Seen]) -> str:
                 s.node_id[:12],
                 p.device + (" (draining)" if p.draining else ""),
                 _bytes_text(p.free_bytes),
-                f"{p.sessions} sessions, {p.queued} queued",
+                f"{p.sessions} session{'' if p.sessions == 1 else 's'}, {p.queued} queued",
                 ",".join(f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h, port in own.addrs) or "-",
                 own.relay or "-",
                 "anyone" if p.admits_anyone else "allow list",
