@@ -107,8 +107,8 @@ def open_discovered(
     candidates = [s for s in survey(address, window=min(WINDOW_S, timeout)) if not s.presence.draining]
     if not candidates:
         raise TransportError(
-            f"no worker seen on relay {address} within {WINDOW_S} s (0 workers seen): are workers "
-            f"started with --relay {address}?"
+            f"no worker answered on relay {address} (0 workers seen): are workers started with "
+            f"--relay {address}?"
         )
     refused: list[str] = []
     failed: list[str] = []

@@ -26,6 +26,7 @@ PRESENCE_PREFIX = "emberlink.presence."
 QUERY_SUBJECT = "emberlink.discover"
 INTERVAL_S = 2.0
 _BACKOFF_FIRST_S = 0.1
+_NO_RESPONDERS = "503"
 _BACKOFF_MAX_S = 2.0
 
 Payload = Callable[[], bytes | None]
@@ -157,9 +158,14 @@ async def query(url: str, *, window: float, quiet: float, timeout: float = 5.0) 
     nc = await _open(url, timeout, lost)
     inbox = nc.new_inbox()
 
+    nobody: list[bool] = []
+
     async def on_answer(msg: Msg) -> None:
-        heard.append(Heard(msg.subject, msg.data, True))
-        last_answer[:] = [loop.time()]
+        if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
+            nobody.append(True)  # the server says no worker subscribes to queries: done at once
+        else:
+            heard.append(Heard(msg.subject, msg.data, True))
+            last_answer[:] = [loop.time()]
         arrived.set()
 
     async def on_periodic(msg: Msg) -> None:
@@ -171,7 +177,7 @@ async def query(url: str, *, window: float, quiet: float, timeout: float = 5.0) 
         await nc.subscribe(PRESENCE_PREFIX + "*", cb=on_periodic)
         await nc.publish(QUERY_SUBJECT, b"", reply=inbox)
         await nc.flush(timeout)  # type: ignore[arg-type]  # nats-py takes any number
-        while not nc.is_closed:
+        while not nc.is_closed and not nobody:
             now = loop.time()
             end = start + window
             if last_answer:
