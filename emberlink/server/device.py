@@ -8,15 +8,18 @@ shares the thread's FIFO queue, which also keeps each session's work in the orde
 from __future__ import annotations
 
 import asyncio
+import logging
+import queue
 import re
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from emberlink.errors import ConfigError, DeviceError
 
 T = TypeVar("T")
+log = logging.getLogger("emberlink.server")
 
 _DEVICE = re.compile(r"^(cpu|cuda:(\d{1,3}))$")
 
@@ -52,41 +55,64 @@ def make_backend(spec: str) -> Any:
 
 
 class DeviceThread:
-    """A backend plus the single thread that runs everything on it."""
+    """A backend plus the single thread that runs everything on it, in the order it was posted."""
 
     def __init__(self, spec: str, backend: Any | None = None) -> None:
         self.spec = spec
-        kind, index = parse_device(spec)
+        self._kind, self._index = parse_device(spec)
         self.backend = backend if backend is not None else make_backend(spec)
-        init: Callable[[], None] | None = None
-        if kind == "cuda":
-
-            def init() -> None:
-                import cupy
-
-                cupy.cuda.Device(index).use()
-
-        self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"emberlink-{spec.replace(':', '')}", initializer=init
+        # A bare queue and thread rather than a ThreadPoolExecutor: the hot path (`post`) makes
+        # no Future, and the thread is named after the device it serves.
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
         )
-        self._thread_ident: int | None = None
-        self._pool.submit(self._note_thread).result()
+        self._thread = threading.Thread(target=self._serve, name=f"emberlink-{spec}", daemon=True)
+        self._thread.start()
 
-    def _note_thread(self) -> None:
-        self._thread_ident = threading.get_ident()
+    def _serve(self) -> None:
+        if self._kind == "cuda":
+            import cupy
+
+            cupy.cuda.Device(self._index).use()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, args = item
+            try:
+                fn(*args)
+            except BaseException:  # a bug in posted work must not stop the device for everyone
+                log.exception("device %s: posted work failed", self.spec)
 
     def on_thread(self) -> bool:
-        """Whether the caller is the device thread (for checks in tests and debug asserts)."""
-        return threading.get_ident() == self._thread_ident
+        """Whether the caller is the device thread."""
+        return threading.current_thread() is self._thread
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue fn(*args) behind all earlier work; its result is dropped, its exception logged."""
+        self._queue.put((fn, args))
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Queue fn(*args) behind all earlier work; a concurrent future of its result."""
-        return self._pool.submit(fn, *args)
+        fut: Future[T] = Future()
+
+        def call() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter, as a pool would
+                fut.set_exception(e)
+
+        self.post(call)
+        return fut
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Queue fn(*args) and await its result from the event loop."""
-        return await asyncio.wrap_future(self._pool.submit(fn, *args))
+        return await asyncio.wrap_future(self.submit(fn, *args))
 
     def shutdown(self) -> None:
-        """Finish the queued work and stop the thread."""
-        self._pool.shutdown(wait=True)
+        """Finish the queued work and stop the thread. Idempotent."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()

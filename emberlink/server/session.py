@@ -263,7 +263,7 @@ class Session:
                 self._submit(incoming)
 
     def _submit(self, incoming: Incoming) -> None:
-        self._worker.device.submit(self._apply, incoming)
+        self._worker.device.post(self._apply, incoming)
 
     # -- device thread -------------------------------------------------------------------------------------
 
