@@ -50,6 +50,9 @@ CLOSE_TIMEOUT = 2.0
 
 LinkFactory = Callable[[], Awaitable[Link]]
 
+_DTYPE_NAMES = {np.dtype(name): name for name in m.DTYPES}
+"""dtype -> wire name; `ndarray.dtype.name` is a slow Python property on the per-step path."""
+
 
 def load_client_identity(key: str | os.PathLike[str] | None) -> Identity:
     """The client's identity: `key` if given, else $EMBERLINK_KEY or ~/.config/emberlink/client.key,
@@ -263,9 +266,16 @@ class RemoteExecutor:
     def upload(self, buf: int, array: np.ndarray) -> None:
         self._check()
         a = array if array.flags.c_contiguous else np.array(array, order="C")
-        if a.dtype.name not in m.DTYPES:
-            raise DTypeError(f"dtype {a.dtype} cannot be sent to a worker; allowed: {', '.join(m.DTYPES)}")
-        self._pending.append(m.Upload(buf, a.dtype.name, tuple(a.shape), int(a.nbytes)))
+        dtype = _DTYPE_NAMES.get(a.dtype)
+        if dtype is None:
+            native = a.dtype.newbyteorder("=")  # the wire carries native (little-endian) bytes
+            dtype = _DTYPE_NAMES.get(native)
+            if dtype is None:
+                raise DTypeError(
+                    f"dtype {a.dtype} cannot be sent to a worker; allowed: {', '.join(m.DTYPES)}"
+                )
+            a = a.astype(native)
+        self._pending.append(m.Upload(buf, dtype, a.shape, a.nbytes))
         if a.nbytes:
             self._pending_bulks.append(a)
             self._pending_bytes += a.nbytes

@@ -25,6 +25,9 @@ from emberlink.server.store import Failure, TensorStore
 
 log = logging.getLogger(__name__)
 
+_DTYPE_NAMES = {np.dtype(name): name for name in m.DTYPES}
+"""dtype -> wire name; `ndarray.dtype.name` is a slow Python property on the per-step path."""
+
 
 @dataclass(slots=True)
 class Incoming:
@@ -215,7 +218,9 @@ class BatchRunner:
             out.messages.append(m.Error(msg.rid, failure.code, failure.message))
             return
         host = _c_order(self._backend.to_numpy(value))
-        out.messages.append(m.Result(msg.rid, host.dtype.name, tuple(host.shape), int(host.nbytes)))
+        out.messages.append(
+            m.Result(msg.rid, _DTYPE_NAMES.get(host.dtype) or host.dtype.name, host.shape, host.nbytes)
+        )
         out.bulks.append(host)
 
     def _sync(self, msg: m.Sync, out: Outgoing) -> None:
