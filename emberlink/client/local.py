@@ -95,8 +95,10 @@ class LocalExecutor:
         except EmberlinkError as e:
             self._poison(call, ExecutionError(str(e)))
             return
+        poisoned = self._poisoned
         for buf, array in zip(call.outputs, outs, strict=True):
-            self._poisoned.pop(buf, None)
+            if poisoned:
+                poisoned.pop(buf, None)
             self._put(buf, array)
 
     def _input_failure(self, bufs: Sequence[int]) -> ExecutionError:

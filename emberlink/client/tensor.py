@@ -163,11 +163,14 @@ def apply(op: str, args: Sequence[Tensor | Scalar], attrs: tuple[Any, ...] = ())
             if a._rg:
                 needs_grad = True
         else:
-            s = scalar(a)
-            if s is None:
-                raise TypeError(f"{op}: unsupported operand of type {type(a).__name__}")
-            vals.append(s)
-            specs.append(_KIND[type(s)])
+            kind = _KIND.get(type(a))
+            if kind is None or kind == "int":  # ints are range-checked, others normalized
+                s = scalar(a)
+                if s is None:
+                    raise TypeError(f"{op}: unsupported operand of type {type(a).__name__}")
+                a, kind = s, _KIND[type(s)]
+            vals.append(a)
+            specs.append(kind)
     if dev is None:
         raise TypeError(f"{op}: needs at least one tensor operand")
     key = (op, attrs, *specs)
