@@ -101,11 +101,25 @@ def _time(step: Callable[[np.ndarray, np.ndarray], float], batches: list, n: int
         out.append(time.perf_counter() - t0)
 
 
+def _blas() -> str:
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "unknown (threadpoolctl missing)"
+    pools = [p for p in threadpool_info() if p.get("user_api") == "blas"]
+    return ", ".join(f"{p['internal_api']} {p['version']} with {p['num_threads']} threads" for p in pools)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="timed steps per side")
     parser.add_argument("--profile", action="store_true", help="cProfile the emberlink side")
+    parser.add_argument("--blas-threads", type=int, default=0, help="limit BLAS threads (0: its default)")
     args = parser.parse_args()
+    if args.blas_threads:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(args.blas_threads)
 
     batches = _batches(8)
     dev = el.Device.cpu()
@@ -143,6 +157,7 @@ def main() -> None:
         f"MLP training step: batch {BATCH}, {'-'.join(map(str, SIZES))}, float32, "
         f"cross-entropy, SGD lr={LR}; {len(t_ours)} steps a side"
     )
+    print(f"same process, NumPy {np.__version__}, BLAS: {_blas()}")
     print(f"{'':<28}{'median ms':>10}{'p10 ms':>10}{'p90 ms':>10}")
     print(row("NumPy by hand", t_hand))
     print(row("emberlink Device.cpu()", t_ours))
