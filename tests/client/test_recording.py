@@ -96,6 +96,13 @@ def test_python_scalars_are_bindings(dev: Device) -> None:
     assert dev.stats()["graphs_built"] == 2
 
 
+def test_equal_subscripts_normalize_to_one_key_and_one_graph(dev: Device) -> None:
+    x = dev.tensor(np.arange(12.0).reshape(3, 4))
+    assert [float(x[k].sum()) for k in (1, (1, slice(None)), (1, Ellipsis), (-2,))] == [22.0] * 4
+    assert float(x[:, 1:-1].sum()) == float(x[0:3, 1:3].sum()) == float(x[..., -3:3].sum())
+    assert dev.stats()["graphs_built"] == 2
+
+
 def test_outputs_are_exactly_the_values_still_referenced(dev: Device) -> None:
     x = dev.tensor([1.0, 2.0])
     a = x + 1.0
