@@ -6,9 +6,10 @@ import time
 
 import pytest
 import relay_training
-from relay_harness import new_key, worker_process
+from relay_harness import new_key, wait_until, worker_process
 
 import emberlink as el
+from emberlink.client.discovery import survey
 from emberlink.errors import TransportError
 from emberlink.protocol.ticket import Ticket
 
@@ -75,5 +76,7 @@ def test_relay_loss_fails_relayed_sessions_with_worker_lost_spares_direct_ones_a
         with _relayed_device(relay_only, str(client_key), timeout=20) as again:
             assert again.stats()["path"] == "relay"
             assert relay_training.train(again, 8) == expected
+        # Presence came back too: discovery finds the worker again.
+        wait_until(lambda: ticket.node_id in {s.node_id for s in survey(nats_server.url)}, 10, "presence")
     finally:
         worker.close()
