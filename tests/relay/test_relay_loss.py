@@ -80,3 +80,33 @@ def test_relay_loss_fails_relayed_sessions_with_worker_lost_spares_direct_ones_a
         wait_until(lambda: ticket.node_id in {s.node_id for s in survey(nats_server.url)}, 10, "presence")
     finally:
         worker.close()
+
+
+def test_worker_started_while_the_relay_is_down_serves_directly_and_attaches_when_it_comes_up(
+    nats_server, tmp_path
+):
+    _, worker_key = new_key(tmp_path, "worker")
+    _, client_key = new_key(tmp_path, "client")
+    nats_server.stop()
+    worker, ticket = worker_process(
+        tmp_path,
+        "worker",
+        "--listen",
+        "127.0.0.1:0",
+        "--allow-any",
+        "--relay",
+        nats_server.url,
+        key=worker_key,
+    )
+    try:
+        with el.Device.remote(str(ticket), key=str(client_key)) as direct:
+            assert direct.stats()["path"] == "grpc"
+            assert float(direct.tensor([1.0, 2.0]).sum()) == 3.0
+        nats_server.start()
+        with _relayed_device(
+            Ticket(ticket.node_id, (), ticket.relay), str(client_key), timeout=20
+        ) as relayed:
+            assert relayed.stats()["path"] == "relay"
+            assert float(relayed.tensor([1.0, 2.0]).sum()) == 3.0
+    finally:
+        worker.close()
