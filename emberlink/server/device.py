@@ -84,6 +84,10 @@ class DeviceThread:
             except BaseException:  # a bug in posted work must not stop the device for everyone
                 log.exception("device %s: posted work failed", self.spec)
 
+    def queued(self) -> int:
+        """Work items posted and not started yet (the worker's presence reports it as load)."""
+        return self._queue.qsize()
+
     def on_thread(self) -> bool:
         """Whether the caller is the device thread."""
         return threading.current_thread() is self._thread
