@@ -46,12 +46,7 @@ def free_memory(spec: str) -> int:
 
 def queued_work(worker: Worker) -> int:
     """Work items waiting for the device thread (batches of every session, not yet applied)."""
-    # DeviceThread keeps a one-thread ThreadPoolExecutor; its queue holds what is not running yet.
-    queue = getattr(getattr(worker.device, "_pool", None), "_work_queue", None)
-    try:
-        return int(queue.qsize()) if queue is not None else 0
-    except (AttributeError, NotImplementedError):
-        return 0
+    return worker.device.queued()
 
 
 class PresenceSource:
