@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -177,28 +182,38 @@ def test_flow_control_bounds_unacknowledged_batches(
         np.testing.assert_array_equal(x.numpy(), np.full(8, 300, np.float32))
 
 
-def test_sixteen_concurrent_clients_train_correctly(worker: BackgroundWorker) -> None:
+CLIENT_SCRIPT = """
+import json, sys
+import emberlink as el
+from test_remote_device import mlp_losses
+with el.Device.remote(sys.argv[1], timeout=30) as dev:
+    print(json.dumps(mlp_losses(dev, int(sys.argv[2]), seed=int(sys.argv[3]))))
+"""
+
+
+def test_sixteen_concurrent_clients_train_correctly(worker: BackgroundWorker, tmp_path: Path) -> None:
+    # Processes, not threads: each client is its own program, as it would be in use (and the
+    # client's autograd mode is per process; see the report on `no_grad` and threads).
+    steps = 200
     with el.Device.cpu() as cpu:
-        expected = [mlp_losses(cpu, 200, seed=s) for s in (0, 1)]
-    results: dict[int, list[float]] = {}
-    errors: list[BaseException] = []
-
-    def client(i: int) -> None:
-        try:
-            with grpc_device(worker) as dev:
-                results[i] = mlp_losses(dev, 200, seed=i % 2)
-        except Exception as e:  # noqa: BLE001 - reported below, in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    assert len(results) == 16
-    for i, losses in results.items():
-        assert losses == expected[i % 2]
+        expected = [mlp_losses(cpu, steps, seed=s) for s in (0, 1)]
+    key = tmp_path / "client.key"
+    new_identity().save(key)
+    env = dict(os.environ, EMBERLINK_KEY=str(key), PYTHONPATH=str(Path(__file__).parent))
+    clients = [
+        subprocess.Popen(
+            [sys.executable, "-c", CLIENT_SCRIPT, worker.ticket, str(steps), str(i % 2)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(16)
+    ]
+    outputs = [c.communicate(timeout=300) for c in clients]
+    for i, (client, (out, err)) in enumerate(zip(clients, outputs, strict=True)):
+        assert client.returncode == 0, err
+        assert json.loads(out) == expected[i % 2]
 
 
 def test_unknown_client_key_is_refused_with_an_auth_error_naming_it(make_worker) -> None:
