@@ -33,13 +33,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bare  # noqa: E402 - bench/bare.py, the transport engineer's bare measurements
-import local_step  # noqa: E402 - bench/local_step.py, the model and its batches
+import bare
+import local_step
 
-import emberlink as el  # noqa: E402
-from emberlink.client.loop import io_loop  # noqa: E402
-from emberlink.protocol.identity import AllowPolicy, Identity  # noqa: E402
-from emberlink.server.malloc import tune_malloc  # noqa: E402
+import emberlink as el
+from emberlink.client.loop import io_loop
+from emberlink.protocol.identity import AllowPolicy, Identity
+from emberlink.server.malloc import tune_malloc
 
 MiB = 1 << 20
 
@@ -118,6 +118,84 @@ def mlp_ms(dev: el.Device, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+# -- what bounds the tiny step: its parts, each measured alone ------------------------------------------
+
+
+def floor_parts(n: int) -> list[tuple[str, float]]:
+    """Median µs of each piece a tiny remote step pays on top of the transport's round trip."""
+    import asyncio
+    from concurrent.futures import Future
+
+    from emberlink.graph_replay.cache import GraphCache
+    from emberlink.graph_replay.canonical import encode_graph, graph_id
+    from emberlink.graph_replay.ir import Graph, Node, TensorSpec
+    from emberlink.graph_replay.numpy_backend import NumpyBackend
+    from emberlink.protocol import messages as m
+    from emberlink.protocol.channel import BULK, Channel
+    from emberlink.server.device import DeviceThread
+    from emberlink.server.graphs import GraphView
+    from emberlink.server.runner import BatchRunner, Incoming
+    from emberlink.server.store import Quota, TensorStore
+
+    loop = io_loop().loop
+    device = DeviceThread("cpu")
+
+    def user_loop_user() -> None:
+        fut: Future[int] = Future()
+        loop.call_soon_threadsafe(fut.set_result, 1)
+        fut.result()
+
+    def loop_device_loop() -> None:
+        # measured from the user thread, minus user_loop_user below
+        io_loop().call(device.run(int))
+
+    x = np.arange(16, dtype=np.float32)
+    graph = Graph(
+        (TensorSpec("float32", (16,)),), (), (Node("sum", (0,), (("axis", None), ("keepdims", False))),), (1,)
+    )
+    body = encode_graph(graph)
+    gid = graph_id(body)
+    client, worker = Channel.pair(b"benchsid", os.urandom(32), os.urandom(32))
+    batch = m.Batch(
+        1, (m.Upload(1, "float32", (16,), 64), m.Execute(gid, (1,), (), 2), m.Read(1, 2), m.Drop((1, 2)))
+    )
+    reply = m.Reply(1, (m.Result(1, "float32", (), 4),))
+
+    def batch_both_ways() -> None:  # client seals, worker opens and decodes (and the same for the reply)
+        f1 = client.seal(m.encode_batch(batch))
+        f2 = next(iter(client.seal_chunks(x.data.cast("B"))))
+        m.decode_batch(worker.open(f1)[1])
+        out = np.empty(16, np.float32)
+        assert worker.open_into(f2, out.data.cast("B"))[0] is BULK
+        g1 = worker.seal(m.encode_reply(reply))
+        g2 = next(iter(worker.seal_chunks(np.float32(1).reshape(()).data.cast("B"))))
+        m.decode_reply(client.open(g1)[1])
+        client.open_into(g2, np.empty((), np.float32).data.cast("B"))
+
+    runner = BatchRunner(NumpyBackend(), TensorStore(Quota(None)), GraphView(GraphCache(1 << 20), "me"), dict)
+    seq = iter(range(1, 1 << 30))
+    runner.apply(Incoming(m.Batch(next(seq), (m.Register(gid, body),)), [], 0))
+
+    def apply() -> None:
+        runner.apply(Incoming(m.Batch(next(seq), batch.messages), [x.copy()], 0))
+
+    cpu = el.Device.cpu()
+    parts = [
+        ("hand-off user → I/O loop → user", median_us(user_loop_user, n)),
+        ("hand-off I/O loop → device thread → I/O loop (incl. one user hop)", median_us(loop_device_loop, n)),
+        (
+            "seal + open + encode + decode: the batch, its bulk, the reply, its bulk",
+            median_us(batch_both_ways, n),
+        ),
+        ("worker applies the batch (NumPy: upload, sum, read, drop)", median_us(apply, n)),
+        ("the same step on Device.cpu() (recording, memo, run, read)", median_us(tiny_step(cpu), n)),
+    ]
+    cpu.close()
+    device.shutdown()
+    asyncio.set_event_loop(None)
+    return parts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples, one repeat")
@@ -133,7 +211,9 @@ def main() -> None:
         with (worker_process if args.worker == "process" else worker_thread)(client) as ticket:
             dev = el.Device.remote(ticket, key=str(key))
             cpu = el.Device.cpu()
-            rows: dict[str, list[float]] = {k: [] for k in ("bare_pp", "tiny", "mlp_cpu", "mlp", "up", "down")}
+            rows: dict[str, list[float]] = {
+                k: [] for k in ("bare_pp", "tiny", "mlp_cpu", "mlp", "up", "down")
+            }
             bare_up: list[float] = []
             bare_down: list[float] = []
             for _ in range(repeats):  # interleaved
@@ -174,6 +254,20 @@ def main() -> None:
     print(
         f"| {total // MiB} MiB download vs bare grpc.aio 1 MiB messages, GB/s "
         f"| {med['down']:.2f} | {b_down:.2f} | {med['down'] / b_down:.2f}x | ≥ 0.7x |"
+    )
+    parts = floor_parts(n)
+    print()
+    print("What a tiny step pays besides the transport's round trip (each part alone, median µs):")
+    print()
+    print("| part | µs |")
+    print("|---|---:|")
+    for what, us in parts:
+        print(f"| {what} | {us:.0f} |")
+    hops = 2 * parts[0][1] + (parts[1][1] - parts[0][1])
+    floor = med["bare_pp"] + hops + parts[2][1] + parts[3][1] + parts[4][1]
+    print(
+        f"| sum: bare round trip + 4 hand-offs + protocol + apply + client recording "
+        f"(a floor for this design, all on one core) | {floor:.0f} |"
     )
 
 
