@@ -117,6 +117,22 @@ def test_killed_worker_fails_waiting_and_later_calls_with_worker_lost(start_work
     dev.close()
 
 
+def test_frozen_worker_fails_waiting_calls_with_worker_lost(start_worker, keys: Keys) -> None:
+    worker = start_worker()
+    dev = remote(worker.ticket, keys.client_key)
+    x = dev.tensor(np.ones(8, np.float32))
+    assert float(x.sum()) == 8.0
+    worker.signal(signal.SIGSTOP)  # alive but silent: no FIN, no RST; only keepalive can tell
+    try:
+        started = time.monotonic()
+        with pytest.raises(WorkerLost):
+            float((x * 2.0).sum())
+        assert time.monotonic() - started < HANG
+    finally:
+        worker.kill()
+    dev.close()
+
+
 CLIENT_UPLOADING = """
 import sys, numpy as np, emberlink as el
 dev = el.Device.remote(sys.argv[1], timeout=10)

@@ -1,0 +1,122 @@
+"""The worker command's configuration: addresses, tickets, byte counts; no processes here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from emberlink.cli import _byte_count, build_parser
+from emberlink.errors import ConfigError
+from emberlink.protocol.identity import Identity
+from emberlink.protocol.ticket import Ticket
+from emberlink.server.daemon import WorkerConfig, load_config, parse_host_port, ticket_for, write_ticket
+
+
+def config(host: str, advertise: tuple[str, int] | None = None, relay: str | None = None) -> WorkerConfig:
+    from emberlink.protocol.identity import AllowPolicy
+
+    return WorkerConfig(
+        identity=Identity.generate(os.urandom),
+        allow=AllowPolicy.allow_any(),
+        host=host,
+        port=0,
+        advertise=advertise,
+        device="cpu",
+        relay=relay,
+        ticket_file=None,
+        max_session_bytes=None,
+        graph_cache_bytes=1 << 20,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("127.0.0.1:0", ("127.0.0.1", 0)), ("[::1]:7443", ("::1", 7443)), ("gpu-box:80", ("gpu-box", 80))],
+)
+def test_listen_addresses_parse_host_and_port(text: str, expected: tuple[str, int]) -> None:
+    assert parse_host_port(text, "--listen") == expected
+
+
+@pytest.mark.parametrize("text", ["7443", "host:", ":7443", "host:99999", "host:http"])
+def test_malformed_listen_addresses_are_config_errors(text: str) -> None:
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        parse_host_port(text, "--listen")
+
+
+def test_ticket_names_the_picked_port_and_the_listening_host() -> None:
+    cfg = config("127.0.0.1")
+    assert Ticket.parse(str(ticket_for(cfg, 40123))).addrs == (("127.0.0.1", 40123),)
+
+
+def test_wildcard_listen_without_advertise_puts_loopback_in_the_ticket_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="emberlink.server"):
+        ticket = ticket_for(config("0.0.0.0"), 7443)
+    assert ticket.addrs == (("127.0.0.1", 7443),)
+    assert "--advertise" in caplog.text
+
+
+def test_advertise_sets_the_address_in_the_ticket_and_relay_is_kept() -> None:
+    cfg = config("0.0.0.0", advertise=("gpu-box.example", 9000), relay="nats://relay.example:4222")
+    ticket = ticket_for(cfg, 7443)
+    assert ticket.addrs == (("gpu-box.example", 9000),)
+    assert ticket.relay == "nats://relay.example:4222"
+
+
+@pytest.mark.parametrize(
+    ("text", "n"), [("1024", 1024), ("512M", 512 << 20), ("4G", 4 << 30), ("2MiB", 2 << 20)]
+)
+def test_byte_counts_take_binary_suffixes(text: str, n: int) -> None:
+    assert _byte_count(text) == n
+
+
+def test_a_bad_byte_count_is_refused_by_the_parser() -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        _byte_count("lots")
+
+
+def test_allow_and_allow_any_are_exclusive_and_one_is_required(tmp_path: Path) -> None:
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["worker", "--listen", "127.0.0.1:0", "--key", "k"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["worker", "--listen", "127.0.0.1:0", "--key", "k", "--allow", "a", "--allow-any"])
+
+
+def test_load_config_reads_key_allow_and_flags(tmp_path: Path) -> None:
+    key = tmp_path / "w.key"
+    identity = Identity.generate(os.urandom)
+    identity.save(key)
+    allow = tmp_path / "allow"
+    client = Identity.generate(os.urandom).node_id
+    allow.write_text(f"# one client\n{client}\n")
+    args = build_parser().parse_args(
+        ["worker", "--listen", "0.0.0.0:0", "--key", str(key), "--allow", str(allow)]
+        + ["--max-session-bytes", "1G", "--advertise", "box:7443", "--device", "cpu"]
+    )
+    cfg = load_config(args)
+    assert cfg.identity.node_id == identity.node_id
+    assert cfg.allow.admits(client) and not cfg.allow.admits(identity.node_id)
+    assert (cfg.max_session_bytes, cfg.advertise) == (1 << 30, ("box", 7443))
+
+
+def test_unknown_device_is_a_config_error(tmp_path: Path) -> None:
+    key = tmp_path / "w.key"
+    Identity.generate(os.urandom).save(key)
+    args = build_parser().parse_args(["worker", "--listen", "127.0.0.1:0", "--key", str(key), "--allow-any"])
+    args.device = "tpu:0"
+    with pytest.raises(ConfigError, match="cpu or cuda:N"):
+        load_config(args)
+
+
+def test_the_ticket_file_is_replaced_whole(tmp_path: Path) -> None:
+    path = tmp_path / "ticket"
+    path.write_text("an old ticket that is much longer than the new one\n")
+    write_ticket(path, "emberlink://x")
+    assert path.read_text() == "emberlink://x\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["ticket"]
