@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 from relay_harness import allow_file, client_process, new_key, relay_worker, wait_until, worker_process
@@ -120,3 +121,20 @@ def test_cluster_ls_prints_a_row_per_worker_with_device_memory_load_addresses_an
         assert (row["relay"], row["admits"]) == (nats_server.url, "anyone")
     assert by_node[a.node_id[:12]]["addresses"] == f"127.0.0.1:{a.port}"
     assert by_node[b.node_id[:12]]["addresses"] == "-"  # relay-only: no direct address
+
+
+def test_presence_load_counts_open_sessions_and_work_waiting_for_the_device(nats_server):
+    with relay_worker(nats_server.url) as worker:
+        wait_until(lambda: _seen(nats_server.url) == {worker.node_id}, 10, "presence")
+        ((only,),) = [[s.presence for s in survey(nats_server.url)]]
+        assert only.load == (0, 0)
+        release = threading.Event()
+        with el.Device.remote(worker.ticket) as dev:
+            worker.worker.device.post(release.wait)  # the device is busy ...
+            worker.worker.device.post(lambda: None)  # ... so this waits in its queue
+            try:
+                (seen,) = survey(nats_server.url)
+                assert seen.presence.sessions == 1 and seen.presence.queued >= 1
+            finally:
+                release.set()
+            dev.sync()
