@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from emberlink.errors import TransportError, WorkerLost
+from emberlink.errors import TransportError, TransportTimeout, WorkerLost
 from emberlink.protocol.identity import Identity
 from emberlink.protocol.ticket import Ticket
 from emberlink.transport.base import Link
@@ -121,7 +121,12 @@ def connect(ticket: Ticket, identity: Identity, *, timeout: float = 30.0) -> Rem
     from emberlink.client.loop import io_loop
 
     loop_thread = io_loop()
-    path, link = loop_thread.call(open_link(ticket, timeout=timeout), timeout + DIRECT_HEAD_START_S + 1)
+    opening = loop_thread.submit(open_link(ticket, timeout=timeout))
+    try:
+        path, link = opening.result(timeout + DIRECT_HEAD_START_S + 1)
+    except TimeoutError as e:  # only if the transports' own deadlines failed to fire
+        opening.cancel()
+        raise TransportTimeout(f"no path to worker {ticket.node_id} within {timeout} s") from e
     try:
         return remote.connect_link(
             _given(link), ticket.node_id, identity, path=path, timeout=timeout, loop_thread=loop_thread
