@@ -125,6 +125,8 @@ def connect(ticket: Ticket, identity: Identity, *, timeout: float = 30.0) -> Rem
     try:
         path, link = opening.result(timeout + DIRECT_HEAD_START_S + 1)
     except TimeoutError as e:  # only if the transports' own deadlines failed to fire
+        if isinstance(e, TransportTimeout):
+            raise
         opening.cancel()
         raise TransportTimeout(f"no path to worker {ticket.node_id} within {timeout} s") from e
     try:
