@@ -1,13 +1,15 @@
 """The Backend interface and the one run loop every backend shares; no op semantics here, no I/O.
 
-The loop walks a compiled plan: it looks each op up in the backend's explicit table, runs it,
-checks the result against the inferred spec, and drops each value after its last use so memory
-follows the plan's live set. Every failure leaves as `ExecutionError` (or `OutOfMemory`) naming
+The loop walks a compiled plan: it looks each op up in the backend's explicit table, runs it
+(writing into a dying input's buffer where the plan allows and the buffer is provably nobody
+else's), checks the result against the inferred spec, and drops each value after its last use so
+memory follows the plan's live set. Every failure leaves as `ExecutionError` (or `OutOfMemory`) naming
 the op and node; nothing else escapes.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeAlias
 
@@ -21,6 +23,9 @@ Array: TypeAlias = Any
 OpFn: TypeAlias = Callable[[Any, Sequence[Any], Step], Array]
 """An op's implementation: `(xp, args, step) -> array`. Args are arrays, or Python scalars for bindings."""
 
+IntoFn: TypeAlias = Callable[[Any, Sequence[Any], Step, Any], Array]
+"""An op written into an existing buffer: `(xp, args, step, out) -> out`; same values as its OpFn."""
+
 
 class Backend(Protocol):
     """What an executor or the worker needs from a device (docs/internals.md section 4)."""
@@ -32,6 +37,7 @@ class Backend(Protocol):
     def run(self, plan: Plan, inputs: Sequence[Array], bindings: Sequence[Scalar]) -> list[Array]: ...
     def nbytes(self, a: Array) -> int: ...
     def memory_stats(self) -> dict[str, int]: ...
+    def reset_peak(self) -> None: ...
     def synchronize(self) -> None: ...
 
 
@@ -68,7 +74,7 @@ def _check_result(step: Step, out: Array) -> None:
     spec: TensorSpec = step.out_spec
     if str(out.dtype) != spec.dtype or tuple(out.shape) != spec.shape:
         raise ExecutionError(
-            f"{step.op} (node {step.node}): internal error: produced {out.dtype} {tuple(out.shape)}, "
+            f"{step.label} (node {step.node}): internal error: produced {out.dtype} {tuple(out.shape)}, "
             f"inference says {spec.describe()}"
         )
 
@@ -81,6 +87,19 @@ def _compact(a: Array) -> Array:
     return a
 
 
+def _exclusive(values: list[Any], v: int, uses: int) -> Any:
+    """values[v] if the run may overwrite it: it owns its memory, is contiguous and writeable, and
+    nothing refers to it but the run loop (a view of it would hold a reference to it)."""
+    buf = values[v]
+    if buf.base is not None or not buf.flags.c_contiguous or not getattr(buf.flags, "writeable", True):
+        return None
+    # The references we expect: values[v], `uses` in the step's argument list, `buf` here, and
+    # getrefcount's own argument. Any other holder means someone could see the overwrite.
+    if sys.getrefcount(buf) != uses + 3:
+        return None
+    return buf
+
+
 def run_plan(
     plan: Plan,
     inputs: Sequence[Array],
@@ -88,13 +107,16 @@ def run_plan(
     *,
     xp: Any,
     table: Mapping[str, OpFn],
+    into_table: Mapping[str, IntoFn] | None = None,
     oom_errors: tuple[type[BaseException], ...] = (MemoryError,),
-    after_step: Callable[[], None] | None = None,
+    after_step: Callable[[Array], None] | None = None,
 ) -> list[Array]:
     """Run `plan` with the ops of `table` on array module `xp`; returns the outputs in order.
 
-    `after_step` is called once a step's result exists and before its frees (the live set's
-    high point), e.g. to sample a memory pool.
+    A step the plan lets write into a dying input (`Step.into`) does so through `into_table`
+    when the backend has the op there and the buffer is still exclusively the run's; otherwise it
+    allocates as usual. Either way the result is the same. `after_step(result)` is called once a
+    step's result exists and before its frees (the live set's high point), e.g. to count memory.
     """
     check_inputs(plan, inputs)
     values: list[Any] = [None] * len(plan.specs)
@@ -103,22 +125,31 @@ def run_plan(
     for step in plan.steps:
         fn = table.get(step.op)
         if fn is None:
-            raise ExecutionError(f"{step.op} (node {step.node}): this backend has no such op")
+            raise ExecutionError(f"{step.label} (node {step.node}): this backend has no such op")
+        args = [values[v] for v in step.inputs]
+        into = step.into
+        into_fn = None if into is None or into_table is None else into_table.get(step.op)
+        buf = None if into_fn is None else _exclusive(values, into, step.inputs.count(into))  # type: ignore[arg-type]
         try:
-            out = xp.asarray(fn(xp, [values[v] for v in step.inputs], step))
+            if buf is None:
+                out = xp.asarray(fn(xp, args, step))
+            else:
+                out = into_fn(xp, args, step, buf)  # type: ignore[misc]
         except oom_errors as e:
-            raise OutOfMemory(f"{step.op} (node {step.node}): out of memory: {e}") from e
+            raise OutOfMemory(f"{step.label} (node {step.node}): out of memory: {e}") from e
         except ExecutionError:
             raise
         except Exception as e:
-            raise ExecutionError(f"{step.op} (node {step.node}) failed: {type(e).__name__}: {e}") from e
+            raise ExecutionError(f"{step.label} (node {step.node}) failed: {type(e).__name__}: {e}") from e
+        del args, buf
         _check_result(step, out)
         values[step.out] = out
         if after_step is not None:
-            after_step()
+            after_step(out)
+        del out  # so the next step may find this result exclusively the run's
         for v in step.free:
             values[v] = None
     return [_compact(values[v]) for v in plan.outputs]
 
 
-__all__ = ["Array", "Backend", "OpFn", "check_bindings", "check_inputs", "run_plan"]
+__all__ = ["Array", "Backend", "IntoFn", "OpFn", "check_bindings", "check_inputs", "run_plan"]

@@ -4,25 +4,27 @@ It reuses numpy_backend's definitions with `xp = cupy` and replaces only what Cu
 (`scatter_add` works around the dtypes CUDA atomics lack). The CuPy tests compare it op by op with the NumPy
 reference on the same case table.
 
-Where fused elementwise chains will plug in: a fusion pass would turn runs of elementwise
-`Step`s of a compiled `Plan` into one step whose function is a `cupy.ElementwiseKernel` (or
-`cupy.fuse`) built once per plan and kept beside it (e.g. in `self._fused`, keyed by plan
-identity). `run_plan` only looks a step's function up in the table it is given, so that lookup
-is the single seam; nothing else needs to change.
+Each plan is run as a variant compiled once, the first time the backend sees it, and kept beside
+it for as long as it lives: runs of elementwise steps whose inner values die inside the run become
+one `cupy.ElementwiseKernel` each (fusion.py writes the source; identical chains share a kernel),
+and elementwise results, fused or not, are written into a dying input's buffer where the plan
+allows (plan.py). `fuse=False` or `reuse=False` turn either off, e.g. to compare against.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from emberlink.errors import DeviceError, DTypeError
-from emberlink.graph_replay.backend import Array, OpFn, run_plan
+from emberlink.graph_replay import fusion
+from emberlink.graph_replay.backend import Array, IntoFn, OpFn, run_plan
 from emberlink.graph_replay.ir import DTYPES, Scalar
-from emberlink.graph_replay.numpy_backend import OP_TABLE, scatter_index
-from emberlink.graph_replay.plan import Plan, Step
+from emberlink.graph_replay.numpy_backend import INTO_TABLE, OP_TABLE, host_scalar, scatter_index
+from emberlink.graph_replay.plan import FUSED, Plan, Step, derive_plan
 
 _INSTALL_HINT = "pip install 'emberlink[cuda13]' (CUDA 13) or 'emberlink[cuda12]' (CUDA 12)"
 
@@ -51,12 +53,34 @@ def _scatter_add(xp: Any, args: Sequence[Any], step: Step) -> Array:
     return out.astype(dtype, copy=False)
 
 
+class _FusedKernel:
+    """A compiled chain: the ElementwiseKernel and how the fused step's args map onto it."""
+
+    __slots__ = ("kernel", "source")
+
+    def __init__(self, kernel: Any, source: fusion.KernelSource) -> None:
+        self.kernel = kernel
+        self.source = source
+
+    def __call__(self, args: Sequence[Any], out: Any = None) -> Array:
+        call = fusion.call_args(self.source, args, host_scalar)
+        return self.kernel(*call) if out is None else self.kernel(*call, out)
+
+
+def _fused(xp: Any, args: Sequence[Any], step: Step) -> Array:
+    return step.kernel(args)
+
+
+def _fused_into(xp: Any, args: Sequence[Any], step: Step, out: Any) -> Array:
+    return step.kernel(args, out)
+
+
 class CupyBackend:
     """Runs plans on one CUDA GPU. Memory figures come from CuPy's default memory pool."""
 
     name = "cupy"
 
-    def __init__(self, device: int = 0) -> None:
+    def __init__(self, device: int = 0, *, fuse: bool = True, reuse: bool = True) -> None:
         cupy = _import_cupy()
         try:
             count = cupy.cuda.runtime.getDeviceCount()
@@ -70,10 +94,44 @@ class CupyBackend:
         self._device = cupy.cuda.Device(device)
         self._pool = cupy.get_default_memory_pool()
         self._peak = 0
-        self._table: dict[str, OpFn] = {**OP_TABLE, "scatter_add": _scatter_add}
+        self.fuse = fuse
+        self.reuse = reuse
+        self._table: dict[str, OpFn] = {**OP_TABLE, "scatter_add": _scatter_add, FUSED: _fused}
+        self._into: dict[str, IntoFn] = {**INTO_TABLE, FUSED: _fused_into}
         self._oom: tuple[type[BaseException], ...] = (MemoryError, cupy.cuda.memory.OutOfMemoryError)
+        self._variants: weakref.WeakKeyDictionary[Plan, Plan] = weakref.WeakKeyDictionary()
+        self._kernels: dict[tuple[str, str, str], Any] = {}
 
-    def _sample(self) -> None:
+    # -- fusion -------------------------------------------------------------------------------------
+
+    def fusable(self, step: Step) -> bool:
+        return fusion.fusable(step)
+
+    def build(self, step: Step) -> _FusedKernel:
+        """The kernel of a fused step; chains with the same source share one (CuPy compiles it once)."""
+        source = fusion.kernel_source(step)
+        key = (source.in_params, source.out_params, source.body)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            kernel = self._cp.ElementwiseKernel(source.in_params, source.out_params, source.body, source.name)
+            self._kernels[key] = kernel
+        return _FusedKernel(kernel, source)
+
+    def plan_for(self, plan: Plan) -> Plan:
+        """The variant of `plan` this backend runs (fused and reusing as configured), compiled once."""
+        if not self.fuse and plan.reuse == self.reuse and not plan.keep_intermediates:
+            return plan
+        variant = self._variants.get(plan)
+        if variant is None:
+            variant = derive_plan(
+                plan, keep_intermediates=False, reuse=self.reuse, fusion=self if self.fuse else None
+            )
+            self._variants[plan] = variant
+        return variant
+
+    # -- Backend ------------------------------------------------------------------------------------
+
+    def _sample(self, value: Any = None) -> None:
         self._peak = max(self._peak, int(self._pool.used_bytes()))
 
     def from_numpy(self, a: Any) -> Array:
@@ -91,11 +149,12 @@ class CupyBackend:
     def run(self, plan: Plan, inputs: Sequence[Array], bindings: Sequence[Scalar]) -> list[Array]:
         with self._device:
             return run_plan(
-                plan,
+                self.plan_for(plan),
                 inputs,
                 bindings,
                 xp=self._cp,
                 table=self._table,
+                into_table=self._into,
                 oom_errors=self._oom,
                 after_step=self._sample,
             )
@@ -110,6 +169,10 @@ class CupyBackend:
             "peak_bytes": self._peak,
             "pool_bytes": int(self._pool.total_bytes()),
         }
+
+    def reset_peak(self) -> None:
+        """Make `peak_bytes` measure from now (it starts at what the pool has in use now)."""
+        self._peak = int(self._pool.used_bytes())
 
     def synchronize(self) -> None:
         self._device.synchronize()

@@ -10,6 +10,7 @@ matmul accumulate in float32.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -17,9 +18,10 @@ import numpy as np
 
 from emberlink.errors import DTypeError
 from emberlink.graph_replay import rng
-from emberlink.graph_replay.backend import Array, OpFn, run_plan
+from emberlink.graph_replay.backend import Array, IntoFn, OpFn, check_inputs, run_plan
 from emberlink.graph_replay.ir import DTYPES, KIND_OF_DTYPE, Key, Scalar
-from emberlink.graph_replay.plan import Plan, Step
+from emberlink.graph_replay.memory import MemoryMeter
+from emberlink.graph_replay.plan import REUSE_OPS, Plan, Step, derive_plan
 
 
 def as_operand(xp: Any, v: Any, dtype: str) -> Any:
@@ -90,47 +92,49 @@ def _randn(xp: Any, args: Sequence[Any], step: Step) -> Array:
 # -- elementwise -----------------------------------------------------------------------------------
 
 
-def _sigmoid(xp: Any, x: Any) -> Any:
+def _sigmoid(xp: Any, x: Any, out: Any = None) -> Any:
     xf = x.astype(_wide(str(x.dtype)), copy=False)
     return (1 / (1 + xp.exp(-xf))).astype(x.dtype, copy=False)
 
 
-def _relu(xp: Any, x: Any) -> Any:
-    return xp.maximum(x, host_scalar(0, str(x.dtype)))
+def _relu(xp: Any, x: Any, out: Any = None) -> Any:
+    return xp.maximum(x, host_scalar(0, str(x.dtype)), out=out)
 
 
+# Each entry computes into `out` when given one (see INTO_TABLE), else into a fresh array; the
+# values are the same either way (the same ufunc loop runs).
 _UNARY: dict[str, Any] = {
-    "negative": lambda xp, x: xp.negative(x),
-    "abs": lambda xp, x: xp.abs(x),
-    "square": lambda xp, x: xp.square(x),
-    "sign": lambda xp, x: xp.sign(x),
+    "negative": lambda xp, x, out=None: xp.negative(x, out=out),
+    "abs": lambda xp, x, out=None: xp.abs(x, out=out),
+    "square": lambda xp, x, out=None: xp.square(x, out=out),
+    "sign": lambda xp, x, out=None: xp.sign(x, out=out),
     "relu": _relu,
-    "exp": lambda xp, x: xp.exp(x),
-    "log": lambda xp, x: xp.log(x),
-    "sqrt": lambda xp, x: xp.sqrt(x),
-    "tanh": lambda xp, x: xp.tanh(x),
-    "sigmoid": _sigmoid,
-    "sin": lambda xp, x: xp.sin(x),
-    "cos": lambda xp, x: xp.cos(x),
-    "logical_not": lambda xp, x: xp.logical_not(x),
+    "exp": lambda xp, x, out=None: xp.exp(x, out=out),
+    "log": lambda xp, x, out=None: xp.log(x, out=out),
+    "sqrt": lambda xp, x, out=None: xp.sqrt(x, out=out),
+    "tanh": lambda xp, x, out=None: xp.tanh(x, out=out),
+    "sigmoid": _sigmoid,  # several ufuncs in the wide dtype: never written into a buffer
+    "sin": lambda xp, x, out=None: xp.sin(x, out=out),
+    "cos": lambda xp, x, out=None: xp.cos(x, out=out),
+    "logical_not": lambda xp, x, out=None: xp.logical_not(x, out=out),
 }
 
 _BINARY: dict[str, Any] = {
-    "add": lambda xp, a, b: xp.add(a, b),
-    "subtract": lambda xp, a, b: xp.subtract(a, b),
-    "multiply": lambda xp, a, b: xp.multiply(a, b),
-    "divide": lambda xp, a, b: xp.true_divide(a, b),
-    "pow": lambda xp, a, b: xp.power(a, b),
-    "maximum": lambda xp, a, b: xp.maximum(a, b),
-    "minimum": lambda xp, a, b: xp.minimum(a, b),
-    "equal": lambda xp, a, b: xp.equal(a, b),
-    "not_equal": lambda xp, a, b: xp.not_equal(a, b),
-    "less": lambda xp, a, b: xp.less(a, b),
-    "less_equal": lambda xp, a, b: xp.less_equal(a, b),
-    "greater": lambda xp, a, b: xp.greater(a, b),
-    "greater_equal": lambda xp, a, b: xp.greater_equal(a, b),
-    "logical_and": lambda xp, a, b: xp.logical_and(a, b),
-    "logical_or": lambda xp, a, b: xp.logical_or(a, b),
+    "add": lambda xp, a, b, out=None: xp.add(a, b, out=out),
+    "subtract": lambda xp, a, b, out=None: xp.subtract(a, b, out=out),
+    "multiply": lambda xp, a, b, out=None: xp.multiply(a, b, out=out),
+    "divide": lambda xp, a, b, out=None: xp.true_divide(a, b, out=out),
+    "pow": lambda xp, a, b, out=None: xp.power(a, b, out=out),
+    "maximum": lambda xp, a, b, out=None: xp.maximum(a, b, out=out),
+    "minimum": lambda xp, a, b, out=None: xp.minimum(a, b, out=out),
+    "equal": lambda xp, a, b, out=None: xp.equal(a, b, out=out),
+    "not_equal": lambda xp, a, b, out=None: xp.not_equal(a, b, out=out),
+    "less": lambda xp, a, b, out=None: xp.less(a, b, out=out),
+    "less_equal": lambda xp, a, b, out=None: xp.less_equal(a, b, out=out),
+    "greater": lambda xp, a, b, out=None: xp.greater(a, b, out=out),
+    "greater_equal": lambda xp, a, b, out=None: xp.greater_equal(a, b, out=out),
+    "logical_and": lambda xp, a, b, out=None: xp.logical_and(a, b, out=out),
+    "logical_or": lambda xp, a, b, out=None: xp.logical_or(a, b, out=out),
 }
 
 
@@ -142,6 +146,16 @@ def _unary_op(xp: Any, args: Sequence[Any], step: Step) -> Array:
 def _binary_op(xp: Any, args: Sequence[Any], step: Step) -> Array:
     a, b = _operands(xp, args, step)
     return _BINARY[step.op](xp, a, b)
+
+
+def _unary_into(xp: Any, args: Sequence[Any], step: Step, out: Any) -> Array:
+    x = args[0] if step.operand_dtype is None else _operands(xp, args, step)[0]
+    return _UNARY[step.op](xp, x, out)
+
+
+def _binary_into(xp: Any, args: Sequence[Any], step: Step, out: Any) -> Array:
+    a, b = _operands(xp, args, step)
+    return _BINARY[step.op](xp, a, b, out)
 
 
 def _where(xp: Any, args: Sequence[Any], step: Step) -> Array:
@@ -324,36 +338,93 @@ OP_TABLE: dict[str, OpFn] = {
 """Op name -> implementation; exactly the keys of `ops.OPS` (a test checks it)."""
 
 
+INTO_TABLE: dict[str, IntoFn] = {
+    **{name: _unary_into for name in _UNARY if name in REUSE_OPS},
+    **{name: _binary_into for name in _BINARY},
+}
+"""Op name -> implementation writing into a given buffer; exactly `plan.REUSE_OPS` (a test checks it)."""
+
+
 class NumpyBackend:
-    """Runs plans on the CPU with NumPy. Memory figures are estimates from plan specs."""
+    """Runs plans on the CPU with NumPy. Memory figures are exact for arrays (see memory.py).
+
+    `keep_intermediates=True` runs every plan as if compiled without frees (and without buffer
+    reuse), for measuring what freeing saves; `reuse=False` runs without buffer reuse. Plans
+    compiled with other options are compiled again once, with this backend's, and kept beside the
+    original for as long as it lives.
+    """
 
     name = "numpy"
 
-    def __init__(self) -> None:
-        self._peak = 0
+    def __init__(self, *, keep_intermediates: bool = False, reuse: bool = True) -> None:
+        self.keep_intermediates = keep_intermediates
+        self.reuse = reuse and not keep_intermediates
+        self._meter = MemoryMeter()
+        self._variants: weakref.WeakKeyDictionary[Plan, Plan] = weakref.WeakKeyDictionary()
+
+    def plan_for(self, plan: Plan) -> Plan:
+        """The plan this backend runs for `plan`: `plan` itself, or its variant with this backend's options."""
+        if plan.keep_intermediates == self.keep_intermediates and plan.reuse == self.reuse:
+            return plan
+        variant = self._variants.get(plan)
+        if variant is None:
+            variant = derive_plan(plan, keep_intermediates=self.keep_intermediates, reuse=self.reuse)
+            self._variants[plan] = variant
+        return variant
 
     def from_numpy(self, a: Any) -> Array:
         if str(a.dtype) not in DTYPES:
             raise DTypeError(f"dtype {a.dtype} is not one of {DTYPES}")
+        self._meter.track(a)
         return a
 
     def to_numpy(self, a: Array) -> Any:
         return np.asarray(a, order="C")
 
     def run(self, plan: Plan, inputs: Sequence[Array], bindings: Sequence[Scalar]) -> list[Array]:
-        self._peak = max(self._peak, plan.input_bytes + plan.peak_bytes)
+        check_inputs(plan, inputs)
+        track = self._meter.track
+        for a in inputs:
+            track(a)
         # inf and nan are results here, as on a GPU, not warnings.
         with np.errstate(all="ignore"):
-            return run_plan(plan, inputs, bindings, xp=np, table=OP_TABLE)
+            outs = run_plan(
+                self.plan_for(plan),
+                inputs,
+                bindings,
+                xp=np,
+                table=OP_TABLE,
+                into_table=INTO_TABLE,
+                after_step=track,
+            )
+        for a in outs:
+            track(a)
+        return outs
 
     def nbytes(self, a: Array) -> int:
         return int(a.nbytes)
 
     def memory_stats(self) -> dict[str, int]:
-        return {"in_use_bytes": 0, "peak_bytes": self._peak, "pool_bytes": 0}
+        """`in_use_bytes`: live arrays this backend made or was given; `peak_bytes`: its high point
+        since start or `reset_peak`; `pool_bytes`: equal to in_use (NumPy keeps no pool: freed
+        arrays go straight back to the allocator)."""
+        in_use = self._meter.in_use
+        return {"in_use_bytes": in_use, "peak_bytes": self._meter.peak, "pool_bytes": in_use}
+
+    def reset_peak(self) -> None:
+        """Make `peak_bytes` measure from now (it starts at what is in use now)."""
+        self._meter.reset_peak()
 
     def synchronize(self) -> None:
         return None
 
 
-__all__ = ["OP_TABLE", "NumpyBackend", "as_operand", "host_scalar", "index_tuple", "scatter_index"]
+__all__ = [
+    "INTO_TABLE",
+    "OP_TABLE",
+    "NumpyBackend",
+    "as_operand",
+    "host_scalar",
+    "index_tuple",
+    "scatter_index",
+]
