@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Everything the GPU machine has to show, in one call from the repository root (CuPy there; the
+# wheels it lacks travel in .whl/, see README "GPU checks"). Logs go to $OUT when it is set.
+set -u
+OUT=${OUT:-/tmp/emberlink-gpu}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import cupy, numpy, grpc; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'grpcio', grpc.__version__)"
+
+echo "== 1. GPU tests: every op on CuPy against the NumPy reference, fused chains, Device.cuda"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests >"$OUT/gpu_tests.log" 2>&1
+echo "pytest exit $?"; tail -5 "$OUT/gpu_tests.log"
+
+echo "== 2. the README's example on Device.cuda(0)"
+python3 examples/train_mlp.py --device cuda:0 --epochs 3 2>&1 | tee "$OUT/example_cuda.log" | tail -5
+
+echo "== 3. emberlink worker --device cuda:0 serving a client on loopback"
+tmp=$(mktemp -d)
+python3 -m emberlink keygen --out "$tmp/client.key" >"$tmp/allow"
+python3 -m emberlink keygen --out "$tmp/worker.key" >/dev/null
+python3 -m emberlink worker --listen 127.0.0.1:0 --key "$tmp/worker.key" --allow "$tmp/allow" \
+    --device cuda:0 >"$tmp/ticket" 2>"$OUT/worker.log" &
+worker=$!
+for _ in $(seq 100); do [ -s "$tmp/ticket" ] && break; sleep 0.1; done
+ticket=$(head -1 "$tmp/ticket"); echo "ticket: $ticket"
+python3 -m emberlink ping "$ticket" --key "$tmp/client.key" --count 50
+EMBERLINK_KEY="$tmp/client.key" python3 examples/train_mlp.py --device "$ticket" --epochs 3 2>&1 \
+    | tee "$OUT/example_remote_cuda.log" | tail -5
+kill -TERM $worker; wait $worker; echo "worker exit $?"; tail -3 "$OUT/worker.log"
+
+echo "== 4. MLP step: Device.cuda(0) against a cuda:0 worker on loopback and the CPU"
+python3 bench/gpu_step.py --steps 200 2>/dev/null | tee "$OUT/gpu_step.md"
