@@ -47,6 +47,9 @@ FLUSH_MESSAGES = 16_384
 MAX_UNACKED_BATCHES = 64
 MAX_UNACKED_BYTES = 256 << 20
 CLOSE_TIMEOUT = 2.0
+REPLAY_ENV = "EMBERLINK_REPLAY"
+"""Set to `0` to send every graph in full with every Execute (the design before graph replay), for
+measuring what replay saves (bench/replay.py); `RemoteExecutor.replay` is the same switch."""
 
 LinkFactory = Callable[[], Awaitable[Link]]
 
@@ -181,6 +184,7 @@ class RemoteExecutor:
         self._pending_bulks: list[np.ndarray] = []
         self._pending_bytes = 0
         self._graphs: dict[bytes, bytes] = {}
+        self.replay = os.environ.get(REPLAY_ENV, "1") != "0"
         self._rids = itertools.count(1)
         self._flow_cond = threading.Condition()
         self._unacked_batches = 0
@@ -284,7 +288,7 @@ class RemoteExecutor:
 
     def execute(self, graph: Graph, gid: bytes, call: Call) -> None:
         self._check()
-        if gid not in self._graphs:
+        if gid not in self._graphs or not self.replay:
             body = canonical.encode_graph(graph)
             self._graphs[gid] = body
             self._pending.append(m.Register(gid, body))
