@@ -151,6 +151,30 @@ def graph_specs(graph: Graph) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
+def binding_dtypes(graph: Graph) -> tuple[str | None, ...]:
+    """For each binding, the one dtype every use of it casts it to, or None (uses differ, or none).
+
+    A backend never computes with a binding's own value: binary ops and `where` cast it to their
+    `operand_dtype`, `full` to its output dtype. So a float binding whose only dtype is float32 may
+    travel as a float32 without changing any result (the client's encoder uses this).
+    """
+    specs = graph_specs(graph)
+    first_binding = len(graph.inputs)
+    found: list[set[str | None]] = [set() for _ in graph.bindings]
+    for i, node in enumerate(graph.nodes):
+        in_specs = [specs[v] for v in node.inputs]
+        if node.op == "full":
+            cast: str | None = specs[graph.node_value(i)].dtype
+        elif node.op in BINARY or node.op == "where":
+            cast = operand_dtype(node.op, in_specs)
+        else:
+            cast = None
+        for v in node.inputs:
+            if first_binding <= v < graph.first_node_value:
+                found[v - first_binding].add(cast)
+    return tuple(next(iter(d)) if len(d) == 1 else None for d in found)
+
+
 def op_names() -> tuple[str, ...]:
     """Every op name, sorted."""
     return tuple(sorted(OPS))
@@ -217,6 +241,7 @@ __all__ = [
     "OPS",
     "REDUCTIONS",
     "OpDef",
+    "binding_dtypes",
     "check_attrs",
     "get_op",
     "graph_specs",

@@ -339,3 +339,28 @@ def test_graph_specs_infers_every_value_and_checks_references() -> None:
         graph_specs(forward)
     with pytest.raises(ShapeError, match="output 1 is a binding"):
         graph_specs(Graph(g.inputs, g.bindings, g.nodes, (1,)))
+
+
+# -- binding dtypes ------------------------------------------------------------------------------
+
+
+def test_binding_dtypes_give_the_one_dtype_each_binding_is_cast_to() -> None:
+    from emberlink.graph_replay.ir import Graph, Node
+    from emberlink.graph_replay.ops import binding_dtypes
+
+    f32, f64 = TensorSpec("float32", (3,)), TensorSpec("float64", (3,))
+    g = Graph(
+        (f32, f64, TensorSpec("int32", (3,))),
+        ("float", "float", "float", "int", "float", "int"),
+        (
+            Node("multiply", (0, 3)),  # b0: float32
+            Node("multiply", (0, 4)),  # b1: float32 ...
+            Node("add", (1, 4)),  # ... and float64: no single dtype
+            Node("greater", (2, 6)),  # b3 (int) against int32
+            Node("full", (7,), check_attrs("full", {"shape": (2,), "dtype": "float64"})),  # b4: float64
+            Node("divide", (2, 5)),  # b2: int32 / float -> float32
+        ),
+        (9, 10, 11, 12, 13, 14),
+    )
+    # b5 is used by nothing: no dtype
+    assert binding_dtypes(g) == ("float32", None, "float32", "int32", "float64", None)
