@@ -17,6 +17,7 @@ Rules (everything that decides what is a valid message lives in this file):
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -48,6 +49,28 @@ MAX_STATS = 256
 MAX_STAT_KEY = 128
 _MAX_ARRAY = 2 * MAX_IDS
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+_FLOAT32 = struct.Struct(">f")
+
+
+class F32(float):
+    """A binding value the encoder sends as a msgpack float32 (5 bytes instead of 9).
+
+    Make one with `F32.of(value)`, which rounds to the nearest float32, so the encoding is exact.
+    Only for bindings that every use casts to float32 (graph_replay.ops.binding_dtypes): the
+    worker decodes a plain float and casts it to float32 to the same bits as the float64 value.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, value: float) -> float:
+        """`value` rounded to float32 and marked, or `value` itself where float32 overflows."""
+        try:
+            return cls(_FLOAT32.unpack(_FLOAT32.pack(value))[0])
+        except OverflowError:
+            return value
 
 
 # -- client -> worker -------------------------------------------------------------------------
@@ -219,7 +242,36 @@ def _pack(obj: Any) -> bytes:
 
 def encode_batch(batch: Batch) -> bytes:
     """The msgpack bytes of a client batch (the plaintext of one MESSAGE frame)."""
-    return _pack([batch.seq, [_wire_client(m) for m in batch.messages]])
+    messages = batch.messages
+    if not any(type(b) is F32 for m in messages if type(m) is Execute for b in m.bindings):
+        return _pack([batch.seq, [_wire_client(m) for m in messages]])
+    # msgpack-python writes every float as float64, so batches with F32 bindings are assembled
+    # from parts: an array's encoding is its header followed by its items' encodings.
+    parts = [b"\x92", _pack(batch.seq), _array_header(len(messages))]
+    parts += [_execute_bytes(m) if type(m) is Execute else _pack(_wire_client(m)) for m in messages]
+    return b"".join(parts)
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def _execute_bytes(m: Execute) -> bytes:
+    parts = [b"\x95", _pack(2), _pack(m.gid), _pack(rle_encode(m.inputs)), _array_header(len(m.bindings))]
+    parts += [_float32(b) if type(b) is F32 else _pack(b) for b in m.bindings]
+    parts.append(_pack(m.out_base))
+    return b"".join(parts)
+
+
+def _float32(value: float) -> bytes:
+    try:
+        return b"\xca" + _FLOAT32.pack(value)
+    except OverflowError:  # an F32 made by hand rather than with F32.of: send it as it is
+        return _pack(float(value))
 
 
 def encode_reply(reply: Reply) -> bytes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 import tracemalloc
 from typing import Any
 
@@ -297,3 +298,28 @@ def test_hostile_input_is_refused_without_large_allocations(data: bytes) -> None
     finally:
         tracemalloc.stop()
     assert peak < 16 * 1024 * 1024, peak  # far below what the headers claim; the id budget is ~10 MB
+
+
+def test_f32_bindings_travel_as_float32_and_decode_to_the_same_floats() -> None:
+    from emberlink.protocol.messages import F32
+
+    lr = F32.of(0.01)
+    assert type(lr) is F32 and lr == struct.unpack(">f", struct.pack(">f", 0.01))[0]
+    plain = Batch(7, (Read(1, 2), Execute(GID, (5, 6, 9), (float(lr), 3, True, 0.5), 40), Drop((5, 6))))
+    marked = Batch(7, (Read(1, 2), Execute(GID, (5, 6, 9), (lr, 3, True, F32.of(0.5)), 40), Drop((5, 6))))
+    data = encode_batch(marked)
+    assert len(data) == len(encode_batch(plain)) - 2 * 4
+    # Everything but the two floats is byte for byte what the one-call encoder writes.
+    as32 = b"\xca" + struct.pack(">f", lr) + b"\x03\xc3" + b"\xca" + struct.pack(">f", 0.5)
+    as64 = b"\xcb" + struct.pack(">d", lr) + b"\x03\xc3" + b"\xcb" + struct.pack(">d", 0.5)
+    assert data == encode_batch(plain).replace(as64, as32)
+    decoded = decode_batch(data)
+    assert decoded == marked
+    assert all(type(b) is not F32 for b in decoded.messages[1].bindings)  # type: ignore[union-attr]
+
+
+def test_f32_of_a_value_beyond_float32_stays_a_plain_float() -> None:
+    from emberlink.protocol.messages import F32
+
+    assert type(F32.of(1e300)) is float
+    assert math.isnan(F32.of(math.nan)) and F32.of(math.inf) == math.inf
