@@ -151,6 +151,7 @@ async def serve(config: WorkerConfig) -> int:
         await wait_for_signal()
         log.info("draining: finishing queued work, then closing %d session(s)", len(worker.sessions))
         await worker.drain()
+        worker.log_stats()
     finally:
         for listener in listeners:
             await listener.stop(DRAIN_GRACE)

@@ -21,7 +21,7 @@ from emberlink.errors import EmberlinkError, ExecutionError, ProtocolError
 from emberlink.graph_replay.plan import Plan
 from emberlink.protocol import messages as m
 from emberlink.server.graphs import GraphView
-from emberlink.server.store import Failure, TensorStore
+from emberlink.server.store import Failure, Quota, TensorStore
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +31,11 @@ _DTYPE_NAMES = {np.dtype(name): name for name in m.DTYPES}
 
 @dataclass(slots=True)
 class Incoming:
-    """A received batch with its uploads' bytes: one array per Upload, None where the quota refused it."""
+    """A received batch with its uploads' bytes: one array per Upload, or why it could not be stored."""
 
     batch: m.Batch
-    uploads: list[np.ndarray | None]
-    reserved: int  # bytes the event loop reserved for these uploads
+    uploads: list[np.ndarray | Failure]
+    reserved: int  # bytes of these uploads held in flight (Incoming-side), not yet the session's
 
 
 @dataclass(slots=True)
@@ -69,8 +69,10 @@ class BatchRunner:
         store: TensorStore,
         graphs: GraphView,
         stats: Callable[[], dict[str, m.StatValue]],
+        inflight: Quota,
     ) -> None:
         self._backend = backend
+        self._inflight = inflight
         self._store = store
         self._graphs = graphs
         self._stats = stats
@@ -103,6 +105,7 @@ class BatchRunner:
             self.counters.graph_unknown += 1
             self._release(incoming)
             return Outgoing(self.applied, [plans])
+        self._release(incoming)  # from here the uploads are charged to the session's quota, in order
         out = Outgoing(batch.seq)
         uploads = iter(incoming.uploads)
         for msg in batch.messages:
@@ -131,7 +134,8 @@ class BatchRunner:
 
     def _release(self, incoming: Incoming) -> None:
         if incoming.reserved:
-            self._store.quota.release(incoming.reserved)
+            self._inflight.release(incoming.reserved)
+            incoming.reserved = 0
 
     def _plans_for(self, batch: m.Batch) -> dict[bytes, Plan] | m.GraphUnknown:
         """Every graph the batch executes, registering its Registers in order; pinned by the dict."""
@@ -156,19 +160,24 @@ class BatchRunner:
         if self._first_failure is None:
             self._first_failure = failure
 
-    def _upload(self, msg: m.Upload, array: np.ndarray | None) -> None:
+    def _upload(self, msg: m.Upload, array: np.ndarray | Failure) -> None:
         self.counters.uploads += 1
-        if array is None:
-            self._fail((msg.tid,), Failure("quota", self._store.quota.describe_refusal(msg.nbytes)))
+        if isinstance(array, Failure):
+            self._fail((msg.tid,), array)
+            return
+        quota = self._store.quota
+        self._store.drop(msg.tid)  # an upload replaces its id: the old value's bytes are free first
+        if not quota.reserve(msg.nbytes):
+            self._fail((msg.tid,), Failure("quota", quota.describe_refusal(msg.nbytes)))
             return
         try:
             value = self._backend.from_numpy(array)
         except EmberlinkError as e:
-            self._store.quota.release(msg.nbytes)
+            quota.release(msg.nbytes)
             self._fail((msg.tid,), Failure(getattr(e, "code", "execution"), str(e)))
             return
         except MemoryError as e:
-            self._store.quota.release(msg.nbytes)
+            quota.release(msg.nbytes)
             self._fail((msg.tid,), Failure("out_of_memory", f"storing upload {msg.tid}: {e}"))
             return
         self._store.put(msg.tid, value, msg.nbytes, charged=True)

@@ -25,7 +25,7 @@ from emberlink.protocol import messages as m
 from emberlink.protocol.channel import BULK, MESSAGE, TAG_SIZE, Channel, parse_header, split_frames
 from emberlink.protocol.handshake import WorkerHandshake
 from emberlink.server.runner import BatchRunner, Incoming, Outgoing
-from emberlink.server.store import Quota, TensorStore
+from emberlink.server.store import Failure, Quota, TensorStore
 from emberlink.transport.base import Link
 
 if TYPE_CHECKING:
@@ -38,6 +38,9 @@ BLOB_TARGET = 4 << 20
 """Frames are packed into one transport blob up to about this size (transport.base.MAX_BLOB is 8 MiB)."""
 MAX_REPLY_MESSAGES = 32_768
 FINAL_SEND_TIMEOUT = 5.0
+MAX_INFLIGHT_BYTES = 256 << 20
+"""Upload bytes a session may have received and not yet applied: the clients' flow-control bound
+(docs/internals.md section 6), which an honest client never passes since its acks come after apply."""
 
 
 class State(enum.Enum):
@@ -75,7 +78,10 @@ class Session:
         self.started = time.monotonic()
         self.bytes_in = 0
         self.bytes_out = 0
-        self.quota = Quota(worker.max_session_bytes)
+        self.quota = Quota(worker.max_session_bytes, parent=worker.held)
+        # Uploads received but not yet applied: real memory (so the worker's total counts them), but
+        # not yet the session's, whose quota is charged in batch order when they are applied.
+        self.inflight = Quota(None, parent=worker.held)
         self._store = TensorStore(self.quota)
         self._runner: BatchRunner | None = None
         self._channel: Channel | None = None
@@ -100,6 +106,7 @@ class Session:
             self._store,
             self._worker.graphs_of(self.client),
             lambda: self._worker.stats_for(self),
+            self.inflight,
         )
         self.state = State.OPEN
         log.info("session %s: client %s connected from %s", self.id, self.client, self.peer)
@@ -144,7 +151,7 @@ class Session:
         self.state = State.CLOSED
         incoming, self._incoming = self._incoming, None
         if incoming is not None and incoming.reserved:
-            self.quota.release(incoming.reserved)
+            self.inflight.release(incoming.reserved)
         self._targets.clear()
         runner = self._runner
         if runner is not None:
@@ -212,6 +219,11 @@ class Session:
         if kind is not MESSAGE:
             raise ProtocolError(f"expected a MESSAGE frame, got {kind.name}")
         batch = m.decode_batch(plaintext)
+        held = self.inflight.used
+        if held and held + sum(u.nbytes for u in batch.messages if type(u) is m.Upload) > MAX_INFLIGHT_BYTES:
+            raise ProtocolError(
+                f"client sent more than {MAX_INFLIGHT_BYTES} bytes of uploads without waiting for acks"
+            )
         incoming = Incoming(batch, [], 0)
         for msg in batch.messages:
             if type(msg) is m.Upload:
@@ -221,21 +233,36 @@ class Session:
         else:
             self._submit(incoming)
 
-    def _prepare_upload(self, msg: m.Upload, incoming: Incoming) -> np.ndarray | None:
-        """The array an upload's bytes are decrypted into, after the quota check (None: refused)."""
-        if not self.quota.reserve(msg.nbytes):
+    def _prepare_upload(self, msg: m.Upload, incoming: Incoming) -> np.ndarray | Failure:
+        """The array an upload's bytes are decrypted into, or why there is none.
+
+        The quota itself is checked when the batch is applied, in order, so a Drop earlier in the
+        stream counts whatever the timing; here only an upload larger than the whole quota is
+        refused at once (a client that ignores flow control is cut off in `_on_message`).
+        """
+        limit = self.quota.limit
+        if limit is not None and msg.nbytes > limit:
             if msg.nbytes:
                 self._targets.append(_Target(None, msg.nbytes))
-            return None
+            return Failure(
+                "quota", f"an upload of {msg.nbytes} bytes is larger than the session quota of {limit}"
+            )
+        held = self.inflight.used
+        if held and held + msg.nbytes > MAX_INFLIGHT_BYTES:
+            raise ProtocolError(
+                f"client sent more than {MAX_INFLIGHT_BYTES} bytes of uploads without waiting for acks"
+            )
+        self.inflight.charge(msg.nbytes)
         incoming.reserved += msg.nbytes
         try:
             array = np.empty(msg.shape, dtype=msg.dtype)
-        except MemoryError:
-            # Treated like a refused upload: the runner poisons it, the bytes go to scratch.
-            self.quota.release(msg.nbytes)
+        except MemoryError as e:
+            # Like a refused upload: the runner poisons the id, the bytes go to scratch.
+            self.inflight.release(msg.nbytes)
             incoming.reserved -= msg.nbytes
-            self._targets.append(_Target(None, msg.nbytes))
-            return None
+            if msg.nbytes:
+                self._targets.append(_Target(None, msg.nbytes))
+            return Failure("out_of_memory", f"upload {msg.tid} of {msg.nbytes} bytes: {e}")
         if msg.nbytes:
             self._targets.append(_Target(array.data.cast("B"), msg.nbytes))
         return array

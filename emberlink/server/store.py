@@ -20,10 +20,15 @@ class Failure:
 
 
 class Quota:
-    """Bytes a session holds or has reserved for uploads in flight, against a limit (None: no limit)."""
+    """Bytes a session holds or has reserved for uploads in flight, against a limit (None: no limit).
 
-    def __init__(self, limit: int | None) -> None:
+    Every change is also applied to `parent` (the worker's total over all sessions), if given, so
+    the worker's in-use and peak figures are exact rather than sampled.
+    """
+
+    def __init__(self, limit: int | None, parent: Quota | None = None) -> None:
         self.limit = limit
+        self.parent = parent
         self._lock = threading.Lock()
         self.used = 0
         self.peak = 0
@@ -35,17 +40,23 @@ class Quota:
                 return False
             self.used += nbytes
             self.peak = max(self.peak, self.used)
-            return True
+        if self.parent is not None:
+            self.parent.charge(nbytes)
+        return True
 
     def charge(self, nbytes: int) -> None:
         """Take nbytes without checking the limit (the caller checked before computing them)."""
         with self._lock:
             self.used += nbytes
             self.peak = max(self.peak, self.used)
+        if self.parent is not None:
+            self.parent.charge(nbytes)
 
     def release(self, nbytes: int) -> None:
         with self._lock:
             self.used -= nbytes
+        if self.parent is not None:
+            self.parent.release(nbytes)
 
     def describe_refusal(self, nbytes: int) -> str:
         return (

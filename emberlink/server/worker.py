@@ -17,14 +17,14 @@ from emberlink.protocol.channel import CHUNK_SIZE
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.server.device import DeviceThread
 from emberlink.server.graphs import GraphView
-from emberlink.server.session import Session, State
+from emberlink.server.session import MAX_INFLIGHT_BYTES, Session, State
+from emberlink.server.store import Quota
 from emberlink.transport.base import Link
 
 log = logging.getLogger("emberlink.server")
 
 DEFAULT_GRAPH_CACHE_BYTES = 256 << 20
 MAX_UNACKED_BATCHES = 64
-MAX_UNACKED_BYTES = 256 << 20
 
 
 class Worker:
@@ -54,7 +54,7 @@ class Worker:
         self.sessions_refused = 0
         self._closed_bytes_in = 0
         self._closed_bytes_out = 0
-        self._peak_held = 0
+        self.held = Quota(None)  # every session's Quota charges this too
         if allow.admits_anyone:
             log.warning(
                 "worker %s admits ANY client (--allow-any): anyone who can reach it can use it",
@@ -71,7 +71,7 @@ class Worker:
             "chunk_size": self.chunk_size,
             "max_session_bytes": self.max_session_bytes or 0,
             "max_unacked_batches": MAX_UNACKED_BATCHES,
-            "max_unacked_bytes": MAX_UNACKED_BYTES,
+            "max_unacked_bytes": MAX_INFLIGHT_BYTES,
         }
 
     def graphs_of(self, client: str) -> GraphView:
@@ -111,19 +111,12 @@ class Worker:
 
     # -- stats --------------------------------------------------------------------------------------------
 
-    def held_bytes(self) -> int:
-        """Bytes every session holds or has reserved for uploads in flight."""
-        held = sum(s.quota.used for s in list(self.sessions))
-        self._peak_held = max(self._peak_held, held)
-        return held
-
     def memory_stats(self) -> dict[str, int]:
-        """in_use_bytes, peak_bytes, pool_bytes: the backend's figures, or the stores' where it has none."""
+        """in_use_bytes, peak_bytes, pool_bytes: the backend's figures, or what sessions hold where it has none."""
         backend = dict(self.device.backend.memory_stats())
-        held = self.held_bytes()
         return {
-            "in_use_bytes": max(held, int(backend.get("in_use_bytes", 0))),
-            "peak_bytes": max(self._peak_held, int(backend.get("peak_bytes", 0))),
+            "in_use_bytes": max(self.held.used, int(backend.get("in_use_bytes", 0))),
+            "peak_bytes": max(self.held.peak, int(backend.get("peak_bytes", 0))),
             "pool_bytes": int(backend.get("pool_bytes", 0)),
         }
 

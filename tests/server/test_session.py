@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from server_harness import RawClient, memory_device, new_identity, worker_stats
@@ -259,3 +261,57 @@ def test_upload_over_the_session_quota_is_poisoned_and_its_bytes_are_skipped(mak
     refused, fine = run(worker, go())
     assert type(refused) is m.Error and refused.code == "quota"
     assert type(fine) is m.Result
+
+
+def test_execute_whose_outputs_would_pass_the_quota_is_poisoned_and_later_work_fits(make_worker) -> None:
+    worker = make_worker(max_session_bytes=1000)
+    gid, body = scale_graph(200)
+    x = np.ones(200, np.float32)  # 800 bytes: the upload fits, its doubled copy does not
+
+    async def go() -> list[m.WorkerMessage]:
+        c = await RawClient.connect(worker, new_identity())
+        await c.send(
+            1,
+            [upload(1, x), m.Register(gid, body), m.Execute(gid, (1,), (2.0,), 2), m.Read(1, 2), m.Sync(2)],
+            [x],
+        )
+        await c.send(2, [m.Drop((1,))])
+        await c.send(3, [upload(3, x[:100]), m.Read(3, 3), m.Stats(4)], [x[:100]])
+        got = await c.reply_until(3)
+        await c.close()
+        return got
+
+    refused, sync_error, later, stats = run(worker, go())
+    assert (
+        type(refused) is m.Error
+        and refused.code == "quota"
+        and "quota of 1000 bytes (800 in use)" in refused.message
+    )
+    assert type(sync_error) is m.Error and sync_error.code == "quota"
+    assert type(later) is m.Result and later.nbytes == 400
+    assert type(stats) is m.StatsReply and stats.stats["session_bytes"] == 400
+
+
+def test_a_client_that_ignores_flow_control_is_cut_off(
+    worker: BackgroundWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from emberlink.server import session as session_module
+
+    monkeypatch.setattr(session_module, "MAX_INFLIGHT_BYTES", 1000)
+    x = np.ones(200, np.float32)  # 800 bytes a batch
+    gate = threading.Event()
+    worker.worker.device.post(gate.wait, 10)  # nothing is applied (or acknowledged) meanwhile
+
+    async def refused() -> tuple[RawClient, list[m.WorkerMessage]]:
+        c = await RawClient.connect(worker, new_identity())
+        await c.send(1, [upload(1, x)], [x])
+        await c.send(2, [upload(2, x)], [x])  # 1600 bytes unacknowledged: over the bound
+        reply, _ = await c.reply()
+        return c, list(reply.messages)
+
+    try:
+        client, messages = run(worker, refused())
+    finally:
+        gate.set()  # the session frees its memory on the device thread before it closes
+    assert messages[-1].code == "refused" and "without waiting for acks" in messages[-1].message
+    assert run(worker, client.ended())
