@@ -8,10 +8,12 @@ as one batch, normally in one transport blob.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
@@ -121,13 +123,13 @@ def connect_link(
     the handshake is sent); then one round trip confirms the worker admitted this client.
     """
     loop_thread = loop_thread if loop_thread is not None else io_loop()
+    pending = loop_thread.submit(_handshake(factory, worker_node_id, identity, timeout))
     try:
-        link, channel, limits = loop_thread.call(
-            _handshake(factory, worker_node_id, identity, timeout), timeout + 1
-        )
+        link, channel, limits = pending.result(timeout + 1)
     except TimeoutError as e:
         if isinstance(e, TransportTimeout):
             raise
+        pending.cancel()  # the connect is abandoned; its task closes the link on cancellation
         raise TransportTimeout(f"no handshake with worker {worker_node_id} within {timeout} s") from e
     executor = RemoteExecutor(loop_thread, link, channel, limits, worker_node_id, identity.node_id, path)
     executor._confirm(timeout)
@@ -137,8 +139,6 @@ def connect_link(
 async def _handshake(
     factory: LinkFactory, worker_node_id: str, identity: Identity, timeout: float
 ) -> tuple[Link, Any, dict[str, int]]:
-    import asyncio
-
     link = await factory()
     try:
         hs = ClientHandshake(identity, worker_node_id, os.urandom)
@@ -197,7 +197,20 @@ class RemoteExecutor:
         self._max_bytes = min(limits.get("max_unacked_bytes", MAX_UNACKED_BYTES), MAX_UNACKED_BYTES) or 1
         self._dead: EmberlinkError | None = None
         self._closed = False
-        self._flow = Flow(self._on_ack, self._on_dead)
+        # The session (kept alive by its tasks on the loop) must not keep this executor alive.
+        me = weakref.ref(self)
+
+        def on_ack(batches: int, nbytes: int) -> None:
+            executor = me()
+            if executor is not None:
+                executor._on_ack(batches, nbytes)
+
+        def on_dead(error: EmberlinkError) -> None:
+            executor = me()
+            if executor is not None:
+                executor._on_dead(error)
+
+        self._flow = Flow(on_ack, on_dead)
 
         async def start() -> ClientSession:
             session = ClientSession(
@@ -207,6 +220,8 @@ class RemoteExecutor:
             return session
 
         self._session: ClientSession = loop_thread.call(start(), 10)
+        # A Device dropped without close() still ends its session, so the worker frees its memory.
+        self._finalizer = weakref.finalize(self, _abandon, self._loop, self._session)
 
     # -- loop-thread callbacks --------------------------------------------------------------------------
 
@@ -347,6 +362,7 @@ class RemoteExecutor:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         session = self._session
 
         async def shutdown() -> None:
@@ -376,6 +392,16 @@ class RemoteExecutor:
         except TimeoutError as e:
             self.close()
             raise TransportTimeout(f"worker {self.worker_node_id} did not answer within {timeout} s") from e
+
+
+def _abandon(loop: asyncio.AbstractEventLoop, session: ClientSession) -> None:
+    """Close a session whose executor was garbage-collected unclosed (never blocks, never raises)."""
+    if session.dead is not None:
+        return
+    try:
+        loop.call_soon_threadsafe(lambda: loop.create_task(session.close()))
+    except RuntimeError:
+        pass  # the loop is gone: the process is exiting, and the link with it
 
 
 def _settle(fut: Future[Any], error: BaseException) -> None:

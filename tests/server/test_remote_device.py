@@ -281,3 +281,18 @@ def test_draining_finishes_queued_work_then_ends_sessions_going_away(worker: Bac
             float(x.sum())
         with pytest.raises(WorkerLost):  # later calls keep failing
             dev.sync()
+
+
+def test_a_device_dropped_without_close_ends_its_session(worker: BackgroundWorker) -> None:
+    import gc
+
+    dev = memory_device(worker)
+    x = dev.tensor(np.ones(1000, np.float32))
+    assert float(x.sum()) == 1000.0
+    del x, dev
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while worker.worker.sessions and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not worker.worker.sessions
+    assert worker.worker.held.used == 0
