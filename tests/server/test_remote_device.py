@@ -296,3 +296,23 @@ def test_a_device_dropped_without_close_ends_its_session(worker: BackgroundWorke
         time.sleep(0.01)
     assert not worker.worker.sessions
     assert worker.worker.held.used == 0
+
+
+def test_large_transfers_show_a_progress_bar_on_a_terminal(
+    worker: BackgroundWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    from emberlink.client import session
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(session, "PROGRESS_BYTES", 1 << 16)
+    monkeypatch.setattr("sys.stderr", terminal)
+    a = np.arange(1 << 16, dtype=np.float32)  # 256 KiB each way
+    with memory_device(worker) as dev:
+        np.testing.assert_array_equal(dev.tensor(a).numpy(), a)
+    assert "upload" in terminal.getvalue() and "download" in terminal.getvalue()
