@@ -13,6 +13,7 @@ allows (plan.py). `fuse=False` or `reuse=False` turn either off, e.g. to compare
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +25,9 @@ from emberlink.graph_replay import fusion
 from emberlink.graph_replay.backend import Array, IntoFn, OpFn, run_plan
 from emberlink.graph_replay.ir import DTYPES, Scalar
 from emberlink.graph_replay.numpy_backend import INTO_TABLE, OP_TABLE, host_scalar, scatter_index
-from emberlink.graph_replay.plan import FUSED, Plan, Step, derive_plan
+from emberlink.graph_replay.plan import FUSED, Plan, Step, derive_plan, run_chain
+
+log = logging.getLogger(__name__)
 
 _INSTALL_HINT = "pip install 'emberlink[cuda13]' (CUDA 13) or 'emberlink[cuda12]' (CUDA 12)"
 
@@ -53,26 +56,66 @@ def _scatter_add(xp: Any, args: Sequence[Any], step: Step) -> Array:
     return out.astype(dtype, copy=False)
 
 
+def _compile_error_type() -> type[BaseException]:
+    """CuPy's error for a kernel CUDA will not compile (a type nothing raises, if CuPy lacks it)."""
+    try:
+        from cupy.cuda.compiler import CompileException
+    except ImportError:
+
+        class _NeverRaised(Exception):
+            pass
+
+        return _NeverRaised
+    error: type[BaseException] = CompileException
+    return error
+
+
 class _FusedKernel:
-    """A compiled chain: the ElementwiseKernel and how the fused step's args map onto it."""
+    """A compiled chain: the ElementwiseKernel and how the fused step's args map onto it.
 
-    __slots__ = ("kernel", "source")
+    Should CUDA refuse to compile a generated kernel, the chain runs member by member with the
+    backend's own ops instead (same values, just unfused) and a warning is logged once; `broken`
+    then holds the compiler's error (the GPU tests check it stays None).
+    """
 
-    def __init__(self, kernel: Any, source: fusion.KernelSource) -> None:
+    __slots__ = ("broken", "compile_error", "kernel", "source", "table")
+
+    def __init__(
+        self,
+        kernel: Any,
+        source: fusion.KernelSource,
+        table: dict[str, OpFn],
+        compile_error: type[BaseException],
+    ) -> None:
         self.kernel = kernel
         self.source = source
+        self.table = table
+        self.compile_error = compile_error
+        self.broken: BaseException | None = None
 
-    def __call__(self, args: Sequence[Any], out: Any = None) -> Array:
-        call = fusion.call_args(self.source, args, host_scalar)
-        return self.kernel(*call) if out is None else self.kernel(*call, out)
+    def __call__(self, xp: Any, step: Step, args: Sequence[Any], out: Any = None) -> Array:
+        if self.broken is None:
+            call = fusion.call_args(self.source, args, host_scalar)
+            try:
+                return self.kernel(*call) if out is None else self.kernel(*call, out)
+            except self.compile_error as e:
+                self.broken = e
+                log.warning(
+                    "CUDA did not compile the fused kernel of %s; running it unfused: %s", step.label, e
+                )
+        result = run_chain(xp, self.table, step, args)
+        if out is None:
+            return result
+        out[...] = result
+        return out
 
 
 def _fused(xp: Any, args: Sequence[Any], step: Step) -> Array:
-    return step.kernel(args)
+    return step.kernel(xp, step, args)
 
 
 def _fused_into(xp: Any, args: Sequence[Any], step: Step, out: Any) -> Array:
-    return step.kernel(args, out)
+    return step.kernel(xp, step, args, out)
 
 
 class CupyBackend:
@@ -101,6 +144,7 @@ class CupyBackend:
         self._oom: tuple[type[BaseException], ...] = (MemoryError, cupy.cuda.memory.OutOfMemoryError)
         self._variants: weakref.WeakKeyDictionary[Plan, Plan] = weakref.WeakKeyDictionary()
         self._kernels: dict[tuple[str, str, str], Any] = {}
+        self._compile_error = _compile_error_type()
 
     # -- fusion -------------------------------------------------------------------------------------
 
@@ -115,7 +159,7 @@ class CupyBackend:
         if kernel is None:
             kernel = self._cp.ElementwiseKernel(source.in_params, source.out_params, source.body, source.name)
             self._kernels[key] = kernel
-        return _FusedKernel(kernel, source)
+        return _FusedKernel(kernel, source, self._table, self._compile_error)
 
     def plan_for(self, plan: Plan) -> Plan:
         """The variant of `plan` this backend runs (fused and reusing as configured), compiled once."""
@@ -123,9 +167,13 @@ class CupyBackend:
             return plan
         variant = self._variants.get(plan)
         if variant is None:
-            variant = derive_plan(
-                plan, keep_intermediates=False, reuse=self.reuse, fusion=self if self.fuse else None
-            )
+            try:
+                variant = derive_plan(
+                    plan, keep_intermediates=False, reuse=self.reuse, fusion=self if self.fuse else None
+                )
+            except (ValueError, TypeError, KeyError) as e:  # a kernel that cannot be built: run unfused
+                log.warning("fusing a plan failed (%s: %s); running it unfused", type(e).__name__, e)
+                variant = derive_plan(plan, keep_intermediates=False, reuse=self.reuse)
             self._variants[plan] = variant
         return variant
 

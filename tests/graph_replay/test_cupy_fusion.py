@@ -11,7 +11,7 @@ from emberlink.graph_replay import fusion
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
 from emberlink.graph_replay.numpy_backend import NumpyBackend
 from emberlink.graph_replay.ops import check_attrs
-from emberlink.graph_replay.plan import FUSED, compile_plan
+from emberlink.graph_replay.plan import FUSED, Plan, compile_plan
 
 from .graphs import mlp_inputs, mlp_step, random_graph
 
@@ -44,8 +44,10 @@ def assert_close(got: np.ndarray, want: np.ndarray, label: str, *, loose: bool =
     np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale, equal_nan=True, err_msg=label)
 
 
-def _run(backend: Any, graph: Graph, inputs: list[np.ndarray], bindings: list[Any]) -> list[np.ndarray]:
-    plan = compile_plan(graph)
+def _run(
+    backend: Any, graph: Graph, inputs: list[np.ndarray], bindings: list[Any], plan: Plan | None = None
+) -> list[np.ndarray]:
+    plan = compile_plan(graph) if plan is None else plan
     outs = backend.run(plan, [backend.from_numpy(a) for a in inputs], bindings)
     backend.synchronize()
     return [backend.to_numpy(o) for o in outs]
@@ -55,12 +57,15 @@ def test_an_mlp_step_fused_matches_the_numpy_reference() -> None:
     graph = mlp_step(batch=64, sizes=(100, 128, 10))
     inputs, bindings = mlp_inputs(graph)
     backend = _backend()
-    fused = backend.plan_for(compile_plan(graph))
+    plan = compile_plan(graph)
+    fused = backend.plan_for(plan)
     assert sum(s.op == FUSED for s in fused.steps) >= 6
     want = _run(NumpyBackend(), graph, inputs, bindings)
-    got = _run(backend, graph, inputs, bindings)
+    got = _run(backend, graph, inputs, bindings, plan)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert_close(a, b, f"output {i}", loose=True)
+    # Every kernel compiled (one CUDA refused would have run unfused and be marked broken).
+    assert all(s.kernel.broken is None for s in fused.steps if s.op == FUSED)
 
 
 def test_fused_and_reused_match_plain_cupy() -> None:
@@ -95,9 +100,12 @@ def test_random_graphs_fused_match_the_numpy_reference(seed: int) -> None:
     bindings = [float(rng.standard_normal())]
     with np.errstate(all="ignore"):
         want = _run(NumpyBackend(), graph, inputs, bindings)
-    got = _run(_backend(), graph, inputs, bindings)
+    backend = _backend()
+    plan = compile_plan(graph)
+    got = _run(backend, graph, inputs, bindings, plan)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert_close(a, b, f"seed {seed} output {i}", loose=True)
+    assert all(s.kernel.broken is None for s in backend.plan_for(plan).steps if s.op == FUSED)
 
 
 _NAN = np.array([np.nan, -np.nan, 1.0, -2.0, 0.0, -0.0, np.inf, -np.inf], np.float64)
@@ -112,13 +120,15 @@ def test_each_fusable_op_in_a_chain_matches_numpy_including_nan_and_signed_zero(
     unary = op in {"negative", "abs", "square", "relu", "sigmoid", "exp", "log", "sqrt", "tanh", "sin", "cos"}
     second = Node(op, (2,)) if unary else Node(op, (2, 1))
     g = Graph((spec, spec), (), (Node("negative", (0,)), second), (3,))
-    plan = _backend().plan_for(compile_plan(g))
-    assert [s.op for s in plan.steps] == [FUSED]
+    backend = _backend()
+    plan = compile_plan(g)
+    assert [s.op for s in backend.plan_for(plan).steps] == [FUSED]
     x = np.resize(_NAN, (8, 8)).astype(dtype)
     y = np.resize(_NAN[::-1], (8, 8)).T.astype(dtype).copy()
     with np.errstate(all="ignore"):
         want = _run(NumpyBackend(), g, [x, y], [])[0]
-    got = _run(_backend(), g, [x, y], [])[0]
+    got = _run(backend, g, [x, y], [], plan)[0]
+    assert backend.plan_for(plan).steps[0].kernel.broken is None
     assert_close(got, want, f"{op} {dtype}", loose=dtype == "float32")
     if op in ("negative", "abs"):
         np.testing.assert_array_equal(np.signbit(got), np.signbit(want))

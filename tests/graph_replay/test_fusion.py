@@ -168,3 +168,30 @@ def test_one_binding_used_in_two_dtypes_becomes_two_parameters() -> None:
         src, [np.zeros(3, np.float32), 0.1, np.zeros(3)], lambda v, d: np.dtype(d).type(v)
     )
     assert [type(a).__name__ for a in args] == ["ndarray", "float32", "ndarray", "float64"]
+
+
+def test_a_kernel_cuda_refuses_runs_its_chain_unfused_with_the_same_values() -> None:
+    from emberlink.graph_replay.cupy_backend import _FusedKernel
+
+    class Refused(Exception):
+        pass
+
+    def refuse(*args: Any) -> Any:
+        raise Refused("nvrtc: error")
+
+    graph = mlp_step()
+    inputs, bindings = mlp_inputs(graph)
+    plan = compile_plan(graph, fusion=ReferenceFusion())
+    kernels = {}
+    for s in plan.steps:
+        if s.op == FUSED:
+            kernels[s] = _FusedKernel(refuse, fusion.kernel_source(s), dict(OP_TABLE), Refused)
+
+    table = {**OP_TABLE, FUSED: lambda xp, args, step: kernels[step](xp, step, args)}
+    into = {**INTO_TABLE, FUSED: lambda xp, args, step, out: kernels[step](xp, step, args, out)}
+    with np.errstate(all="ignore"):
+        got = run_plan(plan, [a.copy() for a in inputs], bindings, xp=np, table=table, into_table=into)
+    want = _run(compile_plan(graph, reuse=False), inputs, bindings)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert all(isinstance(k.broken, Refused) for k in kernels.values())
