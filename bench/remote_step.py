@@ -172,7 +172,9 @@ def floor_parts(n: int) -> list[tuple[str, float]]:
         m.decode_reply(client.open(g1)[1])
         client.open_into(g2, np.empty((), np.float32).data.cast("B"))
 
-    runner = BatchRunner(NumpyBackend(), TensorStore(Quota(None)), GraphView(GraphCache(1 << 20), "me"), dict)
+    runner = BatchRunner(
+        NumpyBackend(), TensorStore(Quota(None)), GraphView(GraphCache(1 << 20), "me"), dict, Quota(None)
+    )
     seq = iter(range(1, 1 << 30))
     runner.apply(Incoming(m.Batch(next(seq), (m.Register(gid, body),)), [], 0))
 
