@@ -87,15 +87,24 @@ def _compact(a: Array) -> Array:
     return a
 
 
+def _references(values: list[Any], v: int) -> int:
+    return sys.getrefcount(values[v])
+
+
+_ALONE = _references([object()], 0)
+"""What `_references` reports for an object only a list slot holds. Measured, not assumed, so the
+interpreter's own counting conventions (which differ across Python versions) cancel out."""
+
+
 def _exclusive(values: list[Any], v: int, uses: int) -> Any:
     """values[v] if the run may overwrite it: it owns its memory, is contiguous and writeable, and
     nothing refers to it but the run loop (a view of it would hold a reference to it)."""
     buf = values[v]
     if buf.base is not None or not buf.flags.c_contiguous or not getattr(buf.flags, "writeable", True):
         return None
-    # The references we expect: values[v], `uses` in the step's argument list, `buf` here, and
-    # getrefcount's own argument. Any other holder means someone could see the overwrite.
-    if sys.getrefcount(buf) != uses + 3:
+    # Expected holders: values[v], `uses` slots of the step's argument list, and `buf` here. Any
+    # other holder means someone could see the overwrite.
+    if _references(values, v) != _ALONE + uses + 1:
         return None
     return buf
 
