@@ -1,5 +1,5 @@
-"""Bare gRPC and NATS against emberlink's Links over them, on loopback in one process; no project code
-but emberlink.transport.
+"""Bare gRPC and NATS against emberlink's Links over them, on loopback in one process (one bare gRPC
+row has its server in a second process); no project code but emberlink.transport.
 
     python bench/bare.py [--quick]
 
@@ -143,6 +143,65 @@ async def grpc_bare_pingpong(n: int, size: int = 64) -> float:
     """Median µs per round trip of `size` bytes on one grpc.aio bidirectional stream."""
     payload = os.urandom(size)
     async with bare_grpc_call() as call:
+
+        async def round_trip() -> None:
+            await call.write(payload)
+            await call.read()
+
+        return await median_round_trip_us(round_trip, n)
+
+
+async def _serve_bare_grpc() -> None:
+    """The bare echo server alone (this file run with --serve): prints its port, serves until stdin closes."""
+    options = [("grpc.max_send_message_length", 8 * MiB), ("grpc.max_receive_message_length", 8 * MiB)]
+    server = grpc.aio.server(options=options)
+    handler = grpc.stream_stream_rpc_method_handler(_bare_grpc_behavior)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("bench.Bare", {"Stream": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent goes
+    await server.stop(0.5)  # a grace: no "GOAWAY ... Cancelling all calls" log line
+
+
+@asynccontextmanager
+async def bare_grpc_call_process() -> AsyncIterator[grpc.aio.StreamStreamCall]:
+    """Like `bare_grpc_call`, but the server runs in its own process, as emberlink's worker does."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--serve",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        port = int(await proc.stdout.readline())
+        options = [("grpc.max_send_message_length", 8 * MiB), ("grpc.max_receive_message_length", 8 * MiB)]
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options)
+        call = channel.stream_stream(_BARE_METHOD)()
+        try:
+            yield call
+        finally:
+            await call.done_writing()
+            await channel.close()
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+async def grpc_bare_pingpong_process(n: int, size: int = 64) -> float:
+    """Median µs per round trip of `size` bytes on one grpc.aio bidirectional stream to a server
+    in another process (the topology of a client and an `emberlink worker`)."""
+    payload = os.urandom(size)
+    async with bare_grpc_call_process() as call:
 
         async def round_trip() -> None:
             await call.write(payload)
@@ -332,9 +391,10 @@ def _med(values: list[Any], index: int | None = None) -> float:
 async def measure(n: int = 2000, total: int = 64 * MiB, repeats: int = 5) -> list[Row]:
     """Every row; each figure is the median of `repeats` runs, bare and Link runs interleaved."""
     rows = []
-    pp_bare, pp_link, bulk_bare, bulk_link = await _interleaved(
+    pp_bare, pp_proc, pp_link, bulk_bare, bulk_link = await _interleaved(
         [
             lambda: grpc_bare_pingpong(n),
+            lambda: grpc_bare_pingpong_process(n),
             lambda: link_pingpong("grpc", n),
             lambda: grpc_bare_stream(total),
             lambda: link_stream("grpc", total),
@@ -342,6 +402,7 @@ async def measure(n: int = 2000, total: int = 64 * MiB, repeats: int = 5) -> lis
         repeats,
     )
     rows.append(Row("grpc.aio bare (bidi stream)", _med(pp_bare), _med(bulk_bare, 0), _med(bulk_bare, 1)))
+    rows.append(Row("grpc.aio bare, server in another process", _med(pp_proc), None, None))
     rows.append(Row("emberlink gRPC Link", _med(pp_link), _med(bulk_link, 0), _med(bulk_link, 1)))
     async with nats_server() as url:
         pp_bare, pp_link, bulk_bare, bulk_link = await _interleaved(
@@ -384,7 +445,11 @@ def markdown(rows: list[Row], n: int, total: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer round trips, 16 MiB, one repeat")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the other process
     args = parser.parse_args()
+    if args.serve:
+        asyncio.run(_serve_bare_grpc())
+        return
     n, total, repeats = (300, 16 * MiB, 1) if args.quick else (2000, 64 * MiB, 5)
     rows = asyncio.run(measure(n, total, repeats))
     print(
