@@ -34,7 +34,10 @@ def add_keygen(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def keygen(args: argparse.Namespace) -> int:
     path: Path = args.out if args.out is not None else default_key_path()
     if path.exists() and not args.force:
-        raise ConfigError(f"{path} already exists; pass --force to replace it (its NodeId changes)")
+        raise ConfigError(
+            f"{path} already exists (`emberlink id --key {path}` prints its NodeId); "
+            "pass --force to replace it (its NodeId changes)"
+        )
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:
@@ -43,6 +46,25 @@ def keygen(args: argparse.Namespace) -> int:
     identity.save(path, overwrite=args.force)
     print(identity.node_id)
     print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def add_id(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("id", help="print the NodeId of an existing key file")
+    p.add_argument(
+        "--key",
+        type=Path,
+        default=None,
+        help="key file (default: $EMBERLINK_KEY, else ~/.config/emberlink/client.key)",
+    )
+    p.set_defaults(run=show_id)
+
+
+def show_id(args: argparse.Namespace) -> int:
+    path: Path = args.key if args.key is not None else default_key_path()
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist; `emberlink keygen --out {path}` creates it")
+    print(Identity.load(path).node_id)
     return 0
 
 
@@ -188,6 +210,7 @@ def _bytes_text(n: int) -> str:
 # set `run` to the handler.
 COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     add_keygen,
+    add_id,
     add_worker,
     add_ping,
     add_demo,

@@ -187,3 +187,16 @@ def test_keygen_default_path_without_env_is_under_home(
     assert main(["keygen"]) == 0
     path = tmp_path / ".config" / "emberlink" / "client.key"
     assert Identity.load(path).node_id == capsys.readouterr().out.strip()
+
+
+def test_id_prints_the_node_id_of_an_existing_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "env.key"
+    monkeypatch.setenv("EMBERLINK_KEY", str(path))
+    assert main(["keygen"]) == 0
+    node_id = capsys.readouterr().out.strip()
+    assert main(["id"]) == 0
+    assert capsys.readouterr().out.strip() == node_id
+    assert main(["id", "--key", str(tmp_path / "missing.key")]) == 1
+    assert "emberlink keygen --out" in capsys.readouterr().err
