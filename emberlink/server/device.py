@@ -3,6 +3,9 @@
 Everything that touches backend arrays (uploads, graph runs, reads, frees) runs on this thread,
 never on the event loop, so a long graph never stalls the sessions' I/O. Work from all sessions
 shares the thread's FIFO queue, which also keeps each session's work in the order it arrived.
+The one exception is `run_here_if_idle`: work the caller has bounded as tiny may run in the
+caller's thread while nothing is queued or running here, under the same lock, so it is still
+serialized with everything else and still in order (docs/internals.md section 6, "inline").
 """
 
 from __future__ import annotations
@@ -66,6 +69,11 @@ class DeviceThread:
         self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue()
         )
+        # Held while work runs (here, or in a caller through run_here_if_idle); `_unfinished`
+        # counts posted items not yet finished, so "idle" means nothing queued and nothing running.
+        self._busy = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._unfinished = 0
         self._thread = threading.Thread(target=self._serve, name=f"emberlink-{spec}", daemon=True)
         self._thread.start()
 
@@ -79,10 +87,15 @@ class DeviceThread:
             if item is None:
                 return
             fn, args = item
-            try:
-                fn(*args)
-            except BaseException:  # a bug in posted work must not stop the device for everyone
-                log.exception("device %s: posted work failed", self.spec)
+            with self._busy:
+                try:
+                    fn(*args)
+                except BaseException:  # a bug in posted work must not stop the device for everyone
+                    log.exception("device %s: posted work failed", self.spec)
+                with self._count_lock:
+                    self._unfinished -= 1
+            # An idle thread must not keep the last item's arguments (a batch's uploads) alive.
+            del item, fn, args
 
     def queued(self) -> int:
         """Work items posted and not started yet (the worker's presence reports it as load)."""
@@ -94,7 +107,23 @@ class DeviceThread:
 
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue fn(*args) behind all earlier work; its result is dropped, its exception logged."""
+        with self._count_lock:
+            self._unfinished += 1
         self._queue.put((fn, args))
+
+    def run_here_if_idle(self, fn: Callable[..., bool], *args: Any) -> bool:
+        """fn(*args) in the calling thread if no posted work is queued or running, else False.
+
+        While fn runs, posted work waits, so fn is serialized with the device thread's work and
+        follows everything posted before it. fn returns whether it did the work (it may decline,
+        e.g. when the work is not tiny after all); its exceptions propagate to the caller.
+        """
+        if not self._busy.acquire(blocking=False):
+            return False
+        try:
+            return not self._unfinished and fn(*args)
+        finally:
+            self._busy.release()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Queue fn(*args) behind all earlier work; a concurrent future of its result."""

@@ -25,6 +25,14 @@ from emberlink.server.store import Failure, Quota, TensorStore
 
 log = logging.getLogger(__name__)
 
+INLINE_BYTES = 64 << 10
+"""A batch is light (may be applied on the event loop, NumPy only) when no upload, no graph's
+values in total, and no non-contiguous read exceeds this many bytes..."""
+INLINE_STEPS = 64
+"""...no graph has more steps than this..."""
+INLINE_MESSAGES = 64
+"""...the batch has at most this many messages, and registers no graph (compiling is not tiny)."""
+
 _DTYPE_NAMES = {np.dtype(name): name for name in m.DTYPES}
 """dtype -> wire name; `ndarray.dtype.name` is a slow Python property on the per-step path."""
 
@@ -81,6 +89,7 @@ class BatchRunner:
         self._first_failure: Failure | None = None
         self.closed = False
         self.counters = Counters()
+        self._light: dict[bytes, bool] = {}  # gid -> whether its plan is light (see `light`)
 
     # -- one batch ----------------------------------------------------------------------------------
 
@@ -132,6 +141,29 @@ class BatchRunner:
         self.counters.batches += 1
         return out
 
+    def light(self, batch: m.Batch) -> bool:
+        """Whether applying `batch` is bounded tiny work (INLINE_*): a few small arrays and small
+        graphs already compiled. Call it only where applying could start (device idle)."""
+        if len(batch.messages) > INLINE_MESSAGES:
+            return False
+        for msg in batch.messages:
+            if type(msg) is m.Execute:
+                if not self._light.get(msg.gid, False):  # unknown: applied once on the device thread
+                    return False
+            elif type(msg) is m.Upload:
+                if msg.nbytes > INLINE_BYTES:
+                    return False
+            elif type(msg) is m.Read:
+                try:
+                    value = self._store.get(msg.tid)
+                except LookupError:
+                    continue  # made by this batch (light), or poisoned or unknown (an Error)
+                if not value.flags.c_contiguous and value.nbytes > INLINE_BYTES:  # a copy to make
+                    return False
+            elif type(msg) is m.Register:
+                return False
+        return True
+
     def _release(self, incoming: Incoming) -> None:
         if incoming.reserved:
             self._inflight.release(incoming.reserved)
@@ -149,6 +181,12 @@ class BatchRunner:
                 if plan is None:
                     return m.GraphUnknown(batch.seq, msg.gid)
                 plans[msg.gid] = plan
+                if msg.gid not in self._light:
+                    if len(self._light) >= 4096:
+                        self._light.clear()
+                    self._light[msg.gid] = (
+                        len(plan.steps) <= INLINE_STEPS and sum(s.nbytes for s in plan.specs) <= INLINE_BYTES
+                    )
         return plans
 
     # -- messages -----------------------------------------------------------------------------------

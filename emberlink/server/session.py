@@ -2,7 +2,9 @@
 
 The event loop only moves bytes: it opens frames, decrypts uploads straight into preallocated
 arrays, and seals replies. Applying batches (and every backend call) happens on the device
-thread through `BatchRunner`, in arrival order. A frame that does not open or decode ends this
+thread through `BatchRunner`, in arrival order, with one bounded exception: on the NumPy
+backend, a light batch (`BatchRunner.light`: small arrays, small compiled graphs) that finds the
+device thread idle is applied right here on the loop, which saves two thread hand-offs. A frame that does not open or decode ends this
 session alone, with `Error(0, "refused", ...)`; every other session carries on.
 """
 
@@ -92,6 +94,7 @@ class Session:
         self._targets: deque[_Target] = deque()
         self._scratch = bytearray()
         self._receiver: asyncio.Task[None] | None = None
+        self._inline = getattr(worker.device.backend, "name", None) == "numpy"
 
     # -- life cycle ----------------------------------------------------------------------------------
 
@@ -290,24 +293,41 @@ class Session:
                 self._submit(incoming)
 
     def _submit(self, incoming: Incoming) -> None:
-        self._worker.device.post(self._apply, incoming)
+        device = self._worker.device
+        if self._inline and device.run_here_if_idle(self._apply_here, incoming):
+            return
+        device.post(self._apply, incoming)
+
+    def _apply_here(self, incoming: Incoming) -> bool:
+        """On the loop, the device idle and locked: apply a light batch now; False if it is not light."""
+        assert self._runner is not None
+        if not self._runner.light(incoming.batch):
+            return False
+        # call_soon, not a direct call: replies the device thread handed over with
+        # call_soon_threadsafe before it went idle are already queued, and go out first.
+        self._settle(incoming, self._loop.call_soon)
+        return True
 
     # -- device thread -------------------------------------------------------------------------------------
 
     def _apply(self, incoming: Incoming) -> None:
         """On the device thread: apply one batch and hand its reply to the event loop."""
+        self._settle(incoming, self._call_soon)
+
+    def _settle(self, incoming: Incoming, call_soon: Callable[[Callable[[Any], None], Any], object]) -> None:
+        """Apply one batch; its reply (or the refusal that ends the session) goes through call_soon."""
         assert self._runner is not None
         try:
             out = self._runner.apply(incoming)
         except ProtocolError as e:
-            self._call_soon(self._refuse, e)
+            call_soon(self._refuse, e)
             return
         except Exception as e:
             log.exception("session %s: applying a batch failed", self.id)
-            self._call_soon(self._refuse, ProtocolError(f"internal error: {type(e).__name__}"))
+            call_soon(self._refuse, ProtocolError(f"internal error: {type(e).__name__}"))
             return
         if out is not None:
-            self._call_soon(self._post, out)
+            call_soon(self._post, out)
 
     def _call_soon(self, fn: Callable[[Any], None], arg: object) -> None:
         try:
