@@ -246,7 +246,15 @@ def _getitem_grad(xp: Any, args: Sequence[Any], step: Step) -> Array:
 
 
 def _take(xp: Any, args: Sequence[Any], step: Step) -> Array:
-    return xp.take(args[0], args[1], axis=step.attrs["axis"])
+    x, indices = args
+    axis = step.attrs["axis"]
+    if xp is not np and indices.size:
+        # CuPy's take wraps out-of-range indices silently; NumPy raises. Check, so both fail alike
+        # (one device sync per take: a wrong embedding id must not train on someone else's row).
+        n = x.size if axis is None else x.shape[cast(int, axis)]
+        if bool(((indices < -n) | (indices >= n)).any()):
+            raise IndexError(f"index out of range for an axis of size {n}")
+    return xp.take(x, indices, axis=axis)
 
 
 def scatter_index(step: Step, indices: Any) -> tuple[Any, ...]:

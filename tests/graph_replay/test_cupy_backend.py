@@ -72,3 +72,17 @@ def test_an_int_binding_too_large_for_int32_is_an_execution_error(cupy_backend: 
     x = cupy_backend.from_numpy(np.zeros(2, np.int32))
     with pytest.raises(ExecutionError, match=r"add \(node 0\) failed"):
         cupy_backend.run(compile_plan(g), [x], [2**40])
+
+
+@pytest.mark.parametrize("index", [3, 7, -4])
+def test_take_out_of_range_is_an_execution_error_as_on_numpy(cupy_backend: Any, index: int) -> None:
+    g = Graph(
+        (TensorSpec("float32", (3,)), TensorSpec("int64", (1,))),
+        (),
+        (Node("take", (0, 1), check_attrs("take", {})),),
+        (2,),
+    )
+    x = cupy_backend.from_numpy(np.zeros(3, np.float32))
+    i = cupy_backend.from_numpy(np.array([index]))
+    with pytest.raises(ExecutionError, match=r"take \(node 0\) failed: IndexError"):
+        cupy_backend.run(compile_plan(g), [x, i], [])
