@@ -13,8 +13,10 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeAlias
 
+import numpy as np
+
 from emberlink.errors import ExecutionError, OutOfMemory
-from emberlink.graph_replay.ir import Scalar, TensorSpec
+from emberlink.graph_replay.ir import DTYPES, Scalar, TensorSpec
 from emberlink.graph_replay.plan import Plan, Step
 
 Array: TypeAlias = Any
@@ -41,6 +43,11 @@ class Backend(Protocol):
     def synchronize(self) -> None: ...
 
 
+_NP_DTYPES: dict[str, Any] = {name: np.dtype(name) for name in DTYPES}
+"""Dtype objects by name: comparing `a.dtype != _NP_DTYPES[name]` costs ~0.1 µs, `str(a.dtype)`
+~2.5 µs in NumPy 2, and the run loop checks every input and result of every step."""
+
+
 def check_bindings(plan: Plan, bindings: Sequence[Scalar]) -> list[Scalar]:
     """Bindings as the ops take them: exactly the graph's kinds (an int is accepted for a float)."""
     kinds = plan.graph.bindings
@@ -64,7 +71,7 @@ def check_inputs(plan: Plan, inputs: Sequence[Array]) -> None:
     if len(inputs) != len(specs):
         raise ExecutionError(f"graph takes {len(specs)} inputs, got {len(inputs)}")
     for i, (spec, a) in enumerate(zip(specs, inputs)):
-        if str(a.dtype) != spec.dtype or tuple(a.shape) != spec.shape:
+        if a.dtype != _NP_DTYPES[spec.dtype] or tuple(a.shape) != spec.shape:
             raise ExecutionError(
                 f"input {i} is {a.dtype} {tuple(a.shape)}, the graph wants {spec.describe()}"
             )
@@ -72,7 +79,7 @@ def check_inputs(plan: Plan, inputs: Sequence[Array]) -> None:
 
 def _check_result(step: Step, out: Array) -> None:
     spec: TensorSpec = step.out_spec
-    if str(out.dtype) != spec.dtype or tuple(out.shape) != spec.shape:
+    if out.dtype != _NP_DTYPES[spec.dtype] or tuple(out.shape) != spec.shape:
         raise ExecutionError(
             f"{step.label} (node {step.node}): internal error: produced {out.dtype} {tuple(out.shape)}, "
             f"inference says {spec.describe()}"
