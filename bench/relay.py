@@ -28,7 +28,6 @@ import numpy as np
 import emberlink as el
 from emberlink.protocol.identity import Identity
 from emberlink.protocol.ticket import Ticket
-from emberlink.server.malloc import tune_malloc
 
 MiB = 1 << 20
 FRAGMENT_HEADER = 5  # transport/fragment.py's header: the bare chunks leave the same room
@@ -179,7 +178,6 @@ def main() -> None:
     args = parser.parse_args()
     # Like the worker (daemon.py) and bench/remote_step.py: without it every fresh 64 MiB array in
     # this process (dev.tensor's copy) page-faults, which alone costs ~70 ms per upload here.
-    tune_malloc()
     n, total, repeats = (200, 16 * MiB, 1) if args.quick else (500, 64 * MiB, 5)
     r = measure(n, total, repeats, args.max_payload)
     print(

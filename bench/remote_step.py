@@ -42,7 +42,6 @@ import local_step
 import emberlink as el
 from emberlink.client.loop import io_loop
 from emberlink.protocol.identity import AllowPolicy, Identity
-from emberlink.server.malloc import tune_malloc
 
 MiB = 1 << 20
 
@@ -207,7 +206,6 @@ def main() -> None:
     parser.add_argument("--worker", choices=("process", "thread"), default="process")
     args = parser.parse_args()
     n, steps, repeats, total = (500, 20, 1, 64 * MiB) if args.quick else (2000, 60, 3, 64 * MiB)
-    tune_malloc()
     loop = io_loop()
     client = Identity.generate(os.urandom)
     with tempfile.TemporaryDirectory() as tmp:

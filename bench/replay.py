@@ -69,7 +69,7 @@ def serve(mode: str, allow_file: str) -> None:
     """A worker on 127.0.0.1:0: prints its ticket, then obeys stdin (`reset` the peak) until EOF."""
     from emberlink.graph_replay.numpy_backend import NumpyBackend
     from emberlink.server.background import BackgroundWorker
-    from emberlink.server.malloc import tune_malloc
+    from emberlink.transport.malloc import tune_malloc
 
     logging.basicConfig(level=logging.ERROR)
     tune_malloc()

@@ -29,6 +29,7 @@ from emberlink.protocol.channel import (
     OVERHEAD,
     TAG_SIZE,
     Channel,
+    pack_frames,
     parse_header,
     split_frames,
 )
@@ -36,7 +37,6 @@ from emberlink.transport.base import Link
 
 log = logging.getLogger("emberlink.client")
 
-BLOB_TARGET = 4 << 20
 """Frames are packed into one transport blob up to about this size (transport.base.MAX_BLOB is 8 MiB)."""
 PROGRESS_BYTES = 64 << 20
 """Transfers larger than this show a progress bar when stderr is a terminal."""
@@ -179,22 +179,9 @@ class ClientSession:
             bar.close()
 
     async def _send_frames(self, frames: Iterator[bytes | bytearray]) -> None:
-        parts: list[bytes | bytearray] = []
-        size = 0
-        for frame in frames:
-            if parts and size + len(frame) > BLOB_TARGET:
-                await self._send_blob(parts)
-                parts, size = [], 0
-            parts.append(frame)
-            size += len(frame)
-        if parts:
-            await self._send_blob(parts)
-
-    async def _send_blob(self, parts: list[bytes | bytearray]) -> None:
-        first = parts[0]
-        blob = first if len(parts) == 1 and isinstance(first, bytes) else b"".join(parts)
-        await self._link.send(blob)
-        self._counters.bytes_sent += len(blob)
+        for blob in pack_frames(frames):
+            await self._link.send(blob)
+            self._counters.bytes_sent += len(blob)
 
     # -- receiving -------------------------------------------------------------------------------------
 

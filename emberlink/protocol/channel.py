@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from enum import Enum, IntEnum
 
 from cryptography.exceptions import InvalidTag
@@ -304,3 +304,32 @@ def split_frames(blob: BytesLike) -> list[memoryview]:
         frames.append(view[offset:end])
         offset = end
     return frames
+
+
+BLOB_TARGET = 1 << 20
+"""Frames are packed into transport blobs of about this size. Measured on loopback gRPC: 64 MiB
+downloads ran at 0.43–0.48 GB/s in 4 MiB blobs and 1.04–1.05 GB/s in 1 MiB blobs (one sealed
+chunk each), so a bulk chunk travels alone and small frames share one blob."""
+
+
+def pack_frames(frames: Iterable[BytesLike], target: int = BLOB_TARGET) -> Iterator[bytes]:
+    """Join consecutive frames into blobs of at most `target` bytes (a larger frame goes alone).
+
+    The inverse of `split_frames`. Blobs are `bytes`, which every transport accepts."""
+    parts: list[BytesLike] = []
+    size = 0
+    for frame in frames:
+        if parts and size + len(frame) > target:
+            yield _join(parts)
+            parts, size = [], 0
+        parts.append(frame)
+        size += len(frame)
+    if parts:
+        yield _join(parts)
+
+
+def _join(parts: list[BytesLike]) -> bytes:
+    first = parts[0]
+    if len(parts) == 1 and isinstance(first, bytes):
+        return first
+    return b"".join(parts)

@@ -8,7 +8,6 @@ graphs.py      one client's view of the shared graph cache
 device.py      the backend and the single thread that runs all of its work
 daemon.py      `emberlink worker`: flags, listeners, ticket, signals
 background.py  a worker inside this process (demo, tests, benches)
-malloc.py      glibc malloc tuning at start-up
 demo.py        `emberlink demo`
 relay.py, presence.py   serving through a NATS relay and publishing presence
 """

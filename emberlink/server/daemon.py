@@ -22,9 +22,9 @@ from emberlink.errors import ConfigError, DeviceError, EmberlinkError
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.ticket import Ticket
 from emberlink.server.device import parse_device
-from emberlink.server.malloc import tune_malloc
 from emberlink.server.worker import DEFAULT_GRAPH_CACHE_BYTES, Worker
 from emberlink.transport.grpc import GrpcListener
+from emberlink.transport.malloc import tune_malloc
 
 log = logging.getLogger("emberlink.server")
 

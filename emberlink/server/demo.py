@@ -18,7 +18,7 @@ import numpy as np
 
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.server.background import BackgroundWorker
-from emberlink.server.malloc import tune_malloc
+from emberlink.transport.malloc import tune_malloc
 
 EPOCHS = 30
 BATCH = 64

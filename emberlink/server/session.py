@@ -24,7 +24,15 @@ import numpy as np
 
 from emberlink.errors import ProtocolError, TransportError
 from emberlink.protocol import messages as m
-from emberlink.protocol.channel import BULK, MESSAGE, TAG_SIZE, Channel, parse_header, split_frames
+from emberlink.protocol.channel import (
+    BULK,
+    MESSAGE,
+    TAG_SIZE,
+    Channel,
+    pack_frames,
+    parse_header,
+    split_frames,
+)
 from emberlink.protocol.handshake import WorkerHandshake
 from emberlink.server.runner import BatchRunner, Incoming, Outgoing
 from emberlink.server.store import Failure, Quota, TensorStore
@@ -36,7 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("emberlink.server")
 
 HANDSHAKE_TIMEOUT = 10.0
-BLOB_TARGET = 4 << 20
 """Frames are packed into one transport blob up to about this size (transport.base.MAX_BLOB is 8 MiB)."""
 MAX_REPLY_MESSAGES = 32_768
 FINAL_SEND_TIMEOUT = 5.0
@@ -385,22 +392,9 @@ class Session:
                     yield from channel.seal_chunks(next(pending).data.cast("B"), chunk)
 
     async def _send_frames(self, frames: Iterator[bytes | bytearray]) -> None:
-        parts: list[bytes | bytearray] = []
-        size = 0
-        for frame in frames:
-            if parts and size + len(frame) > BLOB_TARGET:
-                await self._send_blob(parts)
-                parts, size = [], 0
-            parts.append(frame)
-            size += len(frame)
-        if parts:
-            await self._send_blob(parts)
-
-    async def _send_blob(self, parts: list[bytes | bytearray]) -> None:
-        first = parts[0]
-        blob = first if len(parts) == 1 and isinstance(first, bytes) else b"".join(parts)
-        await self._link.send(blob)
-        self.bytes_out += len(blob)
+        for blob in pack_frames(frames):
+            await self._link.send(blob)
+            self.bytes_out += len(blob)
 
 
 __all__ = ["Session", "State"]

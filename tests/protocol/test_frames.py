@@ -19,6 +19,7 @@ from emberlink.protocol.channel import (
     TAG_SIZE,
     Channel,
     Kind,
+    pack_frames,
     rekey,
     split_frames,
 )
@@ -268,3 +269,15 @@ def test_any_sequence_of_frames_round_trips_in_order(items: list[tuple[bytes, Ki
 def test_header_size_is_small() -> None:
     assert HEADER_SIZE == 22
     assert OVERHEAD == 38
+
+
+@given(sizes=st.lists(st.integers(0, 3000), max_size=30), target=st.integers(1, 8000))
+@settings(max_examples=60, deadline=None)
+def test_packed_frames_split_back_into_the_same_frames_in_order(sizes: list[int], target: int) -> None:
+    client, worker = pair()
+    frames = [client.seal(bytes([i % 251]) * n, BULK if i % 2 else MESSAGE) for i, n in enumerate(sizes)]
+    blobs = list(pack_frames(iter(frames), target))
+    assert all(type(b) is bytes for b in blobs)
+    assert all(len(b) <= target or len(split_frames(b)) == 1 for b in blobs)
+    opened = [worker.open(f) for b in blobs for f in split_frames(b)]
+    assert opened == [(Kind(BULK if i % 2 else MESSAGE), bytes([i % 251]) * n) for i, n in enumerate(sizes)]

@@ -120,10 +120,3 @@ def test_the_ticket_file_is_replaced_whole(tmp_path: Path) -> None:
     write_ticket(path, "emberlink://x")
     assert path.read_text() == "emberlink://x\n"
     assert [p.name for p in tmp_path.iterdir()] == ["ticket"]
-
-
-def test_malloc_tuning_is_harmless_to_call_again() -> None:
-    from emberlink.server.malloc import tune_malloc
-
-    assert tune_malloc() in (True, False)
-    assert tune_malloc() in (True, False)
