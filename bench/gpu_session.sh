@@ -5,7 +5,8 @@ set -u
 OUT=${OUT:-/tmp/emberlink-gpu}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+    chmod +x /tmp/site/bin/* 2>/dev/null
 else
     export PYTHONPATH=$PWD
 fi
@@ -36,3 +37,12 @@ kill -TERM $worker; wait $worker; echo "worker exit $?"; tail -3 "$OUT/worker.lo
 
 echo "== 4. MLP step: Device.cuda(0) against a cuda:0 worker on loopback and the CPU"
 python3 bench/gpu_step.py --steps 200 2>/dev/null | tee "$OUT/gpu_step.md"
+
+if [ "${EMBERLINK_HOST_BENCHES:-0}" = 1 ]; then
+    echo "== 5. the CPU benchmarks on this (quieter, 16-core) host"
+    for b in local_step protocol remote_step replay relay; do
+        echo "-- bench/$b.py"
+        timeout 240 python3 bench/$b.py >"$OUT/bench_$b.md" 2>"$OUT/bench_$b.err"; echo "exit $?"
+        grep -v '^I[0-9]' "$OUT/bench_$b.md" | tail -25
+    done
+fi

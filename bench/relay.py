@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,7 +35,8 @@ FRAGMENT_HEADER = 5  # transport/fragment.py's header: the bare chunks leave the
 
 
 def start_nats(folder: Path, max_payload: int | None) -> tuple[subprocess.Popen[bytes], str]:
-    binary = Path(sys.executable).parent / "nats-server"
+    beside = Path(sys.executable).parent / "nats-server"
+    binary = beside if beside.exists() else Path(shutil.which("nats-server") or beside)
     log = folder / "nats.log"
     cmd = [str(binary), "-a", "127.0.0.1", "-p", "-1", "-l", str(log)]
     if max_payload is not None:
@@ -176,8 +178,6 @@ def main() -> None:
         "--max-payload", type=int, default=None, help="the NATS server's max_payload (default: its 1 MiB)"
     )
     args = parser.parse_args()
-    # Like the worker (daemon.py) and bench/remote_step.py: without it every fresh 64 MiB array in
-    # this process (dev.tensor's copy) page-faults, which alone costs ~70 ms per upload here.
     n, total, repeats = (200, 16 * MiB, 1) if args.quick else (500, 64 * MiB, 5)
     r = measure(n, total, repeats, args.max_payload)
     print(

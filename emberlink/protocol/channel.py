@@ -42,7 +42,10 @@ OVERHEAD = HEADER_SIZE + TAG_SIZE  # bytes a frame adds to its plaintext
 SESSION_ID_SIZE = 8
 KEY_SIZE = 32
 MAX_PLAINTEXT = 16 * 1024 * 1024
-CHUNK_SIZE = 1024 * 1024
+CHUNK_SIZE = 1024 * 1024 - 128
+# A sealed chunk plus a transport's own header (the NATS relay adds 5 bytes) fits one 1 MiB
+# message: NATS's default max_payload, and the size gRPC streams fastest here. Measured: a chunk
+# of exactly 1 MiB became two NATS messages per frame and halved relay uploads.
 # AES-GCM with counter nonces: stay far below the usage limits (RFC 8446 5.5, NIST SP 800-38D).
 REKEY_FRAMES = 1 << 24
 REKEY_BYTES = 1 << 34
