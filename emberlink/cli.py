@@ -97,7 +97,10 @@ def add_worker(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--ticket-file", type=Path, metavar="FILE", help="also write the ticket to this file")
     p.add_argument("--max-session-bytes", type=_byte_count, metavar="N", help="bytes one session may hold")
     p.add_argument(
-        "--graph-cache-bytes", type=_byte_count, metavar="N", help="graph cache budget (default 256M)"
+        "--graph-cache-bytes",
+        type=_byte_count,
+        metavar="N",
+        help="graph cache budget of each client (default 64M; at most 64 clients keep one)",
     )
     p.add_argument("--advertise", metavar="HOST:PORT", help="the address put in the ticket")
     p.add_argument("--relay", metavar="nats://HOST:PORT", help="also serve through this NATS relay")

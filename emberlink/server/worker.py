@@ -23,7 +23,7 @@ from emberlink.transport.base import Link
 
 log = logging.getLogger("emberlink.server")
 
-DEFAULT_GRAPH_CACHE_BYTES = 256 << 20
+DEFAULT_GRAPH_CACHE_BYTES = 64 << 20  # per client; graph_replay/cache.py keeps at most 64 clients
 MAX_UNACKED_BATCHES = 64
 
 

@@ -1,4 +1,4 @@
-"""The graph cache: per-client isolation, LRU eviction under one shared byte budget, counters."""
+"""The graph cache: per-client isolation, each client's own LRU under its own byte budget, counters."""
 
 from __future__ import annotations
 
@@ -52,29 +52,41 @@ def test_a_clients_stats_show_only_its_own_entries() -> None:
     assert cache.stats()["entries"] == 2 and cache.stats()["misses"] == 1
 
 
-def test_least_recently_used_is_evicted_first_across_clients() -> None:
-    cache = GraphCache(3 * _size(1))
-    ids = {}
-    for n, client in ((1, "alice"), (2, "bob"), (3, "alice")):
-        gid, plan = _plan(n)
-        ids[n] = gid
-        assert cache.put(client, gid, plan)
-    assert cache.get("alice", ids[1]) is not None  # 1 is now the most recent; 2 is the oldest
-    gid4, plan4 = _plan(4)
-    assert cache.put("carol", gid4, plan4)
-    assert ("bob", ids[2]) not in cache
-    assert ("alice", ids[1]) in cache and ("alice", ids[3]) in cache
-    assert cache.stats()["evictions"] == 1 and cache.stats("bob")["evictions"] == 1
+def test_least_recently_used_is_evicted_first_within_a_client() -> None:
+    cache = GraphCache(2 * _size(1))
+    (gid1, p1), (gid2, p2), (gid3, p3) = _plan(1), _plan(2), _plan(3)
+    cache.put("alice", gid1, p1)
+    cache.put("alice", gid2, p2)
+    assert cache.get("alice", gid1) is p1  # 1 is now the most recent; 2 is the oldest
+    assert cache.put("alice", gid3, p3)
+    assert ("alice", gid2) not in cache
+    assert ("alice", gid1) in cache and ("alice", gid3) in cache
+    assert cache.stats("alice")["evictions"] == 1
 
 
-def test_size_never_exceeds_the_budget() -> None:
-    budget = int(2.5 * _size(1))
-    cache = GraphCache(budget)
-    for n in range(1, 30):
+def test_another_clients_registrations_never_evict_mine() -> None:
+    cache = GraphCache(2 * _size(1))
+    (gid1, p1), (gid2, p2) = _plan(1), _plan(2)
+    cache.put("alice", gid1, p1)
+    cache.put("alice", gid2, p2)
+    for n in range(3, 40):
         gid, plan = _plan(n)
-        cache.put(f"c{n % 3}", gid, plan)
-        assert cache.stats()["size"] <= budget
-    assert cache.stats()["entries"] == 2
+        cache.put("mallory", gid, plan)
+    assert cache.get("alice", gid1) is p1 and cache.get("alice", gid2) is p2
+    alice = cache.stats("alice")
+    assert (alice["entries"], alice["evictions"], alice["misses"]) == (2, 0, 0)
+
+
+def test_past_max_clients_the_least_recently_used_clients_cache_goes() -> None:
+    cache = GraphCache(1 << 20, max_clients=2)
+    (gid1, p1), (gid2, p2), (gid3, p3) = _plan(1), _plan(2), _plan(3)
+    cache.put("a", gid1, p1)
+    cache.put("b", gid2, p2)
+    cache.get("a", gid1)  # b is now the least recently used client
+    cache.put("c", gid3, p3)
+    assert ("b", gid2) not in cache
+    assert ("a", gid1) in cache and ("c", gid3) in cache
+    assert cache.stats()["clients"] == 2 and cache.stats()["entries"] == 2
 
 
 def test_a_graph_larger_than_the_budget_is_not_stored() -> None:
@@ -116,7 +128,7 @@ def test_counters_count_hits_misses_and_evictions() -> None:
     cache.get("a", gid2)
     cache.put("a", gid2, p2)
     want = {"size": _size(2), "budget": _size(1), "entries": 1, "hits": 1, "misses": 1, "evictions": 1}
-    assert cache.stats() == want == cache.stats("a")
+    assert cache.stats() == {**want, "clients": 1} and cache.stats("a") == want
 
 
 def test_forget_drops_only_that_clients_entries() -> None:
@@ -129,6 +141,8 @@ def test_forget_drops_only_that_clients_entries() -> None:
     assert cache.stats()["size"] == _size(2) and cache.stats("a")["size"] == 0
 
 
-def test_a_negative_budget_is_a_config_error() -> None:
+def test_a_negative_budget_or_no_clients_is_a_config_error() -> None:
     with pytest.raises(ConfigError):
         GraphCache(-1)
+    with pytest.raises(ConfigError):
+        GraphCache(1 << 20, max_clients=0)

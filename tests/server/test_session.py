@@ -202,6 +202,29 @@ def test_clients_see_neither_each_others_graphs_nor_their_cache_figures(worker: 
     assert after["cache_misses"] == before["cache_misses"] + 1  # b's own miss only
 
 
+def test_another_clients_registrations_never_evict_my_graphs(make_worker) -> None:
+    gid, body = scale_graph(3)
+    worker = make_worker(graph_cache_bytes=2 * len(body) + 4096)  # room for a couple of graphs each
+
+    async def go() -> list[m.WorkerMessage]:
+        a = await RawClient.connect(worker, new_identity())
+        b = await RawClient.connect(worker, new_identity())
+        await a.send(1, [m.Register(gid, body), m.Sync(1)])
+        await a.reply_until(1)
+        for k in range(20):  # b floods the worker with graphs of its own
+            other_gid, other_body = scale_graph(4 + k)
+            await b.send(k + 1, [m.Register(other_gid, other_body), m.Sync(k + 1)])
+            await b.reply_until(1)
+        await a.send(2, [upload(1, X), m.Execute(gid, (1,), (2.0,), 2), m.Read(2, 2)], [X])
+        got = await a.reply_until(1)
+        await a.close()
+        await b.close()
+        return got
+
+    (result,) = run(worker, go())
+    assert result == m.Result(2, "float32", (3,), 12)  # not GraphUnknown: a's graph is still cached
+
+
 def test_execution_error_poisons_only_its_outputs_and_the_session_lives(worker: BackgroundWorker) -> None:
     gid, body = scale_graph(3)
     wrong = np.arange(4, dtype=np.float32)  # the graph wants 3 elements
