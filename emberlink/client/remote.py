@@ -52,8 +52,9 @@ MAX_UNACKED_BATCHES = 64
 MAX_UNACKED_BYTES = 256 << 20
 CLOSE_TIMEOUT = 2.0
 REPLAY_ENV = "EMBERLINK_REPLAY"
-"""Set to `0` to send every graph in full with every Execute (the design before graph replay), for
-measuring what replay saves (bench/replay.py); `RemoteExecutor.replay` is the same switch."""
+"""Set to `0` to send every graph in full with every Execute and every batch in full (never as a
+Repeat of the previous one): the design before graph replay, for measuring what replay saves
+(bench/replay.py); `RemoteExecutor.replay` is the same switch, read when the session starts."""
 
 LinkFactory = Callable[[], Awaitable[Link]]
 
@@ -216,7 +217,14 @@ class RemoteExecutor:
 
         async def start() -> ClientSession:
             session = ClientSession(
-                link, channel, limits, self._graphs, self.counters, self._flow, worker_node_id
+                link,
+                channel,
+                limits,
+                self._graphs,
+                self.counters,
+                self._flow,
+                worker_node_id,
+                templates=self.replay,
             )
             session.start()
             return session

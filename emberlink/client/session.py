@@ -1,7 +1,8 @@
 """The client's half of the session protocol (docs/internals.md section 6), on the I/O loop thread.
 
-It owns the Link and the Channel: seals batches (MESSAGE frame, then the uploads' BULK frames)
-and packs them into as few blobs as the transport allows; opens replies and decrypts results
+It owns the Link and the Channel: seals batches (one MESSAGE frame whose plaintext ends with the
+bytes of the small uploads, then the larger uploads' BULK frames), sending a batch that is the
+previous one with ids shifted as a Repeat, and packs them into as few blobs as the transport allows; opens replies and decrypts results
 straight into preallocated arrays; keeps every unacknowledged batch, and on `GraphUnknown`
 resends from that batch with the graph registered first. User threads never touch it except
 through `call_soon_threadsafe` (and the futures it resolves).
@@ -25,6 +26,7 @@ from emberlink.protocol import messages as m
 from emberlink.protocol.channel import (
     BULK,
     CHUNK_SIZE,
+    MAX_PLAINTEXT,
     MESSAGE,
     OVERHEAD,
     TAG_SIZE,
@@ -62,6 +64,7 @@ class Counters:
     round_trips: int = 0
     batches_sent: int = 0
     batches_resent: int = 0
+    batches_repeated: int = 0  # sent as a Repeat of the batch before
     graphs_registered: int = 0
     graph_replays: int = 0
     graph_cache_misses: int = 0
@@ -111,6 +114,8 @@ class ClientSession:
         counters: Counters,
         flow: Flow,
         worker: str,
+        *,
+        templates: bool = True,
     ) -> None:
         self._link = link
         self._channel = channel
@@ -127,6 +132,9 @@ class ClientSession:
         self._wake = asyncio.Event()
         self._results: deque[_Incoming] = deque()
         self._scratch = bytearray()
+        # Step templates: the messages of the batch sent last (expanded), which the worker keeps too.
+        self.templates = templates
+        self._template: tuple[m.ClientMessage, ...] | None = None
         self.dead: EmberlinkError | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -155,22 +163,70 @@ class ClientSession:
                     self._wake.clear()
                     await self._wake.wait()
                 batch = self._queue.popleft()
-                if batch.seq <= self._sent_upto:
+                resent = batch.seq <= self._sent_upto
+                if resent:
                     self._counters.batches_resent += 1
                 self._sent_upto = max(self._sent_upto, batch.seq)
                 self._counters.batches_sent += 1
-                await self._send_frames(self._frames(batch))
+                await self._send_frames(self._frames(batch, resent))
                 self._finished_upto = max(self._finished_upto, batch.seq)
         except TransportError as e:
             self.fail(WorkerLost(f"lost worker {self._worker} while sending: {e}"))
         except EmberlinkError as e:
             self.fail(e)
 
-    def _frames(self, batch: OutBatch) -> Iterator[bytes | bytearray]:
+    def _layout(
+        self, batch: OutBatch, inline: bool
+    ) -> tuple[tuple[m.ClientMessage, ...], list[np.ndarray], list[np.ndarray]]:
+        """The batch's messages with the uploads that travel inline marked, those uploads' arrays
+        and the others'. Inline, in message order: every upload that still fits in one chunk
+        together with the inline ones before it; the rest go in BULK frames."""
+        if not batch.bulks:
+            return tuple(batch.messages), [], []
+        messages: list[m.ClientMessage] = []
+        tail: list[np.ndarray] = []
+        bulks: list[np.ndarray] = []
+        arrays = iter(batch.bulks)
+        room = self.chunk_size if inline else 0
+        for msg in batch.messages:
+            if type(msg) is m.Upload and msg.nbytes:
+                array = next(arrays)
+                if msg.nbytes <= room:
+                    room -= msg.nbytes
+                    tail.append(array)
+                    msg = m.Upload(msg.tid, msg.dtype, msg.shape, msg.nbytes, True)
+                else:
+                    bulks.append(array)
+            messages.append(msg)
+        return tuple(messages), tail, bulks
+
+    def _frames(self, batch: OutBatch, resent: bool = False) -> Iterator[bytes | bytearray]:
         channel = self._channel
-        yield channel.seal(m.encode_batch(m.Batch(batch.seq, tuple(batch.messages))), MESSAGE)
+        messages, tail, bulks = self._layout(batch, True)
+        wire: tuple[m.ClientMessage, ...] = messages
+        repeat = None
+        # A batch resent after GraphUnknown always goes in full; otherwise a batch that is the one
+        # sent just before with ids shifted goes as a Repeat. The worker expands a Repeat against
+        # the batch it received just before, which is the one sent just before: same frames, same order.
+        if self.templates and not resent and self._template is not None:
+            repeat = m.repeat_of(self._template, messages)
+            if repeat is not None:
+                wire = (repeat,)
+                self._counters.batches_repeated += 1
+        head = m.encode_batch(m.Batch(batch.seq, wire))
+        if tail and len(head) + sum(a.nbytes for a in tail) > MAX_PLAINTEXT:
+            messages, tail, bulks = self._layout(batch, False)  # a huge batch: every upload in BULK
+            wire = messages
+            head = m.encode_batch(m.Batch(batch.seq, wire))
+            if repeat is not None:
+                self._counters.batches_repeated -= 1
+        self._template = messages
+        if tail:
+            yield channel.seal_parts([head, *(a.data.cast("B") for a in tail)], MESSAGE)
+        else:
+            yield channel.seal(head, MESSAGE)
         bar = _progress(batch.nbytes, "upload")
-        for array in batch.bulks:
+        for array in bulks:
             for frame in channel.seal_chunks(array.data.cast("B"), self.chunk_size):
                 if bar is not None:
                     bar.update(len(frame) - OVERHEAD)

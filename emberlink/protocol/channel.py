@@ -204,6 +204,20 @@ class Channel:
         self._send.commit(n, aead, new_key)
         return frame
 
+    def seal_parts(self, parts: Iterable[BytesLike], kind: Kind = MESSAGE) -> bytearray:
+        """One frame whose plaintext is the parts joined (a MESSAGE with inline bytes after it).
+
+        The parts are joined once, then encrypted straight into the frame's buffer."""
+        plaintext = b"".join(parts)
+        n = len(plaintext)
+        buf = _new_frame_buffer(HEADER_SIZE + n + TAG_SIZE)
+        out = memoryview(buf)
+        HEADER.pack_into(buf, 0, *self._next_send_header_fields(kind, n))
+        aead, new_key = self._send.next_key(n)
+        aead.encrypt_into(self._send.nonce(), plaintext, out[:HEADER_SIZE], out[HEADER_SIZE:])
+        self._send.commit(n, aead, new_key)
+        return buf
+
     def seal_chunks(self, data: BytesLike, chunk_size: int = CHUNK_SIZE) -> Iterator[bytearray]:
         """BULK frames carrying data in chunks of at most chunk_size, each in a fresh buffer.
 

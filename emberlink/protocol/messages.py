@@ -2,7 +2,7 @@
 
 Rules (everything that decides what is a valid message lives in this file):
 - A Batch is `[seq, [message, ...]]`, a Reply `[ack, [message, ...]]`. A message is an array
-  whose first item is its tag. Client-to-worker tags are 1..8, worker-to-client tags 16..20, so
+  whose first item is its tag. Client-to-worker tags are 1..10, worker-to-client tags 16..20, so
   a message sent the wrong way is an unknown tag.
 - Decoding is validation: known tag, exact arity, exact types (a bool is not an int, an int is
   not a float), bounded sizes, dtypes from DTYPES. Anything else is a ProtocolError, and nothing
@@ -12,7 +12,13 @@ Rules (everything that decides what is a valid message lives in this file):
   names after run-length expansion <= MAX_IDS, counted before expanding.
 - dtypes travel as small ints, shapes as arrays, id lists run-length encoded as
   `[start, count, start, count, ...]`; the dataclasses hold plain tuples of ids.
-- Bulk data never travels inside a message: `nbytes` announces the BULK frames that follow.
+- Bulk data never travels inside msgpack: an Upload's `nbytes` announces the BULK frames that
+  follow, or, for an inline Upload (tag 10 instead of 3), bytes of the MESSAGE plaintext's raw
+  tail after the msgpack batch, in message order; the tail is exactly the inline uploads' bytes
+  (`decode_batch_prefix` finds where the batch ends).
+- A Repeat (tag 9) is a batch's only message: the previous batch of the session again, every
+  tensor id shifted by `id_shift`, every request id by `rid_shift`, and the Executes' bindings
+  replaced when given (`expand_batch`, `repeat_of`).
 """
 
 from __future__ import annotations
@@ -96,6 +102,7 @@ class Upload:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    inline: bool = False  # the bytes follow in the MESSAGE plaintext's tail, not in BULK frames
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +131,17 @@ class Close:
     reason: str
 
 
-ClientMessage = Register | Execute | Upload | Read | Drop | Sync | Stats | Close
+@dataclass(frozen=True, slots=True)
+class Repeat:
+    """The previous batch again, ids and rids shifted; `bindings` (one tuple per Execute, in
+    order) replace the Executes' bindings, None keeps them."""
+
+    id_shift: int
+    rid_shift: int
+    bindings: tuple[tuple[Scalar, ...], ...] | None = None
+
+
+ClientMessage = Register | Execute | Upload | Read | Drop | Sync | Stats | Close | Repeat
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +216,11 @@ def _wire_client(m: ClientMessage) -> list[Any]:
     if type(m) is Register:
         return [1, m.gid, m.graph]
     if type(m) is Upload:
-        return [3, m.tid, _dtype_code(m.dtype), list(m.shape), m.nbytes]
+        return [10 if m.inline else 3, m.tid, _dtype_code(m.dtype), list(m.shape), m.nbytes]
+    if type(m) is Repeat:
+        if m.bindings is None:
+            return [9, m.id_shift, m.rid_shift]
+        return [9, m.id_shift, m.rid_shift, [list(b) for b in m.bindings]]
     if type(m) is Drop:
         return [5, rle_encode(m.ids)]
     if type(m) is Sync:
@@ -243,13 +264,34 @@ def _pack(obj: Any) -> bytes:
 def encode_batch(batch: Batch) -> bytes:
     """The msgpack bytes of a client batch (the plaintext of one MESSAGE frame)."""
     messages = batch.messages
-    if not any(type(b) is F32 for m in messages if type(m) is Execute for b in m.bindings):
+    if not any(type(b) is F32 for m in messages for bs in _bindings_of(m) for b in bs):
         return _pack([batch.seq, [_wire_client(m) for m in messages]])
     # msgpack-python writes every float as float64, so batches with F32 bindings are assembled
     # from parts: an array's encoding is its header followed by its items' encodings.
     parts = [b"\x92", _pack(batch.seq), _array_header(len(messages))]
-    parts += [_execute_bytes(m) if type(m) is Execute else _pack(_wire_client(m)) for m in messages]
+    for m in messages:
+        if type(m) is Execute:
+            parts.append(_execute_bytes(m))
+        elif type(m) is Repeat and m.bindings is not None:
+            parts += [
+                b"\x94",
+                _pack(9),
+                _pack(m.id_shift),
+                _pack(m.rid_shift),
+                _array_header(len(m.bindings)),
+            ]
+            parts += [_scalars_bytes(b) for b in m.bindings]
+        else:
+            parts.append(_pack(_wire_client(m)))
     return b"".join(parts)
+
+
+def _bindings_of(m: ClientMessage) -> tuple[tuple[Scalar, ...], ...]:
+    if type(m) is Execute:
+        return (m.bindings,)
+    if type(m) is Repeat and m.bindings is not None:
+        return m.bindings
+    return ()
 
 
 def _array_header(n: int) -> bytes:
@@ -261,9 +303,14 @@ def _array_header(n: int) -> bytes:
 
 
 def _execute_bytes(m: Execute) -> bytes:
-    parts = [b"\x95", _pack(2), _pack(m.gid), _pack(rle_encode(m.inputs)), _array_header(len(m.bindings))]
-    parts += [_float32(b) if type(b) is F32 else _pack(b) for b in m.bindings]
+    parts = [b"\x95", _pack(2), _pack(m.gid), _pack(rle_encode(m.inputs)), _scalars_bytes(m.bindings)]
     parts.append(_pack(m.out_base))
+    return b"".join(parts)
+
+
+def _scalars_bytes(bindings: tuple[Scalar, ...]) -> bytes:
+    parts = [_array_header(len(bindings))]
+    parts += [_float32(b) if type(b) is F32 else _pack(b) for b in bindings]
     return b"".join(parts)
 
 
@@ -403,9 +450,19 @@ def _client_message(v: object, budget: _Budget) -> ClientMessage:
     if tag == 1 and type(tag) is int:
         _arity(m, 3, "Register")
         return Register(_gid(m[1]), _bin(m[2], "graph", 1, MAX_GRAPH_BYTES))
-    if tag == 3 and type(tag) is int:
+    if (tag == 3 or tag == 10) and type(tag) is int:
         _arity(m, 5, "Upload")
-        return Upload(_int(m[1], "tid"), *_tensor_desc(m[2], m[3], m[4]))
+        return Upload(_int(m[1], "tid"), *_tensor_desc(m[2], m[3], m[4]), tag == 10)
+    if tag == 9 and type(tag) is int:
+        if len(m) not in (3, 4):
+            _refuse(f"Repeat has 2 or 3 fields, got {len(m) - 1}")
+        given: tuple[tuple[Scalar, ...], ...] | None = None
+        if len(m) == 4:
+            lists = _list(m[3], "Repeat bindings", MAX_MESSAGES)
+            given = tuple(
+                tuple(_binding(b) for b in _list(bs, "Repeat bindings", MAX_BINDINGS)) for bs in lists
+            )
+        return Repeat(_int(m[1], "id_shift", -MAX_ID), _int(m[2], "rid_shift", -MAX_ID), given)
     if tag == 5 and type(tag) is int:
         _arity(m, 2, "Drop")
         return Drop(budget.ids(m[1], "Drop ids"))
@@ -450,31 +507,64 @@ def _worker_message(v: object) -> WorkerMessage:
     _refuse(f"unknown worker message tag {_show(tag)}")
 
 
+def _limits(n: int) -> dict[str, Any]:
+    # Every limit is also capped by the input's length (an item takes at least one byte),
+    # so a header that claims a huge array allocates nothing.
+    return {
+        "raw": False,
+        "strict_map_key": True,
+        "use_list": True,
+        "max_str_len": min(MAX_TEXT, n),
+        "max_bin_len": min(MAX_GRAPH_BYTES, n),
+        "max_array_len": min(_MAX_ARRAY, n),
+        "max_map_len": min(MAX_STATS, n),
+        "max_ext_len": 0,
+    }
+
+
+_UNPACK_ERRORS = (msgpack.UnpackException, ValueError, TypeError, OverflowError, RecursionError)
+
+
 def _unpack(data: BytesLike) -> list[Any]:
-    n = len(data)
     try:
-        # Every limit is also capped by the input's length (an item takes at least one byte),
-        # so a header that claims a huge array allocates nothing.
-        obj = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_str_len=min(MAX_TEXT, n),
-            max_bin_len=min(MAX_GRAPH_BYTES, n),
-            max_array_len=min(_MAX_ARRAY, n),
-            max_map_len=min(MAX_STATS, n),
-            max_ext_len=0,
-        )
-    except (msgpack.UnpackException, ValueError, TypeError, OverflowError, RecursionError) as e:
+        obj = msgpack.unpackb(data, **_limits(len(data)))
+    except _UNPACK_ERRORS as e:
         raise ProtocolError(f"malformed msgpack: {type(e).__name__}: {e}"[:200]) from e
     return _list(obj, "envelope", 2)
 
 
+_FIRST_FEED = 4096
+
+
+def _unpack_prefix(data: BytesLike) -> tuple[list[Any], int]:
+    """The msgpack object at the start of data and where it ends; the bytes after it are not
+    copied (fed to the decoder in growing slices until one object is complete)."""
+    view = memoryview(data).cast("B")
+    n = len(view)
+    try:
+        unpacker = msgpack.Unpacker(max_buffer_size=max(n, 1), **_limits(n))
+        fed = min(n, _FIRST_FEED)
+        unpacker.feed(view[:fed])
+        while True:
+            try:
+                obj = unpacker.unpack()
+                break
+            except msgpack.OutOfData:
+                if fed == n:
+                    raise ValueError("truncated msgpack") from None
+                more = min(n, fed * 4)
+                unpacker.feed(view[fed:more])
+                fed = more
+        end: int = unpacker.tell()
+    except _UNPACK_ERRORS as e:
+        raise ProtocolError(f"malformed msgpack: {type(e).__name__}: {e}"[:200]) from e
+    return _list(obj, "envelope", 2), end
+
+
 def _decode(
-    data: BytesLike, first: str, first_lo: int, decode_one: Callable[[object], Any]
+    data: BytesLike | list[Any], first: str, first_lo: int, decode_one: Callable[[object], Any]
 ) -> tuple[int, tuple[Any, ...]]:
-    envelope = _unpack(data)
+    envelope = data if type(data) is list else _unpack(data)  # type: ignore[arg-type]
     if len(envelope) != 2:
         _refuse(f"an envelope is [{first}, messages], got {len(envelope)} items")
     number = _int(envelope[0], first, first_lo)
@@ -483,10 +573,150 @@ def _decode(
 
 
 def decode_batch(data: BytesLike) -> Batch:
-    """The Batch in a MESSAGE frame's plaintext; ProtocolError if it is anything but a valid one."""
+    """The Batch that is the whole of data; ProtocolError if it is anything but a valid one.
+
+    A Repeat is returned as it came (`expand_batch` applies it)."""
+    return _batch(_unpack(data))
+
+
+def decode_batch_prefix(data: BytesLike) -> tuple[Batch, int]:
+    """The Batch at the start of a MESSAGE frame's plaintext and the offset of the raw tail after
+    it (the inline uploads' bytes, checked against the expanded batch by `check_tail`)."""
+    envelope, end = _unpack_prefix(data)
+    return _batch(envelope), end
+
+
+def _batch(envelope: list[Any]) -> Batch:
     budget = _Budget()
-    seq, messages = _decode(data, "seq", 1, lambda m: _client_message(m, budget))
+    seq, messages = _decode(envelope, "seq", 1, lambda m: _client_message(m, budget))
+    if len(messages) > 1 and any(type(x) is Repeat for x in messages):
+        _refuse("a Repeat must be the only message of its batch")
     return Batch(seq, messages)
+
+
+def inline_bytes(messages: tuple[ClientMessage, ...]) -> int:
+    """How many tail bytes the inline uploads of (expanded) messages take."""
+    return sum(x.nbytes for x in messages if type(x) is Upload and x.inline)
+
+
+def check_tail(batch: Batch, tail: int) -> None:
+    """Refuse a tail that is not exactly the expanded batch's inline uploads."""
+    want = inline_bytes(batch.messages)
+    if tail != want:
+        _refuse(f"batch {batch.seq} carries {tail} inline bytes, its uploads announce {want}")
+
+
+# -- step templates (Repeat) ------------------------------------------------------------------
+
+
+def _shift(x: int, by: int, what: str, lo: int = 0) -> int:
+    y = x + by
+    if not lo <= y <= MAX_ID:
+        _refuse(f"{what} {x} shifted by {by} leaves {lo}..{MAX_ID}")
+    return y
+
+
+def _shift_ids(ids: tuple[int, ...], by: int, what: str) -> tuple[int, ...]:
+    if not ids or not by:
+        return ids
+    _shift(min(ids), by, what)
+    _shift(max(ids), by, what)
+    return tuple(x + by for x in ids)
+
+
+def expand_batch(batch: Batch, template: tuple[ClientMessage, ...] | None) -> Batch:
+    """`batch` with a Repeat replaced by the template (the session's previous batch) shifted;
+    any other batch as it is. ProtocolError: a Repeat without a template, a shift that takes an
+    id out of range, or bindings that do not match the template's Executes."""
+    if len(batch.messages) != 1 or type(batch.messages[0]) is not Repeat:
+        return batch
+    r = batch.messages[0]
+    if template is None:
+        _refuse(f"batch {batch.seq} repeats a previous batch, and this session has none")
+    d, dr = r.id_shift, r.rid_shift
+    bindings = None
+    if r.bindings is not None:
+        executes = sum(1 for x in template if type(x) is Execute)
+        if len(r.bindings) != executes:
+            _refuse(f"Repeat gives bindings for {len(r.bindings)} Executes, the batch has {executes}")
+        bindings = iter(r.bindings)
+    out: list[ClientMessage] = []
+    for x in template:
+        t = type(x)
+        if t is Upload:
+            out.append(Upload(_shift(x.tid, d, "tid"), x.dtype, x.shape, x.nbytes, x.inline))  # type: ignore[union-attr]
+        elif t is Execute:
+            ex: Execute = x  # type: ignore[assignment]
+            bs = next(bindings) if bindings is not None else ex.bindings
+            out.append(
+                Execute(ex.gid, _shift_ids(ex.inputs, d, "input"), bs, _shift(ex.out_base, d, "out_base"))
+            )
+        elif t is Read:
+            out.append(Read(_shift(x.rid, dr, "rid", 1), _shift(x.tid, d, "tid")))  # type: ignore[union-attr]
+        elif t is Drop:
+            out.append(Drop(_shift_ids(x.ids, d, "dropped id")))  # type: ignore[union-attr]
+        elif t is Sync:
+            out.append(Sync(_shift(x.rid, dr, "rid", 1)))  # type: ignore[union-attr]
+        elif t is Stats:
+            out.append(Stats(_shift(x.rid, dr, "rid", 1)))  # type: ignore[union-attr]
+        else:  # Register, Close: nothing to shift (a template never holds a Repeat: it is expanded)
+            out.append(x)
+    return Batch(batch.seq, tuple(out))
+
+
+def _same_scalars(a: tuple[Scalar, ...], b: tuple[Scalar, ...]) -> bool:
+    """Equal and of the same types, floats bit for bit (1 == 1.0 == True and 0.0 == -0.0 in Python)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if type(x) is not type(y):
+            return False
+        if isinstance(x, float):
+            if struct.pack(">d", x) != struct.pack(">d", y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _first_id(x: ClientMessage) -> int | None:
+    t = type(x)
+    if t is Upload or t is Read:
+        return x.tid  # type: ignore[union-attr]
+    if t is Execute:
+        return x.out_base  # type: ignore[union-attr]
+    if t is Drop and x.ids:  # type: ignore[union-attr]
+        return x.ids[0]  # type: ignore[union-attr]
+    return None
+
+
+def repeat_of(previous: tuple[ClientMessage, ...], messages: tuple[ClientMessage, ...]) -> Repeat | None:
+    """The Repeat that expands `previous` to exactly `messages`, or None if there is none."""
+    if len(previous) != len(messages) or not messages:
+        return None
+    d = dr = None
+    same_bindings = True
+    for p, c in zip(previous, messages, strict=True):
+        t = type(p)
+        if t is not type(c) or t is Repeat:
+            return None
+        if d is None:
+            a, b = _first_id(p), _first_id(c)
+            if a is not None and b is not None:
+                d = b - a
+        if dr is None and (t is Read or t is Sync or t is Stats):
+            dr = c.rid - p.rid  # type: ignore[union-attr]
+        if type(p) is Execute and type(c) is Execute and same_bindings:
+            same_bindings = _same_scalars(p.bindings, c.bindings)
+    bindings: tuple[tuple[Scalar, ...], ...] | None = None
+    if not same_bindings:
+        bindings = tuple(c.bindings for c in messages if type(c) is Execute)
+    repeat = Repeat(d or 0, dr or 0, bindings)
+    try:
+        expanded = expand_batch(Batch(1, (repeat,)), previous).messages
+    except ProtocolError:
+        return None
+    return repeat if expanded == messages else None
 
 
 def decode_reply(data: BytesLike) -> Reply:

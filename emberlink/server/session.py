@@ -100,6 +100,9 @@ class Session:
         self._incoming: Incoming | None = None
         self._targets: deque[_Target] = deque()
         self._scratch = bytearray()
+        # The previous batch received (expanded): what a Repeat repeats. The client's is the batch it
+        # sent last; frames arrive in the order they were sent, so both sides hold the same one.
+        self._template: tuple[m.ClientMessage, ...] | None = None
         self._receiver: asyncio.Task[None] | None = None
         self._inline = getattr(worker.device.backend, "name", None) == "numpy"
 
@@ -228,7 +231,10 @@ class Session:
         kind, plaintext = self._channel.open(frame)
         if kind is not MESSAGE:
             raise ProtocolError(f"expected a MESSAGE frame, got {kind.name}")
-        batch = m.decode_batch(plaintext)
+        batch, start = m.decode_batch_prefix(plaintext)
+        batch = m.expand_batch(batch, self._template)
+        m.check_tail(batch, len(plaintext) - start)
+        self._template = batch.messages
         held = self.inflight.used
         if held and held + sum(u.nbytes for u in batch.messages if type(u) is m.Upload) > MAX_INFLIGHT_BYTES:
             raise ProtocolError(
@@ -237,14 +243,20 @@ class Session:
         incoming = Incoming(batch, [], 0)
         for msg in batch.messages:
             if type(msg) is m.Upload:
-                incoming.uploads.append(self._prepare_upload(msg, incoming))
+                upload = self._prepare_upload(msg, incoming, plaintext, start)
+                if msg.inline:
+                    start += msg.nbytes
+                incoming.uploads.append(upload)
         if self._targets:
             self._incoming = incoming
         else:
             self._submit(incoming)
 
-    def _prepare_upload(self, msg: m.Upload, incoming: Incoming) -> np.ndarray | Failure:
-        """The array an upload's bytes are decrypted into, or why there is none.
+    def _prepare_upload(
+        self, msg: m.Upload, incoming: Incoming, plaintext: bytes, start: int
+    ) -> np.ndarray | Failure:
+        """The array an upload's bytes are decrypted into (or, inline, read from `plaintext` at
+        `start`), or why there is none.
 
         The quota itself is checked when the batch is applied, in order, so a Drop earlier in the
         stream counts whatever the timing; here only an upload larger than the whole quota is
@@ -252,7 +264,7 @@ class Session:
         """
         limit = self.quota.limit
         if limit is not None and msg.nbytes > limit:
-            if msg.nbytes:
+            if msg.nbytes and not msg.inline:
                 self._targets.append(_Target(None, msg.nbytes))
             return Failure(
                 "quota", f"an upload of {msg.nbytes} bytes is larger than the session quota of {limit}"
@@ -264,6 +276,8 @@ class Session:
             )
         self.inflight.charge(msg.nbytes)
         incoming.reserved += msg.nbytes
+        if msg.inline:
+            return _inline_array(msg, plaintext, start)
         try:
             array = np.empty(msg.shape, dtype=msg.dtype)
         except MemoryError as e:
@@ -395,6 +409,17 @@ class Session:
         for blob in pack_frames(frames):
             await self._link.send(blob)
             self.bytes_out += len(blob)
+
+
+def _inline_array(msg: m.Upload, plaintext: bytes, start: int) -> np.ndarray:
+    """An inline upload's array: a read-only view of the plaintext when it is most of it (no copy;
+    the store keeps the plaintext alive, at most twice the array's bytes), else its own copy, so
+    that a small array never pins a large plaintext."""
+    if not msg.nbytes:
+        return np.empty(msg.shape, msg.dtype)
+    count = msg.nbytes // m.DTYPES[msg.dtype]
+    array = np.frombuffer(plaintext, msg.dtype, count, start).reshape(msg.shape)
+    return array if 2 * msg.nbytes >= len(plaintext) else array.copy()
 
 
 __all__ = ["Session", "State"]

@@ -26,16 +26,21 @@ from emberlink.protocol.messages import (
     GraphUnknown,
     Read,
     Register,
+    Repeat,
     Reply,
     Result,
     Stats,
     StatsReply,
     Sync,
     Upload,
+    check_tail,
     decode_batch,
+    decode_batch_prefix,
     decode_reply,
     encode_batch,
     encode_reply,
+    expand_batch,
+    repeat_of,
     rle_encode,
 )
 
@@ -63,7 +68,7 @@ id_lists = st.one_of(
 client_messages = st.one_of(
     st.builds(Register, gids, st.binary(min_size=1, max_size=100)),
     st.builds(Execute, gids, id_lists, st.lists(scalars, max_size=8).map(tuple), ids),
-    st.builds(lambda tid, d: Upload(tid, *d), ids, tensor_desc()),
+    st.builds(lambda tid, d, inline: Upload(tid, *d, inline), ids, tensor_desc(), st.booleans()),
     st.builds(Read, rids, ids),
     st.builds(Drop, id_lists),
     st.builds(Sync, rids),
@@ -100,6 +105,86 @@ def test_every_valid_batch_round_trips_exactly(batch: Batch) -> None:
 @given(replies)
 def test_every_valid_reply_round_trips_exactly(reply: Reply) -> None:
     assert decode_reply(encode_reply(reply)) == reply
+
+
+shifts = st.integers(-(2**63) + 1, 2**63 - 1)
+repeats = st.builds(
+    Repeat,
+    shifts,
+    shifts,
+    st.one_of(st.none(), st.lists(st.lists(scalars, max_size=5).map(tuple), max_size=4).map(tuple)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rids, repeats)
+def test_every_valid_repeat_round_trips_exactly(seq: int, repeat: Repeat) -> None:
+    batch = Batch(seq, (repeat,))
+    assert decode_batch(encode_batch(batch)) == batch
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches, st.integers(-1000, 10**6), st.integers(-1000, 10**6), st.binary(max_size=40))
+def test_a_shifted_batch_is_found_as_a_repeat_that_expands_to_it(
+    batch: Batch, d: int, dr: int, tail: bytes
+) -> None:
+    try:
+        shifted = expand_batch(Batch(batch.seq, (Repeat(d, dr),)), batch.messages)
+    except ProtocolError:
+        return  # the shift takes an id or rid out of range
+    repeat = repeat_of(batch.messages, shifted.messages)
+    if repeat is None:  # only for an empty batch, or a NaN binding (never equal to itself)
+        assert not batch.messages or any(
+            isinstance(b, float) and math.isnan(b) for x in batch.messages for b in getattr(x, "bindings", ())
+        )
+        return
+    wire = encode_batch(Batch(shifted.seq, (repeat,))) + tail
+    decoded, start = decode_batch_prefix(wire)
+    assert wire[start:] == tail
+    assert expand_batch(decoded, batch.messages) == shifted
+
+
+def test_repeat_of_refuses_what_a_shift_cannot_make() -> None:
+    a = (Upload(1, "float32", (2,), 8), Execute(GID, (1, 0), (0.5, 3), 2), Read(1, 2), Drop((1,)))
+    assert repeat_of(a, a) == Repeat(0, 0)
+    b = (Upload(5, "float32", (2,), 8), Execute(GID, (5, 4), (0.5, 3), 6), Read(3, 6), Drop((5,)))
+    assert repeat_of(a, b) == Repeat(4, 2)
+    assert repeat_of(a, (b[0], Execute(GID, (5, 4), (0.25, 3), 6), *b[2:])) == Repeat(4, 2, ((0.25, 3),))
+    for other in (
+        (Upload(5, "float32", (3,), 12), *b[1:]),  # another shape
+        (Upload(5, "float32", (2,), 8, True), *b[1:]),  # inline where it was not
+        (b[0], Execute(GID, (5, 3), (0.5, 3), 6), *b[2:]),  # an input not shifted alike
+        (b[0], Execute(GID, (5, 4), (0.5, 3.0), 6), *b[2:]),  # 3.0 == 3, but another type
+        (*b[:3], Drop((5, 6))),
+        b[:3],
+    ):
+        r = repeat_of(a, other)
+        assert r is None or (r.bindings is not None and expand_batch(Batch(2, (r,)), a).messages == other)
+    assert repeat_of(a, (b[0], Execute(GID, (5, 4), (0.5, 3.0), 6), *b[2:])) == Repeat(4, 2, ((0.5, 3.0),))
+    zero = (Execute(GID, (), (0.0,), 1),)
+    assert repeat_of(zero, (Execute(GID, (), (-0.0,), 1),)) == Repeat(0, 0, ((-0.0,),))
+
+
+def test_repeat_needs_a_template_and_bindings_that_fit_it() -> None:
+    with pytest.raises(ProtocolError, match="has none"):
+        expand_batch(Batch(1, (Repeat(1, 1),)), None)
+    with pytest.raises(ProtocolError, match="Executes"):
+        expand_batch(Batch(2, (Repeat(1, 1, ((1.0,),)),)), (Sync(1),))
+    with pytest.raises(ProtocolError, match="leaves"):
+        expand_batch(Batch(2, (Repeat(2**63 - 1, 0),)), (Read(1, 1),))
+
+
+def test_inline_tail_must_be_exactly_the_inline_uploads() -> None:
+    batch = Batch(1, (Upload(1, "float32", (2,), 8, True), Upload(2, "int64", (1,), 8), Sync(1)))
+    data = encode_batch(batch) + bytes(8)
+    decoded, start = decode_batch_prefix(data)
+    assert decoded == batch and len(data) - start == 8
+    check_tail(decoded, 8)
+    for wrong in (0, 7, 16):
+        with pytest.raises(ProtocolError):
+            check_tail(decoded, wrong)
+    with pytest.raises(ProtocolError):
+        decode_batch(data)  # a whole-plaintext decode refuses the tail
 
 
 def test_nan_and_infinite_bindings_survive() -> None:
@@ -159,6 +244,19 @@ def wire_batch(*messages: Any, seq: Any = 1) -> bytes:
         ("element count overflow", wire_batch([3, 1, 1, [2**40, 2**40], 0])),
         ("dimension is a float", wire_batch([3, 1, 1, [2.0], 2])),
         ("close reason is bytes", wire_batch([8, b"bye"])),
+        ("repeat with another message", wire_batch([9, 1, 1], [6, 1])),
+        ("repeat twice", wire_batch([9, 1, 1], [9, 1, 1])),
+        ("repeat without shifts", wire_batch([9, 1])),
+        ("repeat with a fifth field", wire_batch([9, 1, 1, [], 0])),
+        ("repeat shift is a bool", wire_batch([9, True, 1])),
+        ("repeat shift is a float", wire_batch([9, 1, 1.0])),
+        ("repeat shift past int63", wire_batch([9, 2**63, 1])),
+        ("repeat shift below -int63", wire_batch([9, 1, -(2**63)])),
+        ("repeat bindings not an array", wire_batch([9, 1, 1, 1.0])),
+        ("repeat bindings not arrays of arrays", wire_batch([9, 1, 1, [1.0]])),
+        ("repeat binding is a str", wire_batch([9, 1, 1, [["x"]]])),
+        ("repeat binding is None", wire_batch([9, 1, 1, [[None]]])),
+        ("inline upload nbytes mismatch", wire_batch([10, 1, 5, [2], 9])),
         ("message not an array", wire_batch({"tag": 6})),
         ("empty message", wire_batch([])),
         ("envelope is a map", msgpack.packb({1: []})),
@@ -220,7 +318,7 @@ def test_message_of_the_wrong_kind_is_refused_when_encoding() -> None:
 @settings(max_examples=500, deadline=None)
 @given(st.binary(max_size=300))
 def test_arbitrary_bytes_raise_only_protocol_error(data: bytes) -> None:
-    for decode in (decode_batch, decode_reply):
+    for decode in (decode_batch, decode_reply, decode_batch_prefix):
         try:
             decode(data)
         except ProtocolError:
@@ -246,7 +344,7 @@ def test_arbitrary_msgpack_trees_raise_only_protocol_error(tree: Any, tag: int) 
         payloads.append([1, [[tag, *tree]]])
     for payload in payloads:
         data = msgpack.packb(payload, use_bin_type=True, strict_types=False)
-        for decode in (decode_batch, decode_reply):
+        for decode in (decode_batch, decode_reply, decode_batch_prefix):
             try:
                 decode(data)
             except ProtocolError:
@@ -292,6 +390,8 @@ def test_hostile_input_is_refused_without_large_allocations(data: bytes) -> None
     try:
         with pytest.raises(ProtocolError):
             decode_batch(data)
+        with pytest.raises(ProtocolError):
+            decode_batch_prefix(data)
         with pytest.raises(ProtocolError):
             decode_reply(data)
         peak = tracemalloc.get_traced_memory()[1]

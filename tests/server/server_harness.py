@@ -40,10 +40,16 @@ class RawClient:
         return cls(link, channel)
 
     async def send(
-        self, seq: int, messages: Sequence[m.ClientMessage], bulks: Sequence[np.ndarray] = ()
+        self,
+        seq: int,
+        messages: Sequence[m.ClientMessage],
+        bulks: Sequence[np.ndarray] = (),
+        tail: bytes = b"",
     ) -> None:
+        """One batch: its MESSAGE frame (plaintext: the msgpack batch, then `tail`, the inline
+        uploads' bytes), then `bulks` in BULK frames."""
         frames: list[bytes | bytearray] = [
-            self.channel.seal(m.encode_batch(m.Batch(seq, tuple(messages))), MESSAGE)
+            self.channel.seal(m.encode_batch(m.Batch(seq, tuple(messages))) + tail, MESSAGE)
         ]
         for array in bulks:
             frames.extend(self.channel.seal_chunks(memoryview(np.array(array, order="C")).cast("B")))
