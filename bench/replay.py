@@ -8,8 +8,9 @@ a real `Worker` on the NumPy backend, started by this script (`--serve`) so that
 and a peak reset are available; otherwise as `emberlink worker` runs (malloc tuned, one device
 thread). Three workers, one session each, so no figure mixes two sessions:
 
-- replay: the client registers the graph once; a step sends `Upload x, Upload y, Execute(gid,
-  ids, bindings), Drop, Read` plus the two uploads' bytes.
+- replay: the client registers the graph once; a step is `Upload x, Upload y, Execute(gid, ids,
+  bindings), Drop, Read`, which from the second step on is the previous batch with every id
+  shifted, so it travels as `Repeat(id_shift, rid_shift)` with x and y inline in the same frame.
 - full resend (the design before replay): the client sends `Register(gid, graph)` with every
   Execute. Switched on with the environment variable EMBERLINK_REPLAY=0 when the device is made
   (client/remote.py). The worker still finds the gid cached, so this run pays the bytes, the
@@ -22,9 +23,8 @@ thread). Three workers, one session each, so no figure mixes two sessions:
 
 Bytes are what the client hands to the transport (sealed frames: 38 bytes each of header and
 tag), per step, averaged over the timed steps. Non-input bytes = all bytes sent minus the data
-bytes of x and y; msgpack ints grow with the ids, so the table also projects the same step once
-ids, request ids and the batch seq have passed 2^16 (about 6,500 steps; ints stay 5 bytes up to
-2^32). Latency rows are medians over interleaved rounds.
+bytes of x and y; msgpack ints grow, so the table also projects the same step once the batch seq
+(and any ids the batch carries) have passed 2^16. Latency rows are medians over interleaved rounds.
 
 Goals: a replayed step's non-input bytes at most 256 and at least 20x fewer than a full resend;
 the worker's peak with frees at most 0.6x the peak keeping every intermediate.
@@ -168,51 +168,45 @@ class Side:
 
 
 def replayed_step_parts(side: Side, batches: list[Any], input_bytes: int) -> tuple[dict[str, int], int, int]:
-    """The non-input bytes of one replayed step by part (from the messages the executor sends),
-    the non-input bytes that step actually handed to the transport, and how many more the same
-    step takes once ids, request ids and the batch seq have passed 2^16 (msgpack ints grow)."""
-    executor = side.dev._executor
-    assert isinstance(executor, RemoteExecutor)
-    session = executor._session
-    captured: list[tuple[int, list[m.ClientMessage]]] = []
-    original = session.submit
+    """The non-input bytes of one more steady-state replayed step, by part, from what the client
+    actually sent (the encoded batch, its messages by type, and the sealing of its frames); that
+    step's measured non-input bytes; and how many more the same step takes once the batch seq and
+    any ids in the batch have passed 2^16 (msgpack ints grow)."""
+    side.run(batches, 1, timed=False)  # back to steady state after the stats request made a batch
+    sent: list[m.Batch] = []
+    original = m.encode_batch
 
-    def spy(messages: list[m.ClientMessage], bulks: Any, nbytes: int) -> None:
-        captured.append((session._next_seq, list(messages)))
-        original(messages, bulks, nbytes)
+    def spy(batch: m.Batch) -> bytes:
+        sent.append(batch)
+        return original(batch)
 
-    session.submit = spy  # type: ignore[method-assign]
+    m.encode_batch = spy  # type: ignore[assignment]  # the client session encodes through the module
     before = int(side.dev.stats()["bytes_sent"])
     try:
         side.run(batches, 1, timed=False)
     finally:
-        session.submit = original  # type: ignore[method-assign]
+        m.encode_batch = original  # type: ignore[assignment]
     measured = int(side.dev.stats()["bytes_sent"]) - before - input_bytes
-    ((seq, messages),) = captured
-    late = len(m.encode_batch(_shifted(seq, messages, 1 << 17))) - len(
-        m.encode_batch(m.Batch(seq, tuple(messages)))
-    )
-    empty = len(m.encode_batch(m.Batch(seq, ())))
+    batch = sent[-1]  # the batch as it went on the wire (a Repeat, or the full batch)
+    head = len(original(batch))
+    empty = len(original(m.Batch(batch.seq, ())))
     parts = {"batch (seq, message list)": empty}
-    for msg in messages:
+    for msg in batch.messages:
         name = type(msg).__name__
-        size = len(m.encode_batch(m.Batch(seq, (msg,)))) - empty
-        parts[name] = parts.get(name, 0) + size
-        if type(msg) is m.Execute:
-            bare = len(m.encode_batch(m.Batch(seq, (m.Execute(msg.gid, msg.inputs, (), msg.out_base),))))
-            parts["  of which Execute bindings"] = size - (bare - empty) + 1
-            parts["  of which Execute gid"] = len(msg.gid) + 2
-    frames = 1 + sum(1 for msg in messages if type(msg) is m.Upload and msg.nbytes)
-    parts[f"sealing: {frames} frames x {OVERHEAD} (header + tag)"] = frames * OVERHEAD
+        parts[name] = parts.get(name, 0) + len(original(m.Batch(batch.seq, (msg,)))) - empty
+    sealing = measured - head
+    parts[f"sealing: {sealing // OVERHEAD} frame(s) x {OVERHEAD} (header + tag)"] = sealing
+    late = len(original(_shifted(batch, 1 << 17))) - head
     return parts, measured, late
 
 
-def _shifted(seq: int, messages: list[m.ClientMessage], by: int) -> m.Batch:
-    """The same batch with every id, request id and the seq `by` larger (a step late in a long run)."""
+def _shifted(batch: m.Batch, by: int) -> m.Batch:
+    """The same batch with the seq and every id and request id `by` larger (a step late in a long
+    run). A Repeat carries only shifts, which stay the same."""
     out: list[m.ClientMessage] = []
-    for msg in messages:
+    for msg in batch.messages:
         if type(msg) is m.Upload:
-            out.append(m.Upload(msg.tid + by, msg.dtype, msg.shape, msg.nbytes))
+            out.append(m.Upload(msg.tid + by, msg.dtype, msg.shape, msg.nbytes, msg.inline))
         elif type(msg) is m.Execute:
             out.append(m.Execute(msg.gid, tuple(i + by for i in msg.inputs), msg.bindings, msg.out_base + by))
         elif type(msg) is m.Drop:
@@ -221,7 +215,7 @@ def _shifted(seq: int, messages: list[m.ClientMessage], by: int) -> m.Batch:
             out.append(m.Read(msg.rid + by, msg.tid + by))
         else:
             out.append(msg)
-    return m.Batch(seq + by, tuple(out))
+    return m.Batch(batch.seq + by, tuple(out))
 
 
 def decode_compile_us(side: Side) -> tuple[int, float]:
@@ -337,9 +331,9 @@ def main() -> None:
     need = (f_non - r_non) / (GOAL_FEWER - 1)
     print()
     print(
-        f"{GOAL_FEWER}x fewer non-input bytes than a full resend would need a replayed step of at most "
-        f"{need:.0f} bytes (the resend adds only {f_non - r_non:,.0f}); the sealing of its three frames "
-        f"alone is {3 * OVERHEAD}."
+        f"{GOAL_FEWER}x fewer non-input bytes than a full resend needs a replayed step of at most "
+        f"{need:.0f} bytes (the resend adds {f_non - r_non:,.0f}): one sealed frame ({OVERHEAD} bytes) "
+        "holding a Repeat of the previous batch, the inputs' bytes inline after it."
     )
 
 
