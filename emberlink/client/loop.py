@@ -14,6 +14,8 @@ from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from emberlink.transport.malloc import tune_malloc_unless_disabled
+
 T = TypeVar("T")
 
 
@@ -56,9 +58,15 @@ _shared_lock = threading.Lock()
 
 
 def io_loop() -> LoopThread:
-    """The process's loop thread for remote sessions, started on first use."""
+    """The process's loop thread for remote sessions, started on first use.
+
+    Before the first start, glibc's malloc is tuned for bulk transfers (transport/malloc.py; set
+    EMBERLINK_TUNE_MALLOC=0 to keep the defaults): it must happen before this thread allocates, so
+    that the thread shares the main heap instead of getting an arena of its own."""
     global _shared
     with _shared_lock:
+        if _shared is None:
+            tune_malloc_unless_disabled()
         if _shared is None or not _shared.alive:
             _shared = LoopThread()
         return _shared

@@ -41,7 +41,6 @@ from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity, default_key_path, load_or_create
 from emberlink.protocol.ticket import Ticket
 from emberlink.transport.base import Link
-from emberlink.transport.malloc import tune_malloc_unless_disabled
 
 log = logging.getLogger("emberlink.client")
 
@@ -83,7 +82,6 @@ def open_remote(
 ) -> RemoteExecutor:
     """Connect to a worker: `address` is a ticket (`emberlink://<node-id>@host:port[...]`) or
     `nats://host:port` (discovery on the relay). Returns the Executor of a remote Device."""
-    tune_malloc_unless_disabled()
     if address.startswith("nats://"):
         return _open_discovered(address, key=key, timeout=timeout)
     ticket = Ticket.parse(address)
