@@ -252,8 +252,8 @@ def main() -> None:
             side.run(batches, 5, timed=False)  # graphs built, registered, plans compiled
         w_replay.reset_peak()
         w_keep.reset_peak()
-        for _ in range(rounds):  # interleaved, so drifts in machine load hit every side alike
-            for side in sides:
+        for r in range(rounds):  # interleaved, so drifts in machine load hit every side alike,
+            for side in sides[r % 3 :] + sides[: r % 3]:  # and rotated, so no side always runs first
                 side.run(batches, per_round)
         stats = {side.name: side.worker() for side in sides}
         # The three remote sides ran the same math from the same start.
