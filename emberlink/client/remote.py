@@ -145,7 +145,7 @@ async def _handshake(
         hs = ClientHandshake(identity, worker_node_id, os.urandom)
         await link.send(hs.hello())
         try:
-            welcome = await asyncio.wait_for(link.recv(), timeout)
+            welcome = bytes(await asyncio.wait_for(link.recv(), timeout))
         except TransportError as e:
             raise AuthError(
                 f"worker at {link.peer} ended the handshake: it is probably not {worker_node_id}, "

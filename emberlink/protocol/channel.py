@@ -329,10 +329,12 @@ downloads ran at 0.43–0.48 GB/s in 4 MiB blobs and 1.04–1.05 GB/s in 1 MiB b
 chunk each), so a bulk chunk travels alone and small frames share one blob."""
 
 
-def pack_frames(frames: Iterable[BytesLike], target: int = BLOB_TARGET) -> Iterator[bytes]:
+def pack_frames(frames: Iterable[BytesLike], target: int = BLOB_TARGET) -> Iterator[bytes | bytearray]:
     """Join consecutive frames into blobs of at most `target` bytes (a larger frame goes alone).
 
-    The inverse of `split_frames`. Blobs are `bytes`, which every transport accepts."""
+    The inverse of `split_frames`. A frame that goes alone is passed on as it is (a sealed chunk
+    is a fresh `bytearray` nobody else holds), so a transport that must copy anyway (the relay
+    prepends its header) copies once; joined blobs are `bytes`."""
     parts: list[BytesLike] = []
     size = 0
     for frame in frames:
@@ -345,8 +347,8 @@ def pack_frames(frames: Iterable[BytesLike], target: int = BLOB_TARGET) -> Itera
         yield _join(parts)
 
 
-def _join(parts: list[BytesLike]) -> bytes:
+def _join(parts: list[BytesLike]) -> bytes | bytearray:
     first = parts[0]
-    if len(parts) == 1 and isinstance(first, bytes):
+    if len(parts) == 1 and isinstance(first, (bytes, bytearray)):
         return first
     return b"".join(parts)

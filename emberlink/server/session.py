@@ -187,12 +187,12 @@ class Session:
         worker = self._worker
         hs = WorkerHandshake(worker.identity, worker.allow, os.urandom, worker.limits())
         try:
-            hello = await asyncio.wait_for(self._link.recv(), HANDSHAKE_TIMEOUT)
+            hello = bytes(await asyncio.wait_for(self._link.recv(), HANDSHAKE_TIMEOUT))
             self.bytes_in += len(hello)
             welcome = hs.receive_hello(hello)
             await self._link.send(welcome)
             self.bytes_out += len(welcome)
-            auth = await asyncio.wait_for(self._link.recv(), HANDSHAKE_TIMEOUT)
+            auth = bytes(await asyncio.wait_for(self._link.recv(), HANDSHAKE_TIMEOUT))
             self.bytes_in += len(auth)
             self._channel, self.client = hs.receive_auth(auth)
         except ProtocolError as e:

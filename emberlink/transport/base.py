@@ -22,9 +22,9 @@ class Link(Protocol):
 
     peer: str
 
-    async def send(self, blob: bytes) -> None: ...
+    async def send(self, blob: bytes | bytearray) -> None: ...
 
-    async def recv(self) -> bytes: ...
+    async def recv(self) -> bytes | memoryview: ...
 
     async def close(self) -> None: ...
 
@@ -41,10 +41,15 @@ class Listener(Protocol):
     async def stop(self, grace: float | None = None) -> None: ...
 
 
-def check_blob(blob: bytes | bytearray | memoryview) -> bytes:
-    """Return `blob` as `bytes`, refusing what no transport may carry."""
+def check_size(blob: bytes | bytearray | memoryview) -> None:
+    """Refuse a blob larger than any transport may carry."""
     if len(blob) > MAX_BLOB:
         raise TransportError(f"blob of {len(blob)} bytes exceeds the transport limit of {MAX_BLOB} bytes")
+
+
+def check_blob(blob: bytes | bytearray | memoryview) -> bytes:
+    """Return `blob` as `bytes`, refusing what no transport may carry."""
+    check_size(blob)
     if type(blob) is bytes:
         return blob
     if isinstance(blob, (bytearray, memoryview)):

@@ -38,7 +38,7 @@ class Fragmenter:
         self._seq = (self._seq + 1) & _SEQ_MASK
         return header
 
-    def fragments(self, blob: bytes, max_payload: int) -> Iterator[bytes]:
+    def fragments(self, blob: bytes | bytearray, max_payload: int) -> Iterator[bytes]:
         """The messages carrying `blob`, each at most `max_payload` bytes; numbered as they are drawn."""
         room = max_payload - HEADER.size
         if room <= 0:
@@ -68,8 +68,9 @@ class Reassembler:
         self._parts: list[memoryview] = []
         self._size = 0
 
-    def feed(self, message: bytes) -> tuple[Kind, bytes | None]:
-        """Take the next message; returns its kind and, on LAST, the whole blob."""
+    def feed(self, message: bytes) -> tuple[Kind, bytes | memoryview | None]:
+        """Take the next message; returns its kind and, on LAST, the whole blob (a view into the
+        message when it came in one piece: no copy)."""
         if len(message) < HEADER.size:
             raise FragmentError(f"a relayed message of {len(message)} bytes is shorter than its header")
         raw_kind, seq = HEADER.unpack_from(message)
@@ -89,11 +90,10 @@ class Reassembler:
         if kind is Kind.MORE:
             self._parts.append(payload)
             return kind, None
+        blob: bytes | memoryview = payload
         if self._parts:
             self._parts.append(payload)
             blob = b"".join(self._parts)
             self._parts = []
-        else:
-            blob = bytes(payload)
         self._size = 0
         return kind, blob

@@ -74,7 +74,7 @@ class GrpcClientLink:
         self.peer = peer
         self._closed = False
 
-    async def send(self, blob: bytes) -> None:
+    async def send(self, blob: bytes | bytearray) -> None:
         blob = check_blob(blob)
         if self._closed:
             raise TransportError(f"link to {self.peer} is closed")
@@ -135,7 +135,7 @@ class GrpcServerLink:
         if self._closed:
             raise TransportError(f"link to {self.peer} is closed")
 
-    async def send(self, blob: bytes) -> None:
+    async def send(self, blob: bytes | bytearray) -> None:
         blob = check_blob(blob)
         self._check_open()
         try:

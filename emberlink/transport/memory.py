@@ -95,7 +95,7 @@ class MemoryLink:
         self._outbound = outbound
         self.peer = peer
 
-    async def send(self, blob: bytes) -> None:
+    async def send(self, blob: bytes | bytearray) -> None:
         await self._outbound.put(check_blob(blob))
 
     async def recv(self) -> bytes:

@@ -19,7 +19,7 @@ except ImportError as e:  # nats-py is an optional dependency
     raise ImportError("the NATS relay transport needs nats-py: pip install 'emberlink[nats]'") from e
 
 from emberlink.errors import TransportError, TransportTimeout
-from emberlink.transport.base import MAX_BLOB, Handler, check_blob
+from emberlink.transport.base import MAX_BLOB, Handler, check_size
 from emberlink.transport.fragment import Fragmenter, FragmentError, Kind, Reassembler
 from emberlink.transport.sessions import SessionSet
 
@@ -117,7 +117,7 @@ class NatsLink:
         self._fragmenter = Fragmenter()
         self._reassembler = Reassembler(MAX_BLOB)
         self._send_lock = asyncio.Lock()
-        self._inbox: deque[bytes] = deque()
+        self._inbox: deque[bytes | memoryview] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._sub: Subscription | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -195,8 +195,8 @@ class NatsLink:
         if self._error is not None:
             raise TransportError(self._error)
 
-    async def send(self, blob: bytes) -> None:
-        blob = check_blob(blob)
+    async def send(self, blob: bytes | bytearray) -> None:
+        check_size(blob)  # no copy: the fragmenter copies once, prepending its header
         self._check_open()
         if self._peer_closed:
             raise TransportError(f"peer {self.peer} closed the session")
@@ -205,7 +205,7 @@ class NatsLink:
             for message in self._fragmenter.fragments(blob, self._nc.max_payload):
                 await self._publish(message)
 
-    async def recv(self) -> bytes:
+    async def recv(self) -> bytes | memoryview:
         while True:
             if self._closed:
                 raise TransportError(f"link to {self.peer} is closed")
