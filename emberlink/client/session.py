@@ -29,10 +29,8 @@ from emberlink.protocol.channel import (
     MAX_PLAINTEXT,
     MESSAGE,
     OVERHEAD,
-    TAG_SIZE,
     Channel,
     pack_frames,
-    parse_header,
     split_frames,
 )
 from emberlink.transport.base import Link
@@ -131,7 +129,6 @@ class ClientSession:
         self._finished_upto = 0  # highest seq sent completely
         self._wake = asyncio.Event()
         self._results: deque[_Incoming] = deque()
-        self._scratch = bytearray()
         # Step templates: the messages of the batch sent last (expanded), which the worker keeps too.
         self.templates = templates
         self._template: tuple[m.ClientMessage, ...] | None = None
@@ -314,15 +311,7 @@ class ClientSession:
         if not self._results:
             raise ProtocolError("BULK frame without a result announcing it")
         target = self._results[0]
-        n = parse_header(frame)[4] - TAG_SIZE
-        if n > target.remaining:
-            raise ProtocolError(f"BULK frame of {n} bytes where {target.remaining} remain of the result")
-        if target.view is None:
-            if len(self._scratch) < n:
-                self._scratch = bytearray(n)
-            self._channel.open_into(frame, memoryview(self._scratch))
-        else:
-            self._channel.open_into(frame, target.view[len(target.view) - target.remaining :])
+        n = self._channel.open_bulk(frame, target.view, target.remaining, "result")
         target.remaining -= n
         if target.bar is not None:
             target.bar.update(n)

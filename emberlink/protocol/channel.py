@@ -165,7 +165,7 @@ class _Direction:
 class Channel:
     """Both directions of one session: seal what this side sends, open what the peer sent."""
 
-    __slots__ = ("_recv", "_send", "role", "session_id")
+    __slots__ = ("_recv", "_scratch", "_send", "role", "session_id")
 
     def __init__(
         self,
@@ -189,6 +189,7 @@ class Channel:
             send_prefix, recv_prefix = _PREFIX_WORKER_TO_CLIENT, _PREFIX_CLIENT_TO_WORKER
         self._send = _Direction(send_key, send_prefix, rekey_frames, rekey_bytes)
         self._recv = _Direction(recv_key, recv_prefix, rekey_frames, rekey_bytes)
+        self._scratch = bytearray()
 
     @classmethod
     def pair(
@@ -280,6 +281,23 @@ class Channel:
             raise AuthError(f"frame {self._recv.counter} failed authentication") from e
         self._recv.commit(n, aead, new_key)
         return kind, n
+
+    def open_bulk(self, frame: BytesLike, view: memoryview | None, remaining: int, what: str) -> int:
+        """Decrypt the peer's next BULK frame of a transfer whose last `remaining` bytes are still to
+        come into the end of `view`; returns the bytes it carried. With `view` None (a transfer
+        being discarded, e.g. refused by a quota) the frame is still opened, so counters stay in
+        step, into a scratch buffer. ProtocolError if it carries more than remain of the `what`."""
+        n = parse_header(frame)[4] - TAG_SIZE
+        if n > remaining:
+            raise ProtocolError(f"BULK frame of {n} bytes where {remaining} remain of the {what}")
+        if view is None:
+            if len(self._scratch) < n:
+                self._scratch = bytearray(n)
+            out = memoryview(self._scratch)
+        else:
+            out = view[len(view) - remaining :]
+        self.open_into(frame, out)
+        return n
 
     def _next_send_header_fields(self, kind: Kind, n: int) -> tuple[int, int, bytes, int, int]:
         if n > MAX_PLAINTEXT:

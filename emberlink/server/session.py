@@ -27,10 +27,8 @@ from emberlink.protocol import messages as m
 from emberlink.protocol.channel import (
     BULK,
     MESSAGE,
-    TAG_SIZE,
     Channel,
     pack_frames,
-    parse_header,
     split_frames,
 )
 from emberlink.protocol.handshake import WorkerHandshake
@@ -99,7 +97,6 @@ class Session:
         # The batch whose bulk is still arriving, and where each of its uploads' bytes go.
         self._incoming: Incoming | None = None
         self._targets: deque[_Target] = deque()
-        self._scratch = bytearray()
         # The previous batch received (expanded): what a Repeat repeats. The client's is the batch it
         # sent last; frames arrive in the order they were sent, so both sides hold the same one.
         self._template: tuple[m.ClientMessage, ...] | None = None
@@ -296,16 +293,7 @@ class Session:
         if not self._targets:
             raise ProtocolError("BULK frame without an upload announcing it")
         target = self._targets[0]
-        n = parse_header(frame)[4] - TAG_SIZE
-        if n > target.remaining:
-            raise ProtocolError(f"BULK frame of {n} bytes where {target.remaining} remain of the upload")
-        if target.view is None:
-            if len(self._scratch) < n:
-                self._scratch = bytearray(n)
-            self._channel.open_into(frame, memoryview(self._scratch))
-        else:
-            offset = len(target.view) - target.remaining
-            self._channel.open_into(frame, target.view[offset:])
+        n = self._channel.open_bulk(frame, target.view, target.remaining, "upload")
         target.remaining -= n
         if target.remaining == 0:
             self._targets.popleft()

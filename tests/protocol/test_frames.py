@@ -281,3 +281,20 @@ def test_packed_frames_split_back_into_the_same_frames_in_order(sizes: list[int]
     assert all(len(b) <= target or len(split_frames(b)) == 1 for b in blobs)
     opened = [worker.open(f) for b in blobs for f in split_frames(b)]
     assert opened == [(Kind(BULK if i % 2 else MESSAGE), bytes([i % 251]) * n) for i, n in enumerate(sizes)]
+
+
+def test_bulk_frames_fill_their_target_in_order_or_are_discarded_in_step() -> None:
+    client, worker = pair()
+    data = bytes(range(256)) * 40
+    frames = list(client.seal_chunks(data, chunk_size=4000))
+    target = bytearray(len(data))
+    remaining = len(data)
+    for frame in frames[:-1]:
+        remaining -= worker.open_bulk(frame, memoryview(target), remaining, "upload")
+    with pytest.raises(ProtocolError, match="remain of the upload"):
+        worker.open_bulk(frames[-1], memoryview(target), remaining - 1, "upload")
+    remaining -= worker.open_bulk(frames[-1], memoryview(target), remaining, "upload")
+    assert remaining == 0 and bytes(target) == data
+    # A refused transfer is still opened (into scratch), so the next frame authenticates.
+    assert worker.open_bulk(client.seal(b"x" * 10, BULK), None, 10, "upload") == 10
+    assert worker.open(client.seal(b"after", MESSAGE)) == (Kind(MESSAGE), b"after")
