@@ -11,6 +11,7 @@ it to a new value, which is how forward, backward and the update of a step becom
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +33,9 @@ _KIND = {bool: "bool", int: "int", float: "float"}
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-class _GradMode:
-    """Whether ops record autograd history; `emberlink.no_grad()` turns it off."""
-
-    __slots__ = ("enabled",)
+class _GradMode(threading.local):
+    """Whether ops record autograd history; `emberlink.no_grad()` turns it off in its own thread
+    only (as torch's does), so one thread's optimizer step cannot break another's backward."""
 
     def __init__(self) -> None:
         self.enabled = True

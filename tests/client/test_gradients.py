@@ -278,3 +278,26 @@ def test_leaf_used_in_float16_gets_a_gradient_of_its_own_dtype(dev: Device) -> N
     (x * y).sum().backward()
     assert x.grad.dtype == "float16"
     np.testing.assert_array_equal(x.grad.numpy(), [3.0, 4.0])
+
+
+def test_no_grad_in_one_thread_leaves_other_threads_recording(dev: Device) -> None:
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+
+    def hold_no_grad() -> None:
+        with el.no_grad():
+            inside.set()
+            release.wait(10)
+
+    other = threading.Thread(target=hold_no_grad)
+    other.start()
+    try:
+        assert inside.wait(10)
+        x = dev.tensor([1.0, 2.0, 3.0])
+        x.requires_grad = True
+        (x * x).sum().backward()  # would find no history if no_grad were process-wide
+        np.testing.assert_allclose(x.grad.numpy(), [2.0, 4.0, 6.0])
+    finally:
+        release.set()
+        other.join()
