@@ -100,23 +100,54 @@ def gbps(nbytes: int, seconds: float) -> float:
 _BARE_METHOD = "/bench.Bare/Stream"
 
 
-async def _bare_grpc_behavior(requests: object, context: grpc.aio.ServicerContext[bytes, bytes]) -> None:
-    """Echo, except b"sink N" (read N messages, answer b"ok") and b"source N SIZE" (write N messages)."""
-    while True:
-        msg = await context.read()
-        if msg is grpc.aio.EOF:
-            return
-        if msg.startswith(b"sink "):
-            for _ in range(int(msg.split()[1])):
-                await context.read()
-            await context.write(b"ok")
-        elif msg.startswith(b"source "):
-            _, count, size = msg.split()
+async def _serve_commands(
+    read: Callable[[], Awaitable[bytes | memoryview | None]], write: Callable[[bytes], Awaitable[None]]
+) -> None:
+    """Echo, except b"sink N" (read N messages, answer b"ok") and b"source N SIZE" (write N
+    messages); until `read` returns None. The bare gRPC server and the Link worker both run this."""
+    while (msg := await read()) is not None:
+        head = bytes(msg[:7])  # a relay Link hands up memoryviews: look at the command's bytes
+        if head.startswith(b"sink "):
+            for _ in range(int(bytes(msg).split()[1])):
+                await read()
+            await write(b"ok")
+        elif head.startswith(b"source "):
+            _, count, size = bytes(msg).split()
             payload = _payload(int(size))
             for _ in range(int(count)):
-                await context.write(payload)
+                await write(payload)
         else:
-            await context.write(msg)
+            await write(bytes(msg))
+
+
+async def _measure_stream(
+    write: Callable[[bytes], Awaitable[object]], read: Callable[[], Awaitable[object]], total: int, chunk: int
+) -> tuple[float, float]:
+    """GB/s of `total` bytes in `chunk`-sized messages to a `_serve_commands` peer, then back."""
+    count = total // chunk
+    payload = _payload(chunk)
+    await write(b"warm-up")
+    await read()
+    t = time.perf_counter()
+    await write(b"sink %d" % count)
+    for _ in range(count):
+        await write(payload)
+    await read()
+    up = gbps(total, time.perf_counter() - t)
+    t = time.perf_counter()
+    await write(b"source %d %d" % (count, chunk))
+    for _ in range(count):
+        await read()
+    down = gbps(total, time.perf_counter() - t)
+    return up, down
+
+
+async def _bare_grpc_behavior(requests: object, context: grpc.aio.ServicerContext[bytes, bytes]) -> None:
+    async def read() -> bytes | None:
+        msg = await context.read()
+        return None if msg is grpc.aio.EOF else msg
+
+    await _serve_commands(read, context.write)
 
 
 @asynccontextmanager
@@ -212,23 +243,8 @@ async def grpc_bare_pingpong_process(n: int, size: int = 64) -> float:
 
 async def grpc_bare_stream(total: int, chunk: int = MiB) -> tuple[float, float]:
     """GB/s of `total` bytes in `chunk`-sized grpc.aio messages, client→server then server→client."""
-    count = total // chunk
-    payload = _payload(chunk)
     async with bare_grpc_call() as call:
-        await call.write(b"warm-up")
-        await call.read()
-        t = time.perf_counter()
-        await call.write(b"sink %d" % count)
-        for _ in range(count):
-            await call.write(payload)
-        await call.read()
-        up = gbps(total, time.perf_counter() - t)
-        t = time.perf_counter()
-        await call.write(b"source %d %d" % (count, chunk))
-        for _ in range(count):
-            await call.read()
-        down = gbps(total, time.perf_counter() - t)
-    return up, down
+        return await _measure_stream(call.write, call.read, total, chunk)
 
 
 # --- bare nats-py --------------------------------------------------------------------------------
@@ -288,20 +304,7 @@ async def nats_bare_publish(url: str, total: int, chunk: int) -> float:
 
 async def _bench_handler(link: Link) -> None:
     """The Link twin of `_bare_grpc_behavior`."""
-    while True:
-        msg = await link.recv()
-        head = bytes(msg[:7])  # a relay Link hands up memoryviews: look at the command's bytes
-        if head.startswith(b"sink "):
-            for _ in range(int(bytes(msg).split()[1])):
-                await link.recv()
-            await link.send(b"ok")
-        elif head.startswith(b"source "):
-            _, count, size = bytes(msg).split()
-            payload = _payload(int(size))
-            for _ in range(int(count)):
-                await link.send(payload)
-        else:
-            await link.send(msg)
+    await _serve_commands(link.recv, link.send)
 
 
 @asynccontextmanager
@@ -346,23 +349,8 @@ async def link_pingpong(kind: str, n: int, size: int = 64, url: str | None = Non
 
 async def link_stream(kind: str, total: int, chunk: int = MiB, url: str | None = None) -> tuple[float, float]:
     """GB/s of `total` bytes in `chunk`-sized blobs through a Link, client→worker then worker→client."""
-    count = total // chunk
-    payload = _payload(chunk)
     async with open_link(kind, url) as link:
-        await link.send(b"warm-up")
-        await link.recv()
-        t = time.perf_counter()
-        await link.send(b"sink %d" % count)
-        for _ in range(count):
-            await link.send(payload)
-        await link.recv()
-        up = gbps(total, time.perf_counter() - t)
-        t = time.perf_counter()
-        await link.send(b"source %d %d" % (count, chunk))
-        for _ in range(count):
-            await link.recv()
-        down = gbps(total, time.perf_counter() - t)
-    return up, down
+        return await _measure_stream(link.send, link.recv, total, chunk)
 
 
 # --- the table -----------------------------------------------------------------------------------
