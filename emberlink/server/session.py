@@ -358,17 +358,23 @@ class Session:
     async def _send_loop(self) -> None:
         try:
             while True:
-                items = [await self._outbox.get()]
-                while not self._outbox.empty():
-                    items.append(self._outbox.get_nowait())
-                final = items[-1] if isinstance(items[-1], _Final) else None
-                outs = [o for o in items if isinstance(o, Outgoing)]
-                if outs or (final is not None and final.error is not None):
-                    await self._send_reply(outs, final.error if final is not None else None)
-                if final is not None:
+                if await self._send_queued(await self._outbox.get()):
                     return
         except TransportError as e:
             self._end(f"link lost while sending: {e}")
+
+    async def _send_queued(self, first: Outgoing | _Final) -> bool:
+        """Send `first` and everything queued behind it as one reply; True after the final one.
+        A helper, so that nothing keeps the replies' arrays alive while the loop waits for more: a
+        result dropped right after its read must not stay in the worker's memory until the next reply."""
+        items = [first]
+        while not self._outbox.empty():
+            items.append(self._outbox.get_nowait())
+        final = items[-1] if isinstance(items[-1], _Final) else None
+        outs = [o for o in items if isinstance(o, Outgoing)]
+        if outs or (final is not None and final.error is not None):
+            await self._send_reply(outs, final.error if final is not None else None)
+        return final is not None
 
     async def _send_reply(self, outs: list[Outgoing], final: m.Error | None) -> None:
         assert self._channel is not None

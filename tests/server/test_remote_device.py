@@ -72,6 +72,20 @@ def test_a_graph_cache_smaller_than_one_graph_still_trains_identically(make_work
     assert stats["graph_cache_misses"] >= 3  # replays missed and were recovered by re-registering
 
 
+@pytest.mark.parametrize("make", TRANSPORTS)
+def test_a_result_dropped_after_its_read_leaves_the_workers_memory_at_once(
+    worker: BackgroundWorker, make: DeviceMaker
+) -> None:
+    """The reply that carried a read's bytes must not keep them held on the worker: the Drop right
+    after (here in the same batch as the Stats request, no reply in between) frees them."""
+    with make(worker) as dev:
+        before = dev.memory_stats()["in_use_bytes"]
+        x = dev.tensor(np.ones((256, 256), np.float32))
+        assert x.numpy().sum() == 256 * 256
+        del x
+        assert dev.memory_stats()["in_use_bytes"] == before
+
+
 def test_stats_report_the_path_and_the_worker_answers_memory_stats(worker: BackgroundWorker) -> None:
     with grpc_device(worker) as dev:
         before = dev.memory_stats()
