@@ -338,8 +338,9 @@ class Device:
         return out
 
     def memory_stats(self) -> dict[str, int]:
-        """in_use_bytes, peak_bytes and pool_bytes of the memory holding this device's tensors."""
-        self._check_open()
+        """in_use_bytes, peak_bytes and pool_bytes of the memory holding this device's tensors, with
+        everything recorded so far applied: ops still pending and tensors already dropped count."""
+        self.flush()
         return dict(self._executor.memory_stats())
 
     # -- creation ---------------------------------------------------------------------------------

@@ -155,6 +155,17 @@ def test_freed_tensors_release_device_memory(dev: Device) -> None:
     assert dev.memory_stats()["peak_bytes"] >= 2 * (1 << 20)
 
 
+def test_memory_stats_count_what_was_dropped_without_a_sync(dev: Device) -> None:
+    """memory_stats() answers for everything done so far: a tensor deleted just before is gone."""
+    base = dev.memory_stats()["in_use_bytes"]
+    x = dev.tensor(np.ones(1 << 18, dtype="float32"))  # 1 MiB
+    assert float(x.sum()) == float(1 << 18)
+    assert dev.memory_stats()["in_use_bytes"] >= base + (1 << 20)
+    del x
+    gc.collect()
+    assert dev.memory_stats()["in_use_bytes"] <= base + (1 << 16)
+
+
 def test_a_long_recording_flushes_itself(dev: Device, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(device_module, "MAX_PENDING", 50)
     x = dev.tensor([0.0])
