@@ -1,5 +1,6 @@
 """Bare gRPC and NATS against emberlink's Links over them, on loopback in one process (one bare gRPC
-row has its server in a second process); no project code but emberlink.transport.
+row has its server in a second process); no project code but emberlink.transport, and the
+protocol's messages and Channel for `floor_pingpong_process` (bench/remote_step.py's floor rows).
 
     python bench/bare.py [--quick]
 
@@ -27,8 +28,11 @@ from typing import Any
 import grpc
 import grpc.aio
 import nats
+import numpy as np
 from nats.aio.msg import Msg
 
+from emberlink.protocol import messages as m
+from emberlink.protocol.channel import Channel
 from emberlink.transport import grpc as grpc_link
 from emberlink.transport import memory
 from emberlink.transport import nats as nats_link
@@ -103,10 +107,15 @@ _BARE_METHOD = "/bench.Bare/Stream"
 async def _serve_commands(
     read: Callable[[], Awaitable[bytes | memoryview | None]], write: Callable[[bytes], Awaitable[None]]
 ) -> None:
-    """Echo, except b"sink N" (read N messages, answer b"ok") and b"source N SIZE" (write N
-    messages); until `read` returns None. The bare gRPC server and the Link worker both run this."""
+    """Echo, except b"sink N" (read N messages, answer b"ok"), b"source N SIZE" (write N
+    messages) and b"step " + 64 key bytes (answer every later message as `_serve_steps` does);
+    until `read` returns None. The bare gRPC server and the Link worker both run this."""
     while (msg := await read()) is not None:
         head = bytes(msg[:7])  # a relay Link hands up memoryviews: look at the command's bytes
+        if head.startswith(b"step "):
+            await write(b"ok")
+            await _serve_steps(read, write, bytes(msg[5:]))
+            return
         if head.startswith(b"sink "):
             for _ in range(int(bytes(msg).split()[1])):
                 await read()
@@ -118,6 +127,64 @@ async def _serve_commands(
                 await write(payload)
         else:
             await write(bytes(msg))
+
+
+# --- the least a tiny remote step must do besides the round trip -------------------------------------
+# `floor_pingpong_process`: the bare ping-pong plus, on each side, only the work no design can skip:
+# the client seals a batch with its 64 input bytes inline and opens the answer, the server opens and
+# decodes the batch, sums the 16 floats and seals an answer with the sum in it. No sessions, no
+# tensor store, no flow control, one frame each way.
+
+STEP_INPUT = np.arange(16, dtype=np.float32)  # the tiny step's 64-byte input
+
+
+def _step_channels(keys: bytes) -> tuple[Channel, Channel]:
+    return Channel.pair(b"benchsid", keys[:32], keys[32:64])
+
+
+async def _serve_steps(
+    read: Callable[[], Awaitable[bytes | memoryview | None]],
+    write: Callable[[bytes], Awaitable[None]],
+    keys: bytes,
+) -> None:
+    _, channel = _step_channels(keys)
+    while (msg := await read()) is not None:
+        _, plaintext = channel.open(msg)
+        batch, start = m.decode_batch_prefix(plaintext)
+        total = np.frombuffer(plaintext, np.float32, 16, start).sum()
+        reply = m.encode_reply(m.Reply(batch.seq, (m.Result(1, "float32", (), 4),)))
+        await write(channel.seal_parts([reply, total.tobytes()]))
+
+
+async def floor_pingpong_process(n: int, step: Callable[[], object] | None, protocol: bool) -> float:
+    """Median µs per round trip of the bare ping-pong (server in another process) with, before each
+    round trip, `step()` (e.g. the tiny step on Device.cpu(): the client's own work) and, when
+    `protocol`, the messages sealed, opened and decoded on both sides as described above."""
+    keys = os.urandom(64)
+    client, _ = _step_channels(keys)
+    payload = _payload(64)
+    seq = 0
+    async with bare_grpc_call_process() as call:
+        if protocol:
+            await call.write(b"step " + keys)
+            await call.read()
+
+        async def round_trip() -> None:
+            nonlocal seq
+            if step is not None:
+                step()
+            if not protocol:
+                await call.write(payload)
+                await call.read()
+                return
+            seq += 1
+            head = m.encode_batch(m.Batch(seq, (m.Repeat(2, 1),)))
+            await call.write(client.seal_parts([head, STEP_INPUT.data.cast("B")]))
+            _, plaintext = client.open(await call.read())
+            m.decode_reply(plaintext[:-4])
+            float(np.frombuffer(plaintext, np.float32, 1, len(plaintext) - 4)[0])
+
+        return await median_round_trip_us(round_trip, n)
 
 
 async def _measure_stream(
@@ -244,6 +311,12 @@ async def grpc_bare_pingpong_process(n: int, size: int = 64) -> float:
 async def grpc_bare_stream(total: int, chunk: int = MiB) -> tuple[float, float]:
     """GB/s of `total` bytes in `chunk`-sized grpc.aio messages, client→server then server→client."""
     async with bare_grpc_call() as call:
+        return await _measure_stream(call.write, call.read, total, chunk)
+
+
+async def grpc_bare_stream_process(total: int, chunk: int = MiB) -> tuple[float, float]:
+    """Like `grpc_bare_stream`, with the server in another process (as emberlink's worker is)."""
+    async with bare_grpc_call_process() as call:
         return await _measure_stream(call.write, call.read, total, chunk)
 
 
