@@ -38,9 +38,12 @@ kill -TERM $worker; wait $worker; echo "worker exit $?"; tail -3 "$OUT/worker.lo
 echo "== 4. MLP step: Device.cuda(0) against a cuda:0 worker on loopback and the CPU"
 python3 bench/gpu_step.py --steps 200 2>/dev/null | tee "$OUT/gpu_step.md"
 
-if [ "${EMBERLINK_HOST_BENCHES:-0}" = 1 ]; then
+# EMBERLINK_HOST_BENCHES=1 runs them all; a list of names (e.g. "remote_step local_step") runs those.
+benches=${EMBERLINK_HOST_BENCHES:-0}
+[ "$benches" = 1 ] && benches="local_step protocol remote_step replay relay"
+if [ "$benches" != 0 ]; then
     echo "== 5. the CPU benchmarks on this (quieter, 16-core) host"
-    for b in local_step protocol remote_step replay relay; do
+    for b in $benches; do
         echo "-- bench/$b.py"
         timeout 240 python3 bench/$b.py >"$OUT/bench_$b.md" 2>"$OUT/bench_$b.err"; echo "exit $?"
         grep -v '^I[0-9]' "$OUT/bench_$b.md" | tail -25
