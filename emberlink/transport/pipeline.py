@@ -21,8 +21,6 @@ from emberlink.transport.base import Link
 AHEAD_BYTES = 4 << 20
 """Runs shorter than this are sent as they are made: the hand-offs would cost more than they save."""
 AHEAD_MIN_CPUS = 4
-AHEAD_ENV = "EMBERLINK_SEAL_AHEAD"
-"""`0`: never make blobs ahead; `1`: whatever the core count; unset: on machines with AHEAD_MIN_CPUS."""
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -30,13 +28,8 @@ _pool_lock = threading.Lock()
 
 def worth_ahead(nbytes: int, cpus: int | None = None) -> bool:
     """Whether a run of `nbytes` is worth making ahead on a helper thread on this machine."""
-    if nbytes < AHEAD_BYTES:
-        return False
-    setting = os.environ.get(AHEAD_ENV, "").strip()
-    if setting in ("0", "1"):
-        return setting == "1"
     cpus = os.cpu_count() if cpus is None else cpus
-    return (cpus or 1) >= AHEAD_MIN_CPUS
+    return nbytes >= AHEAD_BYTES and (cpus or 1) >= AHEAD_MIN_CPUS
 
 
 def _helpers() -> ThreadPoolExecutor:

@@ -63,15 +63,7 @@ async def test_a_failed_send_abandons_the_run_after_at_most_one_more_blob(
     assert "never retrieved" not in caplog.text
 
 
-def test_only_long_runs_on_machines_with_cores_to_spare_are_made_ahead(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv(pipeline.AHEAD_ENV, raising=False)
+def test_only_long_runs_on_machines_with_cores_to_spare_are_made_ahead() -> None:
     assert pipeline.worth_ahead(64 << 20, cpus=16)
     assert not pipeline.worth_ahead(64 << 20, cpus=2)
     assert not pipeline.worth_ahead(pipeline.AHEAD_BYTES - 1, cpus=16)
-    monkeypatch.setenv(pipeline.AHEAD_ENV, "0")
-    assert not pipeline.worth_ahead(64 << 20, cpus=16)
-    monkeypatch.setenv(pipeline.AHEAD_ENV, "1")
-    assert pipeline.worth_ahead(64 << 20, cpus=2)
-    assert not pipeline.worth_ahead(pipeline.AHEAD_BYTES - 1, cpus=2)
