@@ -34,7 +34,6 @@ from emberlink.protocol.channel import (
     split_frames,
 )
 from emberlink.transport.base import Link
-from emberlink.transport.pipeline import send_blobs, worth_ahead
 
 log = logging.getLogger("emberlink.client")
 
@@ -166,10 +165,7 @@ class ClientSession:
                     self._counters.batches_resent += 1
                 self._sent_upto = max(self._sent_upto, batch.seq)
                 self._counters.batches_sent += 1
-                ahead = worth_ahead(sum(a.nbytes for a in batch.bulks))
-                await send_blobs(
-                    self._link, pack_frames(self._frames(batch, resent)), self._sent, ahead=ahead
-                )
+                await self._send_frames(self._frames(batch, resent))
                 self._finished_upto = max(self._finished_upto, batch.seq)
         except TransportError as e:
             self.fail(WorkerLost(f"lost worker {self._worker} while sending: {e}"))
@@ -235,8 +231,10 @@ class ClientSession:
         if bar is not None:
             bar.close()
 
-    def _sent(self, nbytes: int) -> None:
-        self._counters.bytes_sent += nbytes
+    async def _send_frames(self, frames: Iterator[bytes | bytearray]) -> None:
+        for blob in pack_frames(frames):
+            await self._link.send(blob)
+            self._counters.bytes_sent += len(blob)
 
     # -- receiving -------------------------------------------------------------------------------------
 

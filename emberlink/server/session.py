@@ -35,7 +35,6 @@ from emberlink.protocol.handshake import WorkerHandshake
 from emberlink.server.runner import BatchRunner, Incoming, Outgoing
 from emberlink.server.store import Failure, Quota, TensorStore
 from emberlink.transport.base import Link
-from emberlink.transport.pipeline import send_blobs, worth_ahead
 
 if TYPE_CHECKING:
     from emberlink.server.worker import Worker
@@ -384,10 +383,7 @@ class Session:
         bulks = [b for o in outs for b in o.bulks]
         if final is not None:
             messages.append(final)
-        ahead = worth_ahead(sum(b.nbytes for b in bulks))
-        await send_blobs(
-            self._link, pack_frames(self._reply_frames(ack, messages, bulks)), self._sent, ahead=ahead
-        )
+        await self._send_frames(self._reply_frames(ack, messages, bulks))
 
     def _reply_frames(
         self, ack: int, messages: list[m.WorkerMessage], bulks: list[np.ndarray]
@@ -403,8 +399,10 @@ class Session:
                 if type(msg) is m.Result and msg.nbytes:
                     yield from channel.seal_chunks(next(pending).data.cast("B"), chunk)
 
-    def _sent(self, nbytes: int) -> None:
-        self.bytes_out += nbytes
+    async def _send_frames(self, frames: Iterator[bytes | bytearray]) -> None:
+        for blob in pack_frames(frames):
+            await self._link.send(blob)
+            self.bytes_out += len(blob)
 
 
 def _inline_array(msg: m.Upload, plaintext: bytes, start: int) -> np.ndarray:

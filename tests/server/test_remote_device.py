@@ -73,34 +73,6 @@ def test_a_graph_cache_smaller_than_one_graph_still_trains_identically(make_work
 
 
 @pytest.mark.parametrize("make", TRANSPORTS)
-def test_large_uploads_and_results_sealed_ahead_on_a_helper_thread_arrive_intact(
-    worker: BackgroundWorker, make: DeviceMaker, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """On a machine with cores to spare, chunks are sealed on a helper thread while the loop sends
-    the one before (transport/pipeline.py); forced on here, both ways, bytes must not change."""
-    from emberlink.client import session as client_session
-    from emberlink.server import session as worker_session
-    from emberlink.transport import pipeline
-
-    monkeypatch.setattr(pipeline, "AHEAD_MIN_CPUS", 1)
-    monkeypatch.setattr(pipeline, "AHEAD_BYTES", 1 << 20)
-    aheads: list[bool] = []
-
-    async def recording(*args: object, ahead: bool = False) -> None:
-        aheads.append(ahead)
-        await pipeline.send_blobs(*args, ahead=ahead)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(client_session, "send_blobs", recording)
-    monkeypatch.setattr(worker_session, "send_blobs", recording)
-    a = np.random.default_rng(7).standard_normal((6 << 20) // 8)  # 6 MiB of float64
-    with make(worker) as dev:
-        x = dev.tensor(a)
-        np.testing.assert_array_equal(x.numpy(), a)
-        np.testing.assert_array_equal((x * 2.0).numpy(), a * 2.0)
-    assert aheads.count(True) >= 3  # the upload, and both results
-
-
-@pytest.mark.parametrize("make", TRANSPORTS)
 def test_a_result_dropped_after_its_read_leaves_the_workers_memory_at_once(
     worker: BackgroundWorker, make: DeviceMaker
 ) -> None:
