@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from emberlink.errors import AuthError, ProtocolError, TransportError, WorkerLost
-from emberlink.protocol.presence import Presence, decode_presence
+from emberlink.protocol.presence import NONCE_SIZE, Presence, decode_presence
 from emberlink.protocol.ticket import Ticket
 
 if TYPE_CHECKING:
@@ -43,16 +43,21 @@ class Seen:
 
 
 def survey(url: str, *, window: float = WINDOW_S, quiet: float = QUIET_S, timeout: float = 5.0) -> list[Seen]:
-    """Every worker whose presence arrived on the relay at `url` (latest message of each), least loaded first.
+    """Every worker that answered this survey's query on the relay at `url`, least loaded first.
 
-    Ties are broken at random, so clients that see the same loads spread over the workers.
-    Messages that do not decode or whose signature does not verify are ignored.
+    Ties are broken at random, so clients that see the same loads spread over the workers. Only
+    answers that sign back this query's fresh nonce count: periodic messages, and answers recorded
+    earlier and replayed, say nothing about whether the worker is there now. Messages that do not
+    decode or whose signature does not verify are ignored.
     """
     from emberlink.client.loop import io_loop
-    from emberlink.transport.presence import PRESENCE_PREFIX, query
+    from emberlink.transport.presence import query
 
     _check_url(url)
-    heard = io_loop().call(query(url, window=window, quiet=quiet, timeout=timeout), window + timeout + 1)
+    nonce = os.urandom(NONCE_SIZE)
+    heard = io_loop().call(
+        query(url, window=window, quiet=quiet, timeout=timeout, payload=nonce), window + timeout + 1
+    )
     latest: dict[str, Presence] = {}
     for message in heard:
         try:
@@ -61,8 +66,8 @@ def survey(url: str, *, window: float = WINDOW_S, quiet: float = QUIET_S, timeou
         except ProtocolError as e:  # AuthError included: someone spoke for a key it does not hold
             log.debug("ignoring a presence message on %s: %s", message.subject, e)
             continue
-        if not message.answer and message.subject != PRESENCE_PREFIX + node_id:
-            log.debug("ignoring presence for %s published on %s", node_id, message.subject)
+        if presence.nonce != nonce:
+            log.debug("ignoring an answer from %s that is not for this query (replayed?)", node_id)
             continue
         if node_id not in latest or presence.seq >= latest[node_id].seq:
             latest[node_id] = presence

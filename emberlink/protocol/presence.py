@@ -1,10 +1,15 @@
 """Presence: what a worker tells a relay about itself, signed with its key; encoding only, no I/O, no clocks.
 
 Rules (everything that affects how presence is read lives in this file):
-- A presence message is the msgpack array `[1, body, signature]`; `body` is the msgpack array
-  `[ticket, device, free_bytes, sessions, queued, admits_anyone, draining, seq]` and `signature`
-  is the worker's Ed25519 signature over `LABEL ‖ body`. The NodeId in the ticket is the key that
-  must verify it, so a presence message cannot speak for a worker whose key the sender lacks.
+- A presence message is the msgpack array `[2, body, signature]`; `body` is the msgpack array
+  `[ticket, device, free_bytes, sessions, queued, admits_anyone, draining, seq, nonce]` and
+  `signature` is the worker's Ed25519 signature over `LABEL ‖ body`. The NodeId in the ticket is
+  the key that must verify it, so a presence message cannot speak for a worker whose key the
+  sender lacks.
+- Freshness: a query carries a random `NONCE_SIZE`-byte nonce and the answer signs it back, so
+  whoever asked knows the answer was made for its query: a recorded answer replayed later (to
+  steer clients to a worker that is gone, or loaded) does not carry the new nonce. Periodic
+  messages carry an empty nonce and prove nothing about when they were made.
 - It never names a client, and never the allow list: `admits_anyone` says only whether a client
   outside any list is admitted.
 - `load` orders workers: open sessions first, queued work second; lower is less loaded.
@@ -22,14 +27,15 @@ from emberlink.errors import AuthError, ProtocolError
 from emberlink.protocol.identity import Identity, public_from_node_id, verify
 from emberlink.protocol.ticket import Ticket
 
-VERSION = 1
-LABEL = b"emberlink presence v1\x00"
+VERSION = 2
+LABEL = b"emberlink presence v2\x00"
 MAX_PRESENCE = 4096
 """An encoded presence message is at most this many bytes (tickets with many addresses included)."""
 MAX_DEVICE = 64
 _MAX_TICKET = 2048
 _MAX_COUNT = 1 << 62
-_FIELDS = 8
+_FIELDS = 9
+NONCE_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +50,7 @@ class Presence:
     admits_anyone: bool
     draining: bool = False
     seq: int = 0
+    nonce: bytes = b""  # the query's nonce in an answer; empty in a periodic message
 
     @property
     def node_id(self) -> str:
@@ -71,6 +78,7 @@ def encode_presence(presence: Presence, identity: Identity) -> bytes:
             presence.admits_anyone,
             presence.draining,
             presence.seq,
+            presence.nonce,
         ],
         use_bin_type=True,
     )
@@ -95,13 +103,15 @@ def decode_presence(data: bytes) -> Presence:
     fields = _unpack(body, "presence body")
     if not (isinstance(fields, list) and len(fields) == _FIELDS):
         raise ProtocolError(f"presence body must be an array of {_FIELDS} fields")
-    ticket_text, device, free_bytes, sessions, queued, admits_anyone, draining, seq = fields
+    ticket_text, device, free_bytes, sessions, queued, admits_anyone, draining, seq, nonce = fields
     if type(ticket_text) is not str or len(ticket_text) > _MAX_TICKET:
         raise ProtocolError(f"presence ticket must be a string of at most {_MAX_TICKET} characters")
     ticket = Ticket.parse(ticket_text)
     if not verify(public_from_node_id(ticket.node_id), signature, LABEL + body):
         raise AuthError(f"presence for worker {ticket.node_id} is not signed by its key")
-    presence = Presence(ticket_text, device, free_bytes, sessions, queued, admits_anyone, draining, seq)
+    presence = Presence(
+        ticket_text, device, free_bytes, sessions, queued, admits_anyone, draining, seq, nonce
+    )
     _check_fields(presence)
     return presence
 
@@ -132,6 +142,8 @@ def _check_fields(p: Presence) -> None:
             raise ProtocolError(f"presence {name} must be an int in 0..2^62, got {value!r}")
     if type(p.admits_anyone) is not bool or type(p.draining) is not bool:
         raise ProtocolError("presence admits_anyone and draining must be booleans")
+    if type(p.nonce) is not bytes or len(p.nonce) not in (0, NONCE_SIZE):
+        raise ProtocolError(f"presence nonce must be empty or {NONCE_SIZE} bytes")
 
 
-__all__ = ["LABEL", "MAX_PRESENCE", "Presence", "decode_presence", "encode_presence"]
+__all__ = ["LABEL", "MAX_PRESENCE", "NONCE_SIZE", "Presence", "decode_presence", "encode_presence"]

@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from emberlink.protocol.presence import Presence, encode_presence
+from emberlink.protocol.presence import NONCE_SIZE, Presence, encode_presence
 from emberlink.server.device import parse_device
 
 if TYPE_CHECKING:
@@ -62,7 +62,8 @@ class PresenceSource:
         self._serving = serving
         self._seq = itertools.count(1)
 
-    def current(self) -> Presence:
+    def current(self, nonce: bytes = b"") -> Presence:
+        """The worker's state now; `nonce` is a query's (answers sign it back; see protocol/presence.py)."""
         worker = self._worker
         return Presence(
             ticket=self._ticket,
@@ -73,12 +74,17 @@ class PresenceSource:
             admits_anyone=worker.allow.admits_anyone,
             draining=worker.draining,
             seq=next(self._seq),
+            nonce=nonce,
         )
 
-    def __call__(self) -> bytes | None:
+    def __call__(self, query: bytes = b"") -> bytes | None:
+        """The signed message: periodic (`query` empty) or the answer to a query carrying a nonce;
+        a query of any other size gets no answer."""
         if self._serving is not None and not self._serving():
             return None
-        return encode_presence(self.current(), self._worker.identity)
+        if len(query) not in (0, NONCE_SIZE):
+            return None
+        return encode_presence(self.current(bytes(query)), self._worker.identity)
 
 
 __all__ = ["PresenceSource", "free_memory", "queued_work"]

@@ -2,8 +2,8 @@
 that collects them; carries opaque bytes only, never reads what a presence message says.
 
 Subjects: a worker publishes on `emberlink.presence.<node-id>` every few seconds and answers a query
-published on `emberlink.discover` by replying to the query's inbox. The query itself is empty: it
-says nothing about who asks.
+published on `emberlink.discover` by replying to the query's inbox. The query's payload is opaque
+bytes the asker chose (a random nonce, which the answer signs back): nothing about who asks.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ _BACKOFF_FIRST_S = 0.1
 _NO_RESPONDERS = "503"
 _BACKOFF_MAX_S = 2.0
 
-Payload = Callable[[], bytes | None]
-"""Builds the current presence message; None means "stay silent now" (e.g. not serving the relay)."""
+Payload = Callable[[bytes], bytes | None]
+"""Builds the current presence message for a query's payload (empty for a periodic message);
+None means "stay silent now" (e.g. not serving the relay, or a query it will not answer)."""
 
 
 def presence_subject(node_id: str) -> str:
@@ -101,7 +102,7 @@ class Beacon:
     async def publish(self) -> None:
         """Publish the current presence now (e.g. right after the load changed); no-op while detached."""
         nc = self._nc
-        data = self._payload()
+        data = self._payload(b"")
         if nc is None or data is None:
             return
         try:
@@ -110,8 +111,10 @@ class Beacon:
             log.debug("presence: publish on %s failed: %s", self.subject, e)
 
     async def _on_query(self, msg: Msg) -> None:
-        data = self._payload()
-        if not msg.reply or data is None:
+        if not msg.reply:
+            return
+        data = self._payload(msg.data)
+        if data is None:
             return
         try:
             await msg.respond(data)
@@ -134,15 +137,17 @@ class Beacon:
 
 @dataclass(frozen=True, slots=True)
 class Heard:
-    """One presence message as it arrived: an answer to our query, or a periodic one."""
+    """One answer to our query, as it arrived."""
 
     subject: str
     data: bytes
-    answer: bool
 
 
-async def query(url: str, *, window: float, quiet: float, timeout: float = 5.0) -> list[Heard]:
-    """Ask every worker on the relay for its presence and listen to the periodic ones.
+async def query(
+    url: str, *, window: float, quiet: float, timeout: float = 5.0, payload: bytes = b""
+) -> list[Heard]:
+    """Ask every worker on the relay for its presence (the query carries `payload`) and collect the
+    answers. (Periodic messages are not collected: an asker cannot tell when they were made.)
 
     Returns after `window` seconds, or earlier once some worker answered and no further answer
     came for `quiet` seconds. TransportError if the relay cannot be reached.
@@ -164,18 +169,14 @@ async def query(url: str, *, window: float, quiet: float, timeout: float = 5.0) 
         if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
             nobody.append(True)  # the server says no worker subscribes to queries: done at once
         else:
-            heard.append(Heard(msg.subject, msg.data, True))
+            heard.append(Heard(msg.subject, msg.data))
             last_answer[:] = [loop.time()]
         arrived.set()
-
-    async def on_periodic(msg: Msg) -> None:
-        heard.append(Heard(msg.subject, msg.data, False))
 
     start = loop.time()
     try:
         await nc.subscribe(inbox, cb=on_answer)
-        await nc.subscribe(PRESENCE_PREFIX + "*", cb=on_periodic)
-        await nc.publish(QUERY_SUBJECT, b"", reply=inbox)
+        await nc.publish(QUERY_SUBJECT, payload, reply=inbox)
         await nc.flush(timeout)  # type: ignore[arg-type]  # nats-py takes any number
         while not nc.is_closed and not nobody:
             now = loop.time()
