@@ -153,7 +153,7 @@ async def _serve_steps(
         batch, start = m.decode_batch_prefix(plaintext)
         total = np.frombuffer(plaintext, np.float32, 16, start).sum()
         reply = m.encode_reply(m.Reply(batch.seq, (m.Result(1, "float32", (), 4),)))
-        await write(channel.seal_parts([reply, total.tobytes()]))
+        await write(bytes(channel.seal_parts([reply, total.tobytes()])))
 
 
 async def floor_pingpong_process(n: int, step: Callable[[], object] | None, protocol: bool) -> float:
@@ -162,9 +162,9 @@ async def floor_pingpong_process(n: int, step: Callable[[], object] | None, prot
     `protocol`, the messages sealed, opened and decoded on both sides as described above."""
     keys = os.urandom(64)
     client, _ = _step_channels(keys)
-    payload = _payload(64)
     seq = 0
     async with bare_grpc_call_process() as call:
+        echo = _echo_round_trip(call.write, call.read, _payload(64))
         if protocol:
             await call.write(b"step " + keys)
             await call.read()
@@ -174,8 +174,7 @@ async def floor_pingpong_process(n: int, step: Callable[[], object] | None, prot
             if step is not None:
                 step()
             if not protocol:
-                await call.write(payload)
-                await call.read()
+                await echo()
                 return
             seq += 1
             head = m.encode_batch(m.Batch(seq, (m.Repeat(2, 1),)))
@@ -209,6 +208,9 @@ async def _measure_stream(
     return up, down
 
 
+_BARE_OPTIONS = [("grpc.max_send_message_length", 8 * MiB), ("grpc.max_receive_message_length", 8 * MiB)]
+
+
 async def _bare_grpc_behavior(requests: object, context: grpc.aio.ServicerContext[bytes, bytes]) -> None:
     async def read() -> bytes | None:
         msg = await context.read()
@@ -217,17 +219,34 @@ async def _bare_grpc_behavior(requests: object, context: grpc.aio.ServicerContex
     await _serve_commands(read, context.write)
 
 
-@asynccontextmanager
-async def bare_grpc_call() -> AsyncIterator[grpc.aio.StreamStreamCall]:
-    options = [("grpc.max_send_message_length", 8 * MiB), ("grpc.max_receive_message_length", 8 * MiB)]
-    server = grpc.aio.server(options=options)
+async def _start_bare_server() -> tuple[grpc.aio.Server, int]:
+    """The bare `_serve_commands` server on a free loopback port, started; and that port."""
+    server = grpc.aio.server(options=_BARE_OPTIONS)
     handler = grpc.stream_stream_rpc_method_handler(_bare_grpc_behavior)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("bench.Bare", {"Stream": handler}),)
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options)
+    return server, port
+
+
+def _echo_round_trip(
+    write: Callable[[bytes], Awaitable[object]], read: Callable[[], Awaitable[object]], payload: bytes
+) -> Callable[[], Awaitable[None]]:
+    """One round trip of `payload` through a `_serve_commands` echo: write it, read the answer."""
+
+    async def round_trip() -> None:
+        await write(payload)
+        await read()
+
+    return round_trip
+
+
+@asynccontextmanager
+async def bare_grpc_call() -> AsyncIterator[grpc.aio.StreamStreamCall]:
+    server, port = await _start_bare_server()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_BARE_OPTIONS)
     call = channel.stream_stream(_BARE_METHOD)()
     try:
         yield call
@@ -239,26 +258,13 @@ async def bare_grpc_call() -> AsyncIterator[grpc.aio.StreamStreamCall]:
 
 async def grpc_bare_pingpong(n: int, size: int = 64) -> float:
     """Median µs per round trip of `size` bytes on one grpc.aio bidirectional stream."""
-    payload = os.urandom(size)
     async with bare_grpc_call() as call:
-
-        async def round_trip() -> None:
-            await call.write(payload)
-            await call.read()
-
-        return await median_round_trip_us(round_trip, n)
+        return await median_round_trip_us(_echo_round_trip(call.write, call.read, os.urandom(size)), n)
 
 
 async def _serve_bare_grpc() -> None:
     """The bare echo server alone (this file run with --serve): prints its port, serves until stdin closes."""
-    options = [("grpc.max_send_message_length", 8 * MiB), ("grpc.max_receive_message_length", 8 * MiB)]
-    server = grpc.aio.server(options=options)
-    handler = grpc.stream_stream_rpc_method_handler(_bare_grpc_behavior)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("bench.Bare", {"Stream": handler}),)
-    )
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await _start_bare_server()
     print(port, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent goes
     await server.stop(0.5)  # a grace: no "GOAWAY ... Cancelling all calls" log line
@@ -277,8 +283,7 @@ async def bare_grpc_call_process() -> AsyncIterator[grpc.aio.StreamStreamCall]:
     try:
         assert proc.stdout is not None and proc.stdin is not None
         port = int(await proc.stdout.readline())
-        options = [("grpc.max_send_message_length", 8 * MiB), ("grpc.max_receive_message_length", 8 * MiB)]
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_BARE_OPTIONS)
         call = channel.stream_stream(_BARE_METHOD)()
         try:
             yield call
@@ -298,14 +303,8 @@ async def bare_grpc_call_process() -> AsyncIterator[grpc.aio.StreamStreamCall]:
 async def grpc_bare_pingpong_process(n: int, size: int = 64) -> float:
     """Median µs per round trip of `size` bytes on one grpc.aio bidirectional stream to a server
     in another process (the topology of a client and an `emberlink worker`)."""
-    payload = os.urandom(size)
     async with bare_grpc_call_process() as call:
-
-        async def round_trip() -> None:
-            await call.write(payload)
-            await call.read()
-
-        return await median_round_trip_us(round_trip, n)
+        return await median_round_trip_us(_echo_round_trip(call.write, call.read, os.urandom(size)), n)
 
 
 async def grpc_bare_stream(total: int, chunk: int = MiB) -> tuple[float, float]:
@@ -410,14 +409,8 @@ async def open_link(kind: str, url: str | None = None) -> AsyncIterator[Link]:
 
 async def link_pingpong(kind: str, n: int, size: int = 64, url: str | None = None) -> float:
     """Median µs per round trip of `size` bytes through a Link."""
-    payload = os.urandom(size)
     async with open_link(kind, url) as link:
-
-        async def round_trip() -> None:
-            await link.send(payload)
-            await link.recv()
-
-        return await median_round_trip_us(round_trip, n)
+        return await median_round_trip_us(_echo_round_trip(link.send, link.recv, os.urandom(size)), n)
 
 
 async def link_stream(kind: str, total: int, chunk: int = MiB, url: str | None = None) -> tuple[float, float]:

@@ -93,7 +93,12 @@ def _batches(count: int) -> list[tuple[np.ndarray, np.ndarray]]:
     ]
 
 
-def _time(step: Callable[[np.ndarray, np.ndarray], float], batches: list, n: int, out: list[float]) -> None:
+def _time(
+    step: Callable[[np.ndarray, np.ndarray], float],
+    batches: list[tuple[np.ndarray, np.ndarray]],
+    n: int,
+    out: list[float],
+) -> None:
     for i in range(n):
         x, y = batches[i % len(batches)]
         t0 = time.perf_counter()

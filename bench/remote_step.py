@@ -126,9 +126,6 @@ def mlp_ms(dev: el.Device, steps: int) -> float:
 # -- what bounds the tiny step ------------------------------------------------------------------------
 
 
-SERVER_SUMS = "the server sums and seals the answer"
-
-
 def floor_rows(n: int, cpu: el.Device) -> dict[str, float]:
     """The bare ping-pong with a server in another process (emberlink's topology), plus the work a tiny
     step cannot skip, each measured as it runs there, between round trips (bench/bare.py,
@@ -183,8 +180,8 @@ def main() -> None:
             for _ in range(repeats):  # interleaved
                 rows["bare_pp"].append(loop.call(bare.grpc_bare_pingpong(n)))
                 rows["bare_pp_proc"].append(loop.call(bare.grpc_bare_pingpong_process(n)))
-                for key, us in floor_rows(n, cpu).items():
-                    rows[key].append(us)
+                for row, us in floor_rows(n, cpu).items():
+                    rows[row].append(us)
                 rows["tiny"].append(median_us(tiny_step(dev), n))
                 rows["mlp_cpu"].append(mlp_ms(cpu, steps))
                 rows["mlp"].append(mlp_ms(dev, steps))
@@ -243,21 +240,23 @@ def main() -> None:
     print()
     print("| round trip | µs | vs bare |")
     print("|---|---:|---:|")
-    for what, key in (
+    for what, row in (
         ("bare grpc.aio 64 B ping-pong, server in another process", "bare_pp_proc"),
         (
             "+ the step's own work on the client: the same step on Device.cpu() (record, run, read)",
             "floor_step",
         ),
         (
-            "+ the protocol at its barest: a sealed batch with the input inline, opened and decoded; "
-            + SERVER_SUMS,
+            (
+                "+ the protocol at its barest: a sealed batch with the input inline, opened and decoded; "
+                "the server sums and seals the answer"
+            ),
             "floor_proto",
         ),
         ("+ both: a floor for any design in Python on grpc.aio", "floor_both"),
         ("emberlink tiny step (sessions, store, quotas, flow control, replay)", "tiny"),
     ):
-        print(f"| {what} | {med[key]:.0f} | {med[key] / bare_us:.2f}x |")
+        print(f"| {what} | {med[row]:.0f} | {med[row] / bare_us:.2f}x |")
 
 
 if __name__ == "__main__":
