@@ -16,30 +16,13 @@ def run(worker: BackgroundWorker, coro):
     return worker.call(coro, 20)
 
 
-def adam_losses(dev: el.Device, steps: int) -> list[float]:
-    """A small MLP trained with Adam (its bindings change every step) on fresh data each step."""
+def train(dev: el.Device, steps: int, optimizer: type, lr: float, seed: int) -> tuple[list[float], list[int]]:
+    """A small MLP trained on fresh data each step: every step's loss, and the bytes the client sent
+    for it besides the data's own."""
     nn = el.nn
     model = nn.Sequential(nn.Linear(20, 32, seed=0), nn.ReLU(), nn.Linear(32, 5, seed=1)).to(dev)
-    opt = el.optim.Adam(model.parameters(), lr=1e-2)
-    rng = np.random.default_rng(0)
-    losses = []
-    for _ in range(steps):
-        x = rng.standard_normal((64, 20), dtype=np.float32)
-        y = rng.integers(0, 5, 64)
-        loss = nn.functional.cross_entropy(model(dev.tensor(x)), dev.tensor(y))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses
-
-
-def sgd_step_bytes(dev: el.Device, steps: int) -> tuple[list[float], list[int]]:
-    """Losses of an SGD MLP and the bytes the client sent for each step."""
-    nn = el.nn
-    model = nn.Sequential(nn.Linear(20, 32, seed=0), nn.ReLU(), nn.Linear(32, 5, seed=1)).to(dev)
-    opt = el.optim.SGD(model.parameters(), lr=0.1)
-    rng = np.random.default_rng(1)
+    opt = optimizer(model.parameters(), lr=lr)
+    rng = np.random.default_rng(seed)
     losses, sent = [], []
     for _ in range(steps):
         x = rng.standard_normal((64, 20), dtype=np.float32)
@@ -52,6 +35,15 @@ def sgd_step_bytes(dev: el.Device, steps: int) -> tuple[list[float], list[int]]:
         losses.append(float(loss))
         sent.append(int(dev.stats()["bytes_sent"]) - int(before) - x.nbytes - y.nbytes)
     return losses, sent
+
+
+def adam_losses(dev: el.Device, steps: int) -> list[float]:
+    """Adam: its bindings change every step."""
+    return train(dev, steps, el.optim.Adam, 1e-2, 0)[0]
+
+
+def sgd_step_bytes(dev: el.Device, steps: int) -> tuple[list[float], list[int]]:
+    return train(dev, steps, el.optim.SGD, 0.1, 1)
 
 
 def test_inline_uploads_round_trip_and_land_exactly(worker: BackgroundWorker) -> None:
