@@ -3,61 +3,24 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import threading
 from pathlib import Path
+
+from process_harness import Process
 
 from emberlink.protocol.identity import Identity
 
 
-class WorkerProcess:
+class WorkerProcess(Process):
     """An `emberlink worker` subprocess; its ticket is the first line of its stdout."""
 
     def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
-        self.log = log
-        self._log_file = log.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "emberlink", "worker", *args],
-            stdout=subprocess.PIPE,
-            stderr=self._log_file,
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-        self.ticket = self._first_line(timeout=30)
-
-    def _first_line(self, timeout: float) -> str:
-        assert self.proc.stdout is not None
-        line: list[bytes] = []
-        reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
-        reader.start()
-        reader.join(timeout)
-        if not line or not line[0]:
-            self.kill()
-            raise RuntimeError(f"worker printed no ticket; its log:\n{self.log.read_text()}")
-        return line[0].decode().strip()
-
-    def stderr(self) -> str:
-        self._log_file.flush()
-        return self.log.read_text()
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def wait(self, timeout: float = 30) -> int:
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def close(self) -> None:
-        self.kill()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._log_file.close()
+        super().__init__([sys.executable, "-m", "emberlink", "worker", *args], log, env=env)
+        try:
+            self.ticket = self.next_line(30)
+        except BaseException:
+            self.close()
+            raise
 
 
 class Keys:
