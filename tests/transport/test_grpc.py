@@ -8,7 +8,19 @@ import socket
 import time
 
 import pytest
-from transport_checks import Child, blobs, echo, ping_pong, pipelined, within
+from transport_checks import (
+    Child,
+    Recorder,
+    blobs,
+    check_client_close_reaches_the_worker_after_its_last_blob,
+    check_handler_return_closes_the_client,
+    check_sessions_are_isolated,
+    echo,
+    echo_once,
+    ping_pong,
+    pipelined,
+    within,
+)
 
 from emberlink.errors import TransportError, TransportTimeout
 from emberlink.transport import grpc as grpc_transport
@@ -44,22 +56,6 @@ CLIENT = """
 """
 
 
-class Recorder:
-    """A handler that keeps each session's received blobs and the error that ended it."""
-
-    def __init__(self) -> None:
-        self.received: list[bytes] = []
-        self.ended: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
-
-    async def __call__(self, link: Link) -> None:
-        try:
-            while True:
-                self.received.append(await link.recv())
-        except BaseException as e:
-            self.ended.set_result(e)
-            raise
-
-
 async def started(handler: grpc_transport.Handler) -> tuple[grpc_transport.GrpcListener, int]:
     listener = grpc_transport.GrpcListener("127.0.0.1", 0, handler)
     return listener, await listener.start()
@@ -90,39 +86,22 @@ async def test_blobs_past_grpc_default_4_mib_limit_up_to_max_blob_pass() -> None
 async def test_concurrent_sessions_are_isolated() -> None:
     listener, port = await started(echo)
     links = [await grpc_transport.connect("127.0.0.1", port) for _ in range(4)]
-    per_link = [blobs([i + 1, 5000, 70_000] * 5) for i in range(len(links))]
-    assert await asyncio.gather(*(pipelined(lk, s) for lk, s in zip(links, per_link))) == per_link
-    await links[0].close()
-    assert await ping_pong(links[1], [b"others live on"]) == [b"others live on"]
-    for link in links[1:]:
-        await link.close()
+    await check_sessions_are_isolated(links, [blobs([i + 1, 5000, 70_000] * 5) for i in range(len(links))])
     await listener.stop(1)
 
 
 async def test_client_close_makes_the_worker_recv_raise_after_its_last_blob() -> None:
     recorder = Recorder()
     listener, port = await started(recorder)
-    link = await grpc_transport.connect("127.0.0.1", port)
-    await link.send(b"last words")
-    await link.close()
-    error = await within(5, recorder.ended)
-    assert isinstance(error, TransportError) and "closed" in str(error)
-    assert recorder.received == [b"last words"]
-    with pytest.raises(TransportError, match="closed"):
-        await link.recv()
+    await check_client_close_reaches_the_worker_after_its_last_blob(
+        await grpc_transport.connect("127.0.0.1", port), recorder
+    )
     await listener.stop(1)
 
 
 async def test_worker_handler_return_makes_client_recv_raise_peer_closed() -> None:
-    async def once(link: Link) -> None:
-        await link.send(await link.recv())
-
-    listener, port = await started(once)
-    link = await grpc_transport.connect("127.0.0.1", port)
-    assert await ping_pong(link, [b"1"]) == [b"1"]
-    with pytest.raises(TransportError, match="closed"):
-        await within(5, link.recv())
-    await link.close()
+    listener, port = await started(echo_once)
+    await check_handler_return_closes_the_client(await grpc_transport.connect("127.0.0.1", port))
     await listener.stop(1)
 
 

@@ -7,11 +7,22 @@ import signal
 
 import nats
 import pytest
-from transport_checks import Child, blobs, echo, ping_pong, pipelined, within
+from transport_checks import (
+    Child,
+    Recorder,
+    blobs,
+    check_client_close_reaches_the_worker_after_its_last_blob,
+    check_handler_return_closes_the_client,
+    check_sessions_are_isolated,
+    echo,
+    echo_once,
+    ping_pong,
+    pipelined,
+    within,
+)
 
 from emberlink.errors import TransportError, TransportTimeout
 from emberlink.transport import nats as nats_transport
-from emberlink.transport.base import Link
 
 NODE = "workernodeid"
 
@@ -43,23 +54,6 @@ CLIENT = """
 
     asyncio.run(main())
 """
-
-
-class Recorder:
-    """A handler that keeps what its sessions received and the error that ended each."""
-
-    def __init__(self) -> None:
-        self.received: list[bytes] = []
-        self.ended: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
-
-    async def __call__(self, link: Link) -> None:
-        try:
-            while True:
-                self.received.append(await link.recv())
-        except BaseException as e:
-            if not self.ended.done():
-                self.ended.set_result(e)
-            raise
 
 
 async def listening(url: str, handler: nats_transport.Handler = echo) -> nats_transport.NatsListener:
@@ -104,12 +98,7 @@ async def test_concurrent_sessions_are_isolated_on_their_own_subjects(nats_serve
     listener = await listening(nats_server.url)
     links = [await nats_transport.connect(nats_server.url, NODE) for _ in range(4)]
     assert len({link._out for link in links}) == len(links)
-    per_link = [blobs([i + 1, 5000, 1_500_000] * 3) for i in range(len(links))]
-    assert await asyncio.gather(*(pipelined(lk, s) for lk, s in zip(links, per_link))) == per_link
-    await links[0].close()
-    assert await ping_pong(links[1], [b"others live on"]) == [b"others live on"]
-    for link in links[1:]:
-        await link.close()
+    await check_sessions_are_isolated(links, [blobs([i + 1, 5000, 1_500_000] * 3) for i in range(len(links))])
     await listener.stop(1)
 
 
@@ -141,27 +130,15 @@ async def test_relay_sees_no_client_identity_only_random_subjects(nats_server) -
 async def test_client_close_makes_worker_recv_raise_after_its_last_blob(nats_server) -> None:
     recorder = Recorder()
     listener = await listening(nats_server.url, recorder)
-    link = await nats_transport.connect(nats_server.url, NODE)
-    await link.send(b"last words")
-    await link.close()
-    error = await within(5, recorder.ended)
-    assert isinstance(error, TransportError) and "closed" in str(error)
-    assert recorder.received == [b"last words"]
-    with pytest.raises(TransportError, match="closed"):
-        await link.recv()
+    await check_client_close_reaches_the_worker_after_its_last_blob(
+        await nats_transport.connect(nats_server.url, NODE), recorder
+    )
     await listener.stop(1)
 
 
 async def test_worker_handler_return_makes_client_recv_raise_peer_closed(nats_server) -> None:
-    async def once(link: Link) -> None:
-        await link.send(await link.recv())
-
-    listener = await listening(nats_server.url, once)
-    link = await nats_transport.connect(nats_server.url, NODE)
-    assert await ping_pong(link, [b"1"]) == [b"1"]
-    with pytest.raises(TransportError, match="closed"):
-        await within(5, link.recv())
-    await link.close()
+    listener = await listening(nats_server.url, echo_once)
+    await check_handler_return_closes_the_client(await nats_transport.connect(nats_server.url, NODE))
     await listener.stop(1)
 
 

@@ -11,6 +11,9 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Self, TypeVar
 
+import pytest
+
+from emberlink.errors import TransportError
 from emberlink.transport.base import Link
 
 T = TypeVar("T")
@@ -91,3 +94,57 @@ class Child:
 async def within(seconds: float, awaitable: Awaitable[T]) -> T:
     """Await with a generous bound: a hang is a failure, a slow machine is not."""
     return await asyncio.wait_for(awaitable, seconds)
+
+
+class Recorder:
+    """A worker handler that keeps what its sessions received and the error that ended the first."""
+
+    def __init__(self) -> None:
+        self.received: list[bytes] = []
+        self.ended: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+    async def __call__(self, link: Link) -> None:
+        try:
+            while True:
+                self.received.append(await link.recv())
+        except BaseException as e:
+            if not self.ended.done():
+                self.ended.set_result(e)
+            raise
+
+
+async def echo_once(link: Link) -> None:
+    """A worker handler that answers one blob and returns (which ends the session)."""
+    await link.send(await link.recv())
+
+
+async def check_sessions_are_isolated(links: list[Link], per_link: list[list[bytes]]) -> None:
+    """Links to an `echo` worker: pipelined traffic stays on its own link, and closing one spares
+    the others. Closes every link."""
+    assert (
+        await asyncio.gather(*(pipelined(lk, s) for lk, s in zip(links, per_link, strict=True))) == per_link
+    )
+    await links[0].close()
+    assert await ping_pong(links[1], [b"others live on"]) == [b"others live on"]
+    for link in links[1:]:
+        await link.close()
+
+
+async def check_client_close_reaches_the_worker_after_its_last_blob(link: Link, recorder: Recorder) -> None:
+    """A link to a `Recorder` worker: the worker reads the last blob, then a TransportError
+    saying the session is closed; the closed link's own recv raises too."""
+    await link.send(b"last words")
+    await link.close()
+    error = await within(5, recorder.ended)
+    assert isinstance(error, TransportError) and "closed" in str(error)
+    assert recorder.received == [b"last words"]
+    with pytest.raises(TransportError, match="closed"):
+        await link.recv()
+
+
+async def check_handler_return_closes_the_client(link: Link) -> None:
+    """A link to an `echo_once` worker: after its answer, the client's recv raises "closed". Closes the link."""
+    assert await ping_pong(link, [b"1"]) == [b"1"]
+    with pytest.raises(TransportError, match="closed"):
+        await within(5, link.recv())
+    await link.close()
