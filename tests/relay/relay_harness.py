@@ -50,6 +50,11 @@ def worker_process(
     return proc, ticket
 
 
+def relay_worker_process(folder: Path, url: str, key: Path) -> tuple[Process, Ticket]:
+    """`worker_process` on 127.0.0.1:0 admitting any client and serving through the relay at `url`."""
+    return worker_process(folder, "worker", "--listen", "127.0.0.1:0", "--allow-any", "--relay", url, key=key)
+
+
 def client_process(folder: Path, name: str, *args: str, prefix: list[str] | None = None) -> Process:
     """tests/relay/relay_client.py in its own process (stdin open for commands)."""
     argv = [*(prefix or []), sys.executable, str(HERE / "relay_client.py"), *args]

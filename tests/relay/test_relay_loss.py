@@ -6,7 +6,7 @@ import time
 
 import pytest
 import relay_training
-from relay_harness import new_key, wait_until, worker_process
+from relay_harness import new_key, relay_worker_process, wait_until
 
 import emberlink as el
 from emberlink.client.discovery import survey
@@ -31,16 +31,7 @@ def test_relay_loss_fails_relayed_sessions_with_worker_lost_spares_direct_ones_a
 ):
     _, worker_key = new_key(tmp_path, "worker")
     _, client_key = new_key(tmp_path, "client")
-    worker, ticket = worker_process(
-        tmp_path,
-        "worker",
-        "--listen",
-        "127.0.0.1:0",
-        "--allow-any",
-        "--relay",
-        nats_server.url,
-        key=worker_key,
-    )
+    worker, ticket = relay_worker_process(tmp_path, nats_server.url, worker_key)
     with el.Device.cpu() as cpu:
         expected = relay_training.train(cpu, 8)
     data = relay_training.batches(8)
@@ -88,16 +79,7 @@ def test_worker_started_while_the_relay_is_down_serves_directly_and_attaches_whe
     _, worker_key = new_key(tmp_path, "worker")
     _, client_key = new_key(tmp_path, "client")
     nats_server.stop()
-    worker, ticket = worker_process(
-        tmp_path,
-        "worker",
-        "--listen",
-        "127.0.0.1:0",
-        "--allow-any",
-        "--relay",
-        nats_server.url,
-        key=worker_key,
-    )
+    worker, ticket = relay_worker_process(tmp_path, nats_server.url, worker_key)
     try:
         with el.Device.remote(str(ticket), key=str(client_key)) as direct:
             assert direct.stats()["path"] == "grpc"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import relay_training
-from relay_harness import client_process, new_key, worker_process
+from relay_harness import client_process, new_key, relay_worker_process
 
 import emberlink as el
 
@@ -98,9 +98,7 @@ def test_client_in_a_namespace_that_reaches_only_the_relay_still_trains(tmp_path
         nats, port = _nats_server_on(root_addr, tmp_path)
         url = f"nats://{root_addr}:{port}"
         try:
-            worker, ticket = worker_process(
-                tmp_path, "worker", "--listen", "127.0.0.1:0", "--allow-any", "--relay", url, key=worker_key
-            )
+            worker, ticket = relay_worker_process(tmp_path, url, worker_key)
             try:
                 assert ticket.relay == url and ticket.addrs  # a ticket with a direct address and the relay
                 (host, direct_port), *_ = ticket.addrs

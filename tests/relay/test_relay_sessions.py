@@ -10,7 +10,14 @@ import time
 import numpy as np
 import pytest
 import relay_training
-from relay_harness import Eavesdropper, client_process, new_key, relay_worker, wait_until, worker_process
+from relay_harness import (
+    Eavesdropper,
+    client_process,
+    new_key,
+    relay_worker,
+    relay_worker_process,
+    wait_until,
+)
 
 import emberlink as el
 from emberlink.protocol.identity import AllowPolicy
@@ -28,16 +35,7 @@ def cpu_losses() -> list[float]:
 def test_script_trains_through_a_relay_only_ticket_with_the_cpus_losses(nats_server, tmp_path, cpu_losses):
     _, worker_key = new_key(tmp_path, "worker")
     _, client_key = new_key(tmp_path, "client")
-    worker, ticket = worker_process(
-        tmp_path,
-        "worker",
-        "--listen",
-        "127.0.0.1:0",
-        "--allow-any",
-        "--relay",
-        nats_server.url,
-        key=worker_key,
-    )
+    worker, ticket = relay_worker_process(tmp_path, nats_server.url, worker_key)
     try:
         assert ticket.relay == nats_server.url  # the worker's ticket names its relay
         relay_only = Ticket(ticket.node_id, (), ticket.relay)
