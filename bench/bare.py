@@ -244,8 +244,8 @@ def _echo_round_trip(
 
 
 @asynccontextmanager
-async def bare_grpc_call() -> AsyncIterator[grpc.aio.StreamStreamCall]:
-    server, port = await _start_bare_server()
+async def _bare_stream(port: int) -> AsyncIterator[grpc.aio.StreamStreamCall]:
+    """One bidirectional call to the bare server on loopback `port`; half-closed and closed after."""
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_BARE_OPTIONS)
     call = channel.stream_stream(_BARE_METHOD)()
     try:
@@ -253,6 +253,15 @@ async def bare_grpc_call() -> AsyncIterator[grpc.aio.StreamStreamCall]:
     finally:
         await call.done_writing()
         await channel.close()
+
+
+@asynccontextmanager
+async def bare_grpc_call() -> AsyncIterator[grpc.aio.StreamStreamCall]:
+    server, port = await _start_bare_server()
+    try:
+        async with _bare_stream(port) as call:
+            yield call
+    finally:
         await server.stop(None)
 
 
@@ -282,14 +291,8 @@ async def bare_grpc_call_process() -> AsyncIterator[grpc.aio.StreamStreamCall]:
     )
     try:
         assert proc.stdout is not None and proc.stdin is not None
-        port = int(await proc.stdout.readline())
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_BARE_OPTIONS)
-        call = channel.stream_stream(_BARE_METHOD)()
-        try:
+        async with _bare_stream(int(await proc.stdout.readline())) as call:
             yield call
-        finally:
-            await call.done_writing()
-            await channel.close()
     finally:
         if proc.stdin is not None:
             proc.stdin.close()
