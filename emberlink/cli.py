@@ -19,14 +19,18 @@ if TYPE_CHECKING:
 Handler = Callable[[argparse.Namespace], int]
 
 
-def add_keygen(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("keygen", help="write a new identity key (mode 0600) and print its NodeId")
+def _add_client_key_file(p: argparse.ArgumentParser, flag: str) -> None:
     p.add_argument(
-        "--out",
+        flag,
         type=Path,
         default=None,
         help="key file (default: $EMBERLINK_KEY, else ~/.config/emberlink/client.key)",
     )
+
+
+def add_keygen(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser("keygen", help="write a new identity key (mode 0600) and print its NodeId")
+    _add_client_key_file(p, "--out")
     p.add_argument("--force", action="store_true", help="overwrite an existing key file")
     p.set_defaults(run=keygen)
 
@@ -51,12 +55,7 @@ def keygen(args: argparse.Namespace) -> int:
 
 def add_id(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("id", help="print the NodeId of an existing key file")
-    p.add_argument(
-        "--key",
-        type=Path,
-        default=None,
-        help="key file (default: $EMBERLINK_KEY, else ~/.config/emberlink/client.key)",
-    )
+    _add_client_key_file(p, "--key")
     p.set_defaults(run=show_id)
 
 
