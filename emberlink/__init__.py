@@ -12,6 +12,7 @@ plus Array-API-style functions (`el.exp`, `el.concat`, `el.where`, ...).
 import sys as _sys
 
 from emberlink import errors
+from emberlink.checkpoint import load, save
 from emberlink.client import nn, optim
 from emberlink.client.autograd import no_grad
 from emberlink.client.device import Device
@@ -66,6 +67,7 @@ from emberlink.client.functions import (
 from emberlink.client.tensor import Tensor
 from emberlink.errors import (
     AuthError,
+    CheckpointError,
     ConfigError,
     DeviceError,
     DTypeError,
@@ -92,6 +94,7 @@ _sys.modules.setdefault("emberlink.optim", optim)
 
 __all__ = [
     "AuthError",
+    "CheckpointError",
     "ConfigError",
     "DTypeError",
     "Device",
@@ -127,6 +130,7 @@ __all__ = [
     "greater_equal",
     "less",
     "less_equal",
+    "load",
     "log",
     "logical_and",
     "logical_not",
@@ -148,6 +152,7 @@ __all__ = [
     "prod",
     "relu",
     "reshape",
+    "save",
     "sigmoid",
     "sign",
     "sin",

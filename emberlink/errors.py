@@ -23,6 +23,11 @@ class DTypeError(EmberlinkError, TypeError):
     """An operand's dtype is not allowed for the op, or a dtype name is unknown."""
 
 
+class CheckpointError(EmberlinkError):
+    """A checkpoint cannot be read or written: missing, truncated or not safetensors, or a state
+    entry that is not a tensor."""
+
+
 class DeviceError(EmberlinkError):
     """A local device problem: no CUDA, unknown device, an op on a closed device."""
 
@@ -112,6 +117,7 @@ _BY_CODE: dict[str, type[RemoteError]] = {
 
 __all__ = [
     "AuthError",
+    "CheckpointError",
     "ConfigError",
     "DTypeError",
     "DeviceError",

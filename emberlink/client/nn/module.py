@@ -39,12 +39,20 @@ class Parameter(Tensor):
                 self.grad = self.grad.to(device)
         return self
 
-    def assign(self, array: np.ndarray) -> None:
-        """Replace the data with a copy of `array` (same shape; cast to this parameter's dtype)."""
-        a = np.asarray(array)
+    def assign(self, array: np.ndarray | Tensor) -> None:
+        """Replace the data with a copy of `array` (same shape; cast to this parameter's dtype).
+
+        A Tensor on this parameter's device is taken as it is, without a round trip (tensors are
+        immutable, so sharing its value is safe): `model.load_state_dict(el.load(path, device=dev))`.
+        """
+        dev = self._v.dev
+        on_dev = isinstance(dev, Device) and isinstance(array, Tensor) and array.device is dev
+        a = array if on_dev else np.asarray(array)
         if a.shape != self.shape:
             raise ShapeError(f"cannot assign shape {a.shape} to a parameter of shape {self.shape}")
-        dev = self._v.dev
+        if isinstance(a, Tensor):
+            self._v = a.astype(self.dtype)._v
+            return
         if isinstance(dev, Device):
             self._v = dev.tensor(a, dtype=self.dtype)._v
         else:
