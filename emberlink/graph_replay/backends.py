@@ -94,7 +94,10 @@ def create_backend(device: DeviceSpec | str) -> Backend:
     if entry.indexed != (spec.index is not None):
         raise ConfigError(f"device {spec.kind} {'needs an' if entry.indexed else 'takes no'} index")
     cls = _load(spec, entry)
-    return cls() if spec.index is None else cls(spec.index)
+    try:
+        return cls() if spec.index is None else cls(spec.index)
+    except DeviceError as e:  # say which device, e.g. in the worker's one-line start-up error
+        raise DeviceError(f"device {spec}: {e}") from e
 
 
 def _load(spec: DeviceSpec, entry: _Entry) -> BackendClass:

@@ -11,7 +11,7 @@ import pytest
 import emberlink.testing
 from emberlink import Device
 from emberlink.client.remote import RemoteExecutor
-from emberlink.errors import ConfigError
+from emberlink.errors import ConfigError, DeviceError
 from emberlink.graph_replay.backend import Array
 from emberlink.graph_replay.backends import (
     DeviceSpec,
@@ -136,6 +136,19 @@ def test_an_indexed_kind_calls_its_class_with_the_index() -> None:
         unregister("multi")
     with pytest.raises(ConfigError, match="cpu or cuda:N"):
         parse_device("multi:3")
+
+
+def test_a_device_the_backend_cannot_use_is_a_device_error_naming_the_device() -> None:
+    class Missing(NumpyBackend):
+        def __init__(self, index: int) -> None:
+            raise DeviceError(f"no such unit {index}")
+
+    register("missing", Missing, indexed=True)
+    try:
+        with pytest.raises(DeviceError, match=r"^device missing:2: no such unit 2$"):
+            create_backend("missing:2")
+    finally:
+        unregister("missing")
 
 
 # -- a third backend, by registration alone --------------------------------------------------------------
