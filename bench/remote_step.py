@@ -43,8 +43,8 @@ import bare
 import local_step
 
 import emberlink as el
-from emberlink.client.loop import io_loop
 from emberlink.protocol.identity import AllowPolicy, Identity
+from emberlink.transport.loop import io_loop
 
 MiB = 1 << 20
 

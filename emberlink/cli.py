@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from emberlink.errors import ConfigError, EmberlinkError
+from emberlink.graph_replay.backends import device_kinds
 from emberlink.protocol.identity import Identity, default_key_path
 from emberlink.protocol.ticket import Ticket
 
@@ -92,7 +93,7 @@ def add_worker(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--allow", type=Path, metavar="FILE", help="allowed client NodeIds, one a line")
     who.add_argument("--allow-any", action="store_true", help="admit every client (logged loudly)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N (default: cpu)")
+    p.add_argument("--device", default="cpu", help=f"{device_kinds()} (default: cpu)")
     p.add_argument("--ticket-file", type=Path, metavar="FILE", help="also write the ticket to this file")
     p.add_argument("--max-session-bytes", type=_byte_count, metavar="N", help="bytes one session may hold")
     p.add_argument(

@@ -27,6 +27,7 @@ from emberlink.client.executor import Call, Executor
 from emberlink.client.tensor import Scalar, Tensor, create, norm_shape, scalar
 from emberlink.errors import DeviceError, DTypeError, ShapeError
 from emberlink.graph_replay import canonical
+from emberlink.graph_replay.backends import DeviceSpec, create_backend, parse_device
 from emberlink.graph_replay.ir import Graph
 
 Spec = tuple[str, tuple[int, ...]]
@@ -133,16 +134,24 @@ class Device:
     @classmethod
     def cpu(cls) -> Device:
         """This process's CPU, through the NumPy backend."""
-        from emberlink.client.local import LocalExecutor, numpy_backend
-
-        return cls(LocalExecutor(numpy_backend()), "cpu")
+        return cls._local(DeviceSpec("cpu"))
 
     @classmethod
     def cuda(cls, index: int = 0) -> Device:
         """GPU `index` of this machine, through CuPy (`pip install 'emberlink[cuda13]'` or `[cuda12]`)."""
-        from emberlink.client.local import LocalExecutor, cupy_backend
+        return cls._local(DeviceSpec("cuda", index))
 
-        return cls(LocalExecutor(cupy_backend(index)), f"cuda:{index}")
+    @classmethod
+    def local(cls, device: str = "cpu") -> Device:
+        """A device of this machine named by a device string: `cpu`, `cuda`, `cuda:1`, or a kind
+        registered in graph_replay/backends.py. ConfigError for an unknown kind."""
+        return cls._local(parse_device(device))
+
+    @classmethod
+    def _local(cls, device: DeviceSpec) -> Device:
+        from emberlink.client.local import LocalExecutor
+
+        return cls(LocalExecutor(create_backend(device)), str(device))
 
     @classmethod
     def remote(cls, address: str, *, key: str | None = None, timeout: float = 30.0) -> Device:

@@ -50,7 +50,7 @@ def survey(url: str, *, window: float = WINDOW_S, quiet: float = QUIET_S, timeou
     earlier and replayed, say nothing about whether the worker is there now. Messages that do not
     decode or whose signature does not verify are ignored.
     """
-    from emberlink.client.loop import io_loop
+    from emberlink.transport.loop import io_loop
     from emberlink.transport.presence import query
 
     _check_url(url)

@@ -14,21 +14,8 @@ import numpy as np
 
 from emberlink.client.executor import Call
 from emberlink.errors import EmberlinkError, ExecutionError, UnknownTensor
+from emberlink.graph_replay.backend import Backend
 from emberlink.graph_replay.ir import Graph
-
-
-def numpy_backend() -> Any:
-    """The NumPy backend (always available)."""
-    from emberlink.graph_replay.numpy_backend import NumpyBackend
-
-    return NumpyBackend()
-
-
-def cupy_backend(index: int) -> Any:
-    """The CuPy backend on GPU `index`; DeviceError saying what is missing (CuPy, a driver, a GPU)."""
-    from emberlink.graph_replay.cupy_backend import CupyBackend
-
-    return CupyBackend(index)
 
 
 class _Ready:
@@ -50,7 +37,7 @@ class _Ready:
 class LocalExecutor:
     """The Executor of `Device.cpu()` and `Device.cuda(n)` (docs/internals.md section 4)."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Backend) -> None:
         self._backend = backend
         self._store: dict[int, Any] = {}
         self._poisoned: dict[int, ExecutionError] = {}

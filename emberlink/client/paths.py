@@ -118,7 +118,7 @@ def connect(ticket: Ticket, identity: Identity, *, timeout: float = 30.0) -> Rem
     If the handshake fails on the direct path for a transport reason, the relay is tried once more.
     """
     from emberlink.client import remote
-    from emberlink.client.loop import io_loop
+    from emberlink.transport.loop import io_loop
 
     loop_thread = io_loop()
     opening = loop_thread.submit(open_link(ticket, timeout=timeout))

@@ -1,7 +1,7 @@
 """RemoteExecutor: a Device's executor whose buffers live on a worker (docs/internals.md sections 4, 6).
 
 The user's thread records messages into a pending batch and hands whole batches to the I/O loop
-thread (`client.loop`), which owns the Link and the Channel (`client.session`). Only reads,
+thread (`transport.loop`), which owns the Link and the Channel (`client.session`). Only reads,
 `sync()` and `memory_stats()` wait, each on its own future. Between flushes every message goes out
 as one batch, normally in one transport blob.
 """
@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 
 from emberlink.client.executor import Call
-from emberlink.client.loop import LoopThread, io_loop
 from emberlink.client.session import ClientSession, Counters, Flow
 from emberlink.errors import (
     AuthError,
@@ -41,6 +40,7 @@ from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity, default_key_path, load_or_create
 from emberlink.protocol.ticket import Ticket
 from emberlink.transport.base import Link
+from emberlink.transport.loop import LoopThread, io_loop
 
 log = logging.getLogger("emberlink.client")
 

@@ -30,9 +30,28 @@ IntoFn: TypeAlias = Callable[[Any, Sequence[Any], Step, Any], Array]
 
 
 class Backend(Protocol):
-    """What an executor or the worker needs from a device (docs/internals.md section 4)."""
+    """What an executor or the worker needs from a device (docs/internals.md section 4).
+
+    A class implementing it is registered for a device kind in graph_replay/backends.py.
+    """
 
     name: str
+
+    @property
+    def runs_inline(self) -> bool:
+        """Whether tiny work may run on whichever thread asks (host arrays, no device context to
+        bind): the worker then applies light batches on its event loop (docs/internals.md section 6)."""
+        ...
+
+    def bind_thread(self) -> None:
+        """Make the calling thread use this backend's device; the worker's device thread calls it
+        once before any work. A no-op where there is no per-thread device context."""
+        ...
+
+    def free_bytes(self) -> int | None:
+        """Bytes still free where this backend allocates; None when that is the host's memory,
+        whose available bytes the worker reads itself."""
+        ...
 
     def from_numpy(self, a: Any) -> Array: ...
     def to_numpy(self, a: Array) -> Any: ...

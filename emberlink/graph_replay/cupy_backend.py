@@ -122,6 +122,7 @@ class CupyBackend:
     """Runs plans on one CUDA GPU. Memory figures come from CuPy's default memory pool."""
 
     name = "cupy"
+    runs_inline = False
 
     def __init__(self, device: int = 0, *, fuse: bool = True, reuse: bool = True) -> None:
         cupy = _import_cupy()
@@ -224,6 +225,14 @@ class CupyBackend:
 
     def synchronize(self) -> None:
         self._device.synchronize()
+
+    def bind_thread(self) -> None:
+        self._device.use()
+
+    def free_bytes(self) -> int:
+        with self._device:
+            free, _total = self._cp.cuda.runtime.memGetInfo()
+        return int(free)
 
 
 __all__ = ["CupyBackend"]

@@ -363,6 +363,7 @@ class NumpyBackend:
     """
 
     name = "numpy"
+    runs_inline = True
 
     def __init__(self, *, keep_intermediates: bool = False, reuse: bool = True) -> None:
         self.keep_intermediates = keep_intermediates
@@ -425,6 +426,12 @@ class NumpyBackend:
 
     def synchronize(self) -> None:
         return None
+
+    def bind_thread(self) -> None:
+        return None
+
+    def free_bytes(self) -> int | None:
+        return None  # host memory: the worker reads the host's available memory itself
 
 
 __all__ = [

@@ -1,9 +1,9 @@
 """A worker running inside this process, on an event-loop thread: for `emberlink demo`, tests, benches.
 
 It listens on loopback gRPC (port 0) and, optionally, on an in-process memory endpoint. By default
-it runs on the process's I/O loop (`client.loop.io_loop`), the one remote devices use: the memory
+it runs on the process's I/O loop (`transport.loop.io_loop`), the one remote devices use: the memory
 transport is single-loop, so clients of that endpoint must share the worker's loop, and a loop
-that carried gRPC is never closed (see client/loop.py), so no extra loop is made and thrown away.
+that carried gRPC is never closed (see transport/loop.py), so no extra loop is made and thrown away.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import os
 from collections.abc import Coroutine
 from typing import Any, Self, TypeVar
 
-from emberlink.client.loop import LoopThread, io_loop
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.ticket import Ticket
 from emberlink.server.worker import Worker
+from emberlink.transport.loop import LoopThread, io_loop
 
 T = TypeVar("T")
 log = logging.getLogger("emberlink.server")

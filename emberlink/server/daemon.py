@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from emberlink.errors import ConfigError, DeviceError, EmberlinkError
+from emberlink.graph_replay.backends import parse_device
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.ticket import Ticket
-from emberlink.server.device import parse_device
 from emberlink.server.worker import DEFAULT_GRAPH_CACHE_BYTES, Worker
 from emberlink.transport.grpc import GrpcListener
 from emberlink.transport.malloc import tune_malloc
@@ -66,7 +66,7 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
     allow = AllowPolicy.allow_any() if args.allow_any else AllowPolicy.from_file(args.allow)
     host, port = parse_host_port(args.listen, "--listen")
     advertise = parse_host_port(args.advertise, "--advertise") if args.advertise else None
-    parse_device(args.device)
+    device = str(parse_device(args.device))
     if args.relay is not None and not args.relay.startswith("nats://"):
         raise ConfigError(f"--relay must be nats://HOST:PORT, got {args.relay!r}")
     if args.max_session_bytes is not None and args.max_session_bytes <= 0:
@@ -77,7 +77,7 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         host=host,
         port=port,
         advertise=advertise,
-        device=args.device,
+        device=device,
         relay=args.relay,
         ticket_file=args.ticket_file,
         max_session_bytes=args.max_session_bytes,

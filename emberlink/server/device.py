@@ -13,57 +13,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from emberlink.errors import ConfigError, DeviceError
+from emberlink.graph_replay.backend import Backend
+from emberlink.graph_replay.backends import create_backend, parse_device
 
 T = TypeVar("T")
 log = logging.getLogger("emberlink.server")
-
-_DEVICE = re.compile(r"^(cpu|cuda:(\d{1,3}))$")
-
-
-def parse_device(spec: str) -> tuple[str, int]:
-    """`cpu` or `cuda:N` as (kind, index); ConfigError otherwise."""
-    m = _DEVICE.match(spec)
-    if m is None:
-        raise ConfigError(f"--device must be cpu or cuda:N, got {spec!r}")
-    return ("cpu", 0) if m.group(1) == "cpu" else ("cuda", int(m.group(2)))
-
-
-def make_backend(spec: str) -> Any:
-    """The graph_replay backend for a device spec: NumPy for cpu, CuPy for cuda:N."""
-    kind, index = parse_device(spec)
-    if kind == "cpu":
-        from emberlink.graph_replay.numpy_backend import NumpyBackend
-
-        return NumpyBackend()
-    try:
-        import cupy
-    except ImportError as e:
-        raise DeviceError(f"--device {spec} needs CuPy: pip install 'emberlink[cuda13]' or '[cuda12]'") from e
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # CUDARuntimeError without a driver or a GPU
-        raise DeviceError(f"--device {spec}: no usable CUDA GPU: {e}") from e
-    if not 0 <= index < count:
-        raise DeviceError(f"--device {spec}: this machine has {count} CUDA GPU(s)")
-    from emberlink.graph_replay.cupy_backend import CupyBackend
-
-    return CupyBackend(index)
 
 
 class DeviceThread:
     """A backend plus the single thread that runs everything on it, in the order it was posted."""
 
-    def __init__(self, spec: str, backend: Any | None = None) -> None:
-        self.spec = spec
-        self._kind, self._index = parse_device(spec)
-        self.backend = backend if backend is not None else make_backend(spec)
+    def __init__(self, spec: str, backend: Backend | None = None) -> None:
+        """The device of device string `spec` (graph_replay/backends.py), on `backend` if given,
+        else on a new backend of its kind; ConfigError or DeviceError when there is none."""
+        device = parse_device(spec)
+        self.spec = str(device)
+        self.backend: Backend = backend if backend is not None else create_backend(device)
         # A bare queue and thread rather than a ThreadPoolExecutor: the hot path (`post`) makes
         # no Future, and the thread is named after the device it serves.
         self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
@@ -74,14 +44,11 @@ class DeviceThread:
         self._busy = threading.Lock()
         self._count_lock = threading.Lock()
         self._unfinished = 0
-        self._thread = threading.Thread(target=self._serve, name=f"emberlink-{spec}", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=f"emberlink-{self.spec}", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        if self._kind == "cuda":
-            import cupy
-
-            cupy.cuda.Device(self._index).use()
+        self.backend.bind_thread()
         while True:
             item = self._queue.get()
             if item is None:
@@ -100,10 +67,6 @@ class DeviceThread:
     def queued(self) -> int:
         """Work items posted and not started yet (the worker's presence reports it as load)."""
         return self._queue.qsize()
-
-    def on_thread(self) -> bool:
-        """Whether the caller is the device thread."""
-        return threading.current_thread() is self._thread
 
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue fn(*args) behind all earlier work; its result is dropped, its exception logged."""

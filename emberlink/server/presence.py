@@ -9,8 +9,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from emberlink.graph_replay.backend import Backend
 from emberlink.protocol.presence import NONCE_SIZE, Presence, encode_presence
-from emberlink.server.device import parse_device
 
 if TYPE_CHECKING:
     from emberlink.server.worker import Worker
@@ -18,19 +18,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("emberlink.server")
 
 
-def free_memory(spec: str) -> int:
-    """Bytes free on the device: the GPU's free memory for cuda:N, the host's available memory for cpu."""
-    kind, index = parse_device(spec)
-    if kind == "cuda":
-        try:
-            import cupy
+def free_memory(backend: Backend) -> int:
+    """Bytes free where `backend` allocates: its device's free memory (a GPU's), or the host's
+    available memory for a backend on host memory; 0 when the figure cannot be read."""
+    try:
+        free = backend.free_bytes()
+    except RuntimeError as e:  # CUDARuntimeError is a RuntimeError: report 0, keep going
+        log.debug("presence: cannot read free memory of %s: %s", backend.name, e)
+        return 0
+    return free if free is not None else host_available_memory()
 
-            with cupy.cuda.Device(index):
-                free, _total = cupy.cuda.runtime.memGetInfo()
-            return int(free)
-        except (ImportError, RuntimeError) as e:  # CUDARuntimeError is a RuntimeError: report 0, keep going
-            log.debug("presence: cannot read free memory of %s: %s", spec, e)
-            return 0
+
+def host_available_memory() -> int:
+    """The host's available memory in bytes (MemAvailable on Linux), 0 if unknown."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -68,7 +68,7 @@ class PresenceSource:
         return Presence(
             ticket=self._ticket,
             device=worker.device.spec,
-            free_bytes=free_memory(worker.device.spec),
+            free_bytes=free_memory(worker.device.backend),
             sessions=len(worker.sessions),
             queued=queued_work(worker),
             admits_anyone=worker.allow.admits_anyone,
@@ -87,4 +87,4 @@ class PresenceSource:
         return encode_presence(self.current(bytes(query)), self._worker.identity)
 
 
-__all__ = ["PresenceSource", "free_memory", "queued_work"]
+__all__ = ["PresenceSource", "free_memory", "host_available_memory", "queued_work"]

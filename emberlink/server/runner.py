@@ -10,14 +10,15 @@ produced. A ProtocolError raised here ends the session.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from emberlink.errors import EmberlinkError, ExecutionError, ProtocolError
+from emberlink.graph_replay.backend import Backend
 from emberlink.graph_replay.plan import Plan
 from emberlink.protocol import messages as m
 from emberlink.server.graphs import GraphView
@@ -26,7 +27,7 @@ from emberlink.server.store import Failure, Quota, TensorStore
 log = logging.getLogger(__name__)
 
 INLINE_BYTES = 64 << 10
-"""A batch is light (may be applied on the event loop, NumPy only) when no upload, no graph's
+"""A batch is light (may be applied on the event loop, where `Backend.runs_inline`) when no upload, no graph's
 values in total, and no non-contiguous read exceeds this many bytes..."""
 INLINE_STEPS = 64
 """...no graph has more steps than this..."""
@@ -67,13 +68,16 @@ class Counters:
     graph_unknown: int = 0
     discarded_batches: int = 0
 
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
 
 class BatchRunner:
     """Applies one session's batches to its store. Device thread only."""
 
     def __init__(
         self,
-        backend: Any,
+        backend: Backend,
         store: TensorStore,
         graphs: GraphView,
         stats: Callable[[], dict[str, m.StatValue]],

@@ -2,10 +2,11 @@
 
 The event loop only moves bytes: it opens frames, decrypts uploads straight into preallocated
 arrays, and seals replies. Applying batches (and every backend call) happens on the device
-thread through `BatchRunner`, in arrival order, with one bounded exception: on the NumPy
-backend, a light batch (`BatchRunner.light`: small arrays, small compiled graphs) that finds the
-device thread idle is applied right here on the loop, which saves two thread hand-offs. A frame that does not open or decode ends this
-session alone, with `Error(0, "refused", ...)`; every other session carries on.
+thread through `BatchRunner`, in arrival order, with one bounded exception: on a backend that
+`runs_inline` (the NumPy one), a light batch (`BatchRunner.light`: small arrays, small compiled
+graphs) that finds the device thread idle is applied right here on the loop, which saves two
+thread hand-offs. A frame that does not open or decode ends this session alone, with
+`Error(0, "refused", ...)`; every other session carries on.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,12 +33,12 @@ from emberlink.protocol.channel import (
     split_frames,
 )
 from emberlink.protocol.handshake import WorkerHandshake
+from emberlink.protocol.identity import AllowPolicy, Identity
+from emberlink.server.device import DeviceThread
+from emberlink.server.graphs import GraphView
 from emberlink.server.runner import BatchRunner, Incoming, Outgoing
 from emberlink.server.store import Failure, Quota, TensorStore
 from emberlink.transport.base import Link
-
-if TYPE_CHECKING:
-    from emberlink.server.worker import Worker
 
 log = logging.getLogger("emberlink.server")
 
@@ -48,6 +49,22 @@ FINAL_SEND_TIMEOUT = 5.0
 MAX_INFLIGHT_BYTES = 256 << 20
 """Upload bytes a session may have received and not yet applied: the clients' flow-control bound
 (docs/internals.md section 6), which an honest client never passes since its acks come after apply."""
+
+
+class Host(Protocol):
+    """What a session needs from the worker serving it (server/worker.py's Worker), named here so
+    that this module does not import the worker, which imports it."""
+
+    identity: Identity
+    allow: AllowPolicy
+    device: DeviceThread
+    held: Quota
+    max_session_bytes: int | None
+    chunk_size: int
+
+    def limits(self) -> dict[str, int]: ...
+    def graphs_of(self, client: str) -> GraphView: ...
+    def stats_for(self, session: Session) -> dict[str, m.StatValue]: ...
 
 
 class State(enum.Enum):
@@ -75,7 +92,7 @@ class _Final:
 class Session:
     """A client session over one transport Link."""
 
-    def __init__(self, worker: Worker, link: Link) -> None:
+    def __init__(self, worker: Host, link: Link) -> None:
         self._worker = worker
         self._link = link
         self._loop = asyncio.get_running_loop()
@@ -101,7 +118,7 @@ class Session:
         # sent last; frames arrive in the order they were sent, so both sides hold the same one.
         self._template: tuple[m.ClientMessage, ...] | None = None
         self._receiver: asyncio.Task[None] | None = None
-        self._inline = getattr(worker.device.backend, "name", None) == "numpy"
+        self._inline = worker.device.backend.runs_inline
 
     # -- life cycle ----------------------------------------------------------------------------------
 
@@ -152,6 +169,19 @@ class Session:
     @property
     def id(self) -> str:
         return self._channel.session_id.hex() if self._channel is not None else "-"
+
+    def stats(self) -> dict[str, m.StatValue]:
+        """This session's figures for a StatsReply: what it holds, its traffic, its batch counters."""
+        stats: dict[str, m.StatValue] = {
+            "session_tensors": len(self._store),
+            "session_bytes": self.quota.used,
+            "session_peak_bytes": self.quota.peak,
+            "session_bytes_in": self.bytes_in,
+            "session_bytes_out": self.bytes_out,
+        }
+        if self._runner is not None:
+            stats.update({f"session_{k}": v for k, v in self._runner.counters.as_dict().items()})
+        return stats
 
     def _end(self, reason: str, final: m.Error | None = None) -> None:
         if not self._ended.done():
@@ -416,4 +446,4 @@ def _inline_array(msg: m.Upload, plaintext: bytes, start: int) -> np.ndarray:
     return array if 2 * msg.nbytes >= len(plaintext) else array.copy()
 
 
-__all__ = ["Session", "State"]
+__all__ = ["Host", "Session", "State"]

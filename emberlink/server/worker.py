@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
+from emberlink.graph_replay.backend import Backend
 from emberlink.graph_replay.cache import GraphCache
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import CHUNK_SIZE
@@ -36,13 +36,13 @@ class Worker:
         allow: AllowPolicy,
         *,
         device: str = "cpu",
-        backend: Any = None,
+        backend: Backend | None = None,
         max_session_bytes: int | None = None,
         graph_cache_bytes: int = DEFAULT_GRAPH_CACHE_BYTES,
         chunk_size: int = CHUNK_SIZE,
     ) -> None:
         self.identity = identity
-        self.allow = allow
+        self.allow = allow  # read by each new session's handshake, so it may be replaced while serving
         self.max_session_bytes = max_session_bytes
         self.chunk_size = chunk_size
         self.device = DeviceThread(device, backend)
@@ -138,16 +138,7 @@ class Worker:
         }
         stats.update(self.memory_stats())
         stats.update({f"cache_{k}": v for k, v in self._cache_stats(session.client).items()})
-        counters = session._runner.counters if session._runner is not None else None
-        stats.update(
-            session_tensors=len(session._store),
-            session_bytes=session.quota.used,
-            session_peak_bytes=session.quota.peak,
-            session_bytes_in=session.bytes_in,
-            session_bytes_out=session.bytes_out,
-        )
-        if counters is not None:
-            stats.update({f"session_{k}": v for k, v in vars_of(counters).items()})
+        stats.update(session.stats())
         return stats
 
     def _cache_stats(self, owner: str | None) -> dict[str, int]:
@@ -156,8 +147,3 @@ class Worker:
     def log_stats(self) -> None:
         """Worker-wide figures (which no client is told) to the log."""
         log.info("worker stats: memory %s, graph cache %s", self.memory_stats(), self.cache.stats())
-
-
-def vars_of(obj: Any) -> dict[str, int]:
-    """The int fields of a slotted dataclass."""
-    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}

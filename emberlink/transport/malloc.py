@@ -9,7 +9,7 @@ result allocates in an arena of its own, whose heaps top out at 64 MiB, so a lar
 fresh, page-faulting mapping every time. Measured on this 2-core machine, 64 MiB downloads on
 loopback gRPC: 0.85–1.1 GB/s untuned; thresholds alone: bimodal, 0.3–0.45 or 1.1–1.8 GB/s;
 thresholds with one arena: 1.6–2.2 GB/s (after the first transfer). The worker tunes at start-up;
-a client process tunes before it starts its I/O thread (client/loop.py), unless
+a client process tunes before it starts its I/O thread (transport/loop.py), unless
 `EMBERLINK_TUNE_MALLOC=0`.
 The costs: freed memory up to the trim threshold stays with the process instead of going back to
 the OS, and threads that allocate heavily at the same time share one arena's lock.

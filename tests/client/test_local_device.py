@@ -12,8 +12,9 @@ import pytest
 import emberlink as el
 from emberlink import Device, DeviceError, ExecutionError, UnknownTensor
 from emberlink.client.executor import Call
-from emberlink.client.local import LocalExecutor, numpy_backend
+from emberlink.client.local import LocalExecutor
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
+from emberlink.graph_replay.numpy_backend import NumpyBackend
 
 
 def test_cpu_device_names_itself() -> None:
@@ -43,7 +44,7 @@ def test_remote_calls_open_remote_of_the_remote_module(monkeypatch: pytest.Monke
 
     def open_remote(address: str, *, key: str | None, timeout: float) -> LocalExecutor:
         calls.append((address, key, timeout))
-        return LocalExecutor(numpy_backend())
+        return LocalExecutor(NumpyBackend())
 
     fake = types.ModuleType("emberlink.client.remote")
     fake.open_remote = open_remote  # type: ignore[attr-defined]
@@ -90,7 +91,7 @@ def _double_graph() -> Graph:
 
 
 def test_local_executor_runs_reads_and_drops() -> None:
-    ex = LocalExecutor(numpy_backend())
+    ex = LocalExecutor(NumpyBackend())
     ex.upload(1, np.array([1.0, 2.0], dtype="float32"))
     ex.execute(_double_graph(), b"g" * 16, Call((1,), (3.0,), (2,)))
     out = ex.read(2).result()
@@ -106,7 +107,7 @@ def test_local_executor_runs_reads_and_drops() -> None:
 
 
 def test_local_executor_poisons_outputs_and_passes_poison_on() -> None:
-    ex = LocalExecutor(numpy_backend())
+    ex = LocalExecutor(NumpyBackend())
     ex.upload(1, np.array([1.0, 2.0], dtype="float32"))
     take = Graph(
         inputs=(TensorSpec("float32", (2,)), TensorSpec("int64", (1,))),

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from emberlink.cli import build_parser
+from emberlink.graph_replay.backends import parse_device
 from emberlink.server.daemon import parse_host_port
-from emberlink.server.device import parse_device
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the dev extra; install it to check the compose file")
 

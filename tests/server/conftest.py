@@ -1,4 +1,5 @@
-"""Fixtures for the worker's tests: in-process workers, each a real Worker with real listeners."""
+"""Fixtures for the worker's tests: a fresh in-process worker per test (`emberlink.testing`), since
+these tests look at the worker's own state (its sessions, its memory, draining it)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,17 @@ from typing import Any
 
 import pytest
 
-from emberlink.server.background import BackgroundWorker
+import emberlink.testing
+from emberlink.testing import InProcessWorker
 
 
 @pytest.fixture
-def make_worker() -> Iterator[Callable[..., BackgroundWorker]]:
-    """`make_worker(**worker_options)`: a worker on the I/O loop, with memory and gRPC listeners."""
-    made: list[BackgroundWorker] = []
+def make_worker() -> Iterator[Callable[..., InProcessWorker]]:
+    """`make_worker(**worker_options)`: a worker with memory and gRPC listeners, stopped after the test."""
+    made: list[InProcessWorker] = []
 
-    def make(**options: Any) -> BackgroundWorker:
-        worker = BackgroundWorker(memory=True, grpc=True, **options)
+    def make(**options: Any) -> InProcessWorker:
+        worker = emberlink.testing.worker(grpc=True, **options)
         made.append(worker)
         return worker
 
@@ -26,5 +28,5 @@ def make_worker() -> Iterator[Callable[..., BackgroundWorker]]:
 
 
 @pytest.fixture
-def worker(make_worker: Callable[..., BackgroundWorker]) -> BackgroundWorker:
+def worker(make_worker: Callable[..., InProcessWorker]) -> InProcessWorker:
     return make_worker()

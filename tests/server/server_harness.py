@@ -1,6 +1,6 @@
-"""Helpers for the worker's tests: remote devices over in-process workers, and a raw session client
-that speaks the session protocol frame by frame, so tests can send what a real client never would
-(forged registers, garbage, out-of-order batches)."""
+"""Helpers for the worker's tests: remote devices over in-process workers (`emberlink.testing`), and a
+raw session client that speaks the session protocol frame by frame, so tests can send what a real
+client never would (forged registers, garbage, out-of-order batches)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,13 @@ from typing import Any
 import numpy as np
 
 from emberlink import Device
-from emberlink.client.remote import RemoteExecutor, connect_link, connect_ticket
+from emberlink.client.remote import RemoteExecutor
 from emberlink.errors import TransportError
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import BULK, MESSAGE, Channel, split_frames
 from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity
-from emberlink.protocol.ticket import Ticket
-from emberlink.server.background import BackgroundWorker
-from emberlink.transport import memory
+from emberlink.testing import InProcessWorker
 from emberlink.transport.base import Link
 
 
@@ -31,11 +29,13 @@ class RawClient:
         self.channel = channel
 
     @classmethod
-    async def connect(cls, worker: BackgroundWorker, identity: Identity) -> RawClient:
-        link = await memory.connect(worker.memory_name, hub=worker.hub)  # type: ignore[arg-type]
-        hs = ClientHandshake(identity, worker.node_id, os.urandom)
+    async def connect(cls, worker: InProcessWorker, identity: Identity | None = None) -> RawClient:
+        """A session as `identity`, default a new client the worker admits."""
+        link = await worker.open_link()
+        who = identity if identity is not None else worker.new_client()
+        hs = ClientHandshake(who, worker.node_id, os.urandom)
         await link.send(hs.hello())
-        auth, channel, _ = hs.receive_welcome(await link.recv())
+        auth, channel, _ = hs.receive_welcome(bytes(await link.recv()))
         await link.send(auth)
         return cls(link, channel)
 
@@ -52,7 +52,7 @@ class RawClient:
             self.channel.seal(m.encode_batch(m.Batch(seq, tuple(messages))) + tail, MESSAGE)
         ]
         for array in bulks:
-            frames.extend(self.channel.seal_chunks(memoryview(np.array(array, order="C")).cast("B")))
+            frames.extend(self.channel.seal_chunks(np.array(array, order="C").data.cast("B")))
         await self.link.send(b"".join(frames))
 
     async def reply(self) -> tuple[m.Reply, list[np.ndarray]]:
@@ -66,7 +66,7 @@ class RawClient:
         for msg in reply.messages:
             if type(msg) is m.Result:
                 out = np.empty(msg.shape, msg.dtype)
-                view = memoryview(out).cast("B")
+                view = out.data.cast("B")
                 done = 0
                 while done < msg.nbytes:
                     if not rest:
@@ -102,23 +102,14 @@ def new_identity() -> Identity:
     return Identity.generate(os.urandom)
 
 
-def memory_device(worker: BackgroundWorker, identity: Identity | None = None) -> Device:
-    """A remote Device over the worker's memory endpoint (the session runs on the worker's loop)."""
-    executor = connect_link(
-        lambda: memory.connect(worker.memory_name, hub=worker.hub),  # type: ignore[arg-type]
-        worker.node_id,
-        identity or new_identity(),
-        path="memory",
-        loop_thread=worker.loop_thread,
-        timeout=10,
-    )
-    return Device(executor, "remote-memory")
+def memory_device(worker: InProcessWorker, identity: Identity | None = None) -> Device:
+    """A remote Device over the worker's memory endpoint, as `identity` (default a new admitted client)."""
+    return worker.device(identity=identity if identity is not None else worker.new_client())
 
 
-def grpc_device(worker: BackgroundWorker, identity: Identity | None = None) -> Device:
-    return Device(
-        connect_ticket(Ticket.parse(worker.ticket), identity or new_identity(), timeout=10), "remote-grpc"
-    )
+def grpc_device(worker: InProcessWorker, identity: Identity | None = None) -> Device:
+    """The same over gRPC on loopback."""
+    return worker.device(identity=identity if identity is not None else worker.new_client(), transport="grpc")
 
 
 def executor_of(dev: Device) -> RemoteExecutor:

@@ -21,11 +21,10 @@ from emberlink.client.executor import Call
 from emberlink.errors import AuthError, ExecutionError, GoingAway, QuotaExceeded, WorkerLost
 from emberlink.graph_replay.canonical import encode_graph, graph_id
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
-from emberlink.protocol.identity import AllowPolicy
 from emberlink.protocol.ticket import Ticket
-from emberlink.server.background import BackgroundWorker
+from emberlink.testing import InProcessWorker
 
-DeviceMaker = Callable[[BackgroundWorker], el.Device]
+DeviceMaker = Callable[[InProcessWorker], el.Device]
 TRANSPORTS = [pytest.param(memory_device, id="memory"), pytest.param(grpc_device, id="grpc")]
 
 
@@ -49,7 +48,7 @@ def mlp_losses(dev: el.Device, steps: int, seed: int = 0) -> list[float]:
 
 @pytest.mark.parametrize("make_device", TRANSPORTS)
 def test_training_gives_the_same_losses_as_the_local_cpu(
-    worker: BackgroundWorker, make_device: DeviceMaker
+    worker: InProcessWorker, make_device: DeviceMaker
 ) -> None:
     with el.Device.cpu() as cpu:
         expected = mlp_losses(cpu, 8)
@@ -74,7 +73,7 @@ def test_a_graph_cache_smaller_than_one_graph_still_trains_identically(make_work
 
 @pytest.mark.parametrize("make", TRANSPORTS)
 def test_a_result_dropped_after_its_read_leaves_the_workers_memory_at_once(
-    worker: BackgroundWorker, make: DeviceMaker
+    worker: InProcessWorker, make: DeviceMaker
 ) -> None:
     """The reply that carried a read's bytes must not keep them held on the worker: the Drop right
     after (here in the same batch as the Stats request, no reply in between) frees them."""
@@ -86,7 +85,7 @@ def test_a_result_dropped_after_its_read_leaves_the_workers_memory_at_once(
         assert dev.memory_stats()["in_use_bytes"] == before
 
 
-def test_stats_report_the_path_and_the_worker_answers_memory_stats(worker: BackgroundWorker) -> None:
+def test_stats_report_the_path_and_the_worker_answers_memory_stats(worker: InProcessWorker) -> None:
     with grpc_device(worker) as dev:
         before = dev.memory_stats()
         x = dev.tensor(np.ones((256, 256), np.float32))
@@ -111,7 +110,7 @@ def test_stats_report_the_path_and_the_worker_answers_memory_stats(worker: Backg
 
 @pytest.mark.parametrize("make_device", TRANSPORTS)
 def test_every_dtype_and_odd_shape_survives_the_round_trip(
-    worker: BackgroundWorker, make_device: DeviceMaker
+    worker: InProcessWorker, make_device: DeviceMaker
 ) -> None:
     rng = np.random.default_rng(3)
     arrays = [
@@ -134,7 +133,7 @@ def test_every_dtype_and_odd_shape_survives_the_round_trip(
 
 @pytest.mark.parametrize("make_device", TRANSPORTS)
 def test_transfers_larger_than_a_chunk_arrive_whole(
-    worker: BackgroundWorker, make_device: DeviceMaker
+    worker: InProcessWorker, make_device: DeviceMaker
 ) -> None:
     a = np.random.default_rng(5).standard_normal(5 * 1024 * 1024 // 8 + 3)  # 5 MiB and a bit, float64
     with make_device(worker) as dev:
@@ -142,7 +141,7 @@ def test_transfers_larger_than_a_chunk_arrive_whole(
         np.testing.assert_array_equal((t + 1.0).numpy(), a + 1.0)
 
 
-def test_async_reads_overlap_and_resolve_in_any_order(worker: BackgroundWorker) -> None:
+def test_async_reads_overlap_and_resolve_in_any_order(worker: InProcessWorker) -> None:
     with grpc_device(worker) as dev:
         xs = [dev.tensor(np.full(4, i, np.float32)) * 2.0 for i in range(10)]
         dev.flush()
@@ -151,7 +150,7 @@ def test_async_reads_overlap_and_resolve_in_any_order(worker: BackgroundWorker) 
             np.testing.assert_array_equal(f.result(timeout=10), np.full(4, 2 * i, np.float32))
 
 
-def test_execution_failure_raises_at_the_read_and_once_at_sync(worker: BackgroundWorker) -> None:
+def test_execution_failure_raises_at_the_read_and_once_at_sync(worker: InProcessWorker) -> None:
     graph = Graph((TensorSpec("float32", (3,)),), ("float",), (Node("multiply", (0, 1)),), (2,))
     gid = graph_id(encode_graph(graph))
     with memory_device(worker) as dev:
@@ -181,7 +180,7 @@ def test_quota_exceeded_fails_that_session_only(make_worker) -> None:
 
 
 def test_flow_control_bounds_unacknowledged_batches(
-    worker: BackgroundWorker, monkeypatch: pytest.MonkeyPatch
+    worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(remote, "FLUSH_MESSAGES", 1)  # every message its own batch
     with memory_device(worker) as dev:
@@ -205,14 +204,14 @@ with el.Device.remote(sys.argv[1], timeout=30) as dev:
 """
 
 
-def test_sixteen_concurrent_clients_train_correctly(worker: BackgroundWorker, tmp_path: Path) -> None:
+def test_sixteen_concurrent_clients_train_correctly(worker: InProcessWorker, tmp_path: Path) -> None:
     # Processes, not threads: each client is its own program, as it would be in use (and the
     # client's autograd mode is per process; see the report on `no_grad` and threads).
     steps = 200
     with el.Device.cpu() as cpu:
         expected = [mlp_losses(cpu, steps, seed=s) for s in (0, 1)]
     key = tmp_path / "client.key"
-    new_identity().save(key)
+    worker.new_client().save(key)
     env = dict(os.environ, EMBERLINK_KEY=str(key), PYTHONPATH=str(Path(__file__).parent))
     clients = [
         subprocess.Popen(
@@ -230,20 +229,19 @@ def test_sixteen_concurrent_clients_train_correctly(worker: BackgroundWorker, tm
         assert json.loads(out) == expected[i % 2]
 
 
-def test_unknown_client_key_is_refused_with_an_auth_error_naming_it(make_worker) -> None:
-    allowed = new_identity()
-    worker = make_worker(allow=AllowPolicy.of([allowed.node_id]))
-    stranger = new_identity()
+def test_unknown_client_key_is_refused_with_an_auth_error_naming_it(worker: InProcessWorker) -> None:
+    stranger = new_identity()  # not on the worker's allow list
     with pytest.raises(AuthError, match=stranger.node_id):
         grpc_device(worker, stranger)
-    with grpc_device(worker, allowed) as dev:  # the allowed one gets in
+    with grpc_device(worker, worker.client) as dev:  # the allowed one gets in
         assert float(dev.tensor(np.float32(1.5))) == 1.5
 
 
-def test_ticket_with_another_node_id_is_refused_before_any_data_is_sent(worker: BackgroundWorker) -> None:
+def test_ticket_with_another_node_id_is_refused_before_any_data_is_sent(worker: InProcessWorker) -> None:
     from emberlink.transport import grpc
 
     impostor = new_identity().node_id  # the ticket names someone else than the worker at that address
+    ((host, port),) = Ticket.parse(worker.ticket).addrs
     sent: list[bytes] = []
 
     class Recording:
@@ -261,17 +259,17 @@ def test_ticket_with_another_node_id_is_refused_before_any_data_is_sent(worker: 
             await self.link.close()
 
     async def factory() -> Recording:
-        return Recording(await grpc.connect(worker.host, worker.port, timeout=5))
+        return Recording(await grpc.connect(host, port, timeout=5))
 
     with pytest.raises(AuthError, match=impostor):
         remote.connect_link(factory, impostor, new_identity(), path="grpc", timeout=5)
     assert len(sent) == 1 and sent[0].startswith(b"EMLH")  # the Hello, nothing else
-    ticket = Ticket(impostor, ((worker.host, worker.port),))
+    ticket = Ticket(impostor, ((host, port),))
     with pytest.raises(AuthError):
         remote.connect_ticket(ticket, new_identity(), timeout=5)
 
 
-def test_draining_finishes_queued_work_then_ends_sessions_going_away(worker: BackgroundWorker) -> None:
+def test_draining_finishes_queued_work_then_ends_sessions_going_away(worker: InProcessWorker) -> None:
     with grpc_device(worker) as dev:
         x = dev.tensor(np.arange(4, dtype=np.float32))
         dev.sync()
@@ -297,7 +295,7 @@ def test_draining_finishes_queued_work_then_ends_sessions_going_away(worker: Bac
             dev.sync()
 
 
-def test_a_device_dropped_without_close_ends_its_session(worker: BackgroundWorker) -> None:
+def test_a_device_dropped_without_close_ends_its_session(worker: InProcessWorker) -> None:
     import gc
 
     dev = memory_device(worker)
@@ -313,7 +311,7 @@ def test_a_device_dropped_without_close_ends_its_session(worker: BackgroundWorke
 
 
 def test_large_transfers_show_a_progress_bar_on_a_terminal(
-    worker: BackgroundWorker, monkeypatch: pytest.MonkeyPatch
+    worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import io
 

@@ -6,12 +6,12 @@ import threading
 
 import numpy as np
 import pytest
-from server_harness import RawClient, memory_device, new_identity, worker_stats
+from server_harness import RawClient, memory_device, worker_stats
 
 from emberlink.graph_replay.canonical import encode_graph, graph_id
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
 from emberlink.protocol import messages as m
-from emberlink.server.background import BackgroundWorker
+from emberlink.testing import InProcessWorker
 
 
 def scale_graph(n: int = 3) -> tuple[bytes, bytes]:
@@ -33,15 +33,15 @@ def upload(tid: int, array: np.ndarray) -> m.Upload:
 X = np.array([1.0, 2.0, 3.0], np.float32)
 
 
-def run(worker: BackgroundWorker, coro):
+def run(worker: InProcessWorker, coro):
     return worker.call(coro, 20)
 
 
-def test_one_batch_uploads_executes_and_reads(worker: BackgroundWorker) -> None:
+def test_one_batch_uploads_executes_and_reads(worker: InProcessWorker) -> None:
     gid, body = scale_graph()
 
     async def go() -> tuple[m.Reply, list[np.ndarray]]:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         await c.send(
             1, [upload(1, X), m.Register(gid, body), m.Execute(gid, (1,), (2.0,), 2), m.Read(1, 2)], [X]
         )
@@ -55,13 +55,13 @@ def test_one_batch_uploads_executes_and_reads(worker: BackgroundWorker) -> None:
     np.testing.assert_array_equal(arrays[0], X * 2)
 
 
-def test_forged_register_is_refused_and_ends_only_that_session(worker: BackgroundWorker) -> None:
+def test_forged_register_is_refused_and_ends_only_that_session(worker: InProcessWorker) -> None:
     gid, _ = scale_graph()
     _, other_body = scale_graph(4)
     bystander = memory_device(worker)
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         await c.send(1, [m.Register(gid, other_body)])
         got = (await c.reply())[0].messages
         assert await c.ended()
@@ -76,13 +76,13 @@ def test_forged_register_is_refused_and_ends_only_that_session(worker: Backgroun
 
 @pytest.mark.parametrize("garbage", [b"\x00" * 64, bytes(range(256)) * 3, b"\x01\x01" + b"\xff" * 40])
 def test_malformed_frame_after_handshake_ends_only_that_session(
-    worker: BackgroundWorker, garbage: bytes
+    worker: InProcessWorker, garbage: bytes
 ) -> None:
     bystander = memory_device(worker)
     x = bystander.tensor(X)
 
     async def go() -> bool:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         await c.link.send(garbage)
         return await c.ended()
 
@@ -92,10 +92,10 @@ def test_malformed_frame_after_handshake_ends_only_that_session(
     bystander.close()
 
 
-def test_frame_sealed_for_another_session_is_refused(worker: BackgroundWorker) -> None:
+def test_frame_sealed_for_another_session_is_refused(worker: InProcessWorker) -> None:
     async def go() -> bool:
-        a = await RawClient.connect(worker, new_identity())
-        b = await RawClient.connect(worker, new_identity())
+        a = await RawClient.connect(worker)
+        b = await RawClient.connect(worker)
         frame = a.channel.seal(m.encode_batch(m.Batch(1, (m.Sync(1),))))
         await b.link.send(frame)
         ended = await b.ended()
@@ -105,9 +105,9 @@ def test_frame_sealed_for_another_session_is_refused(worker: BackgroundWorker) -
     assert run(worker, go())
 
 
-def test_batches_out_of_order_are_refused(worker: BackgroundWorker) -> None:
+def test_batches_out_of_order_are_refused(worker: InProcessWorker) -> None:
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         await c.send(2, [m.Sync(1)])
         got = list((await c.reply())[0].messages)
         assert await c.ended()
@@ -118,12 +118,12 @@ def test_batches_out_of_order_are_refused(worker: BackgroundWorker) -> None:
 
 
 def test_unknown_graph_applies_nothing_of_its_batch_and_discards_later_batches(
-    worker: BackgroundWorker,
+    worker: InProcessWorker,
 ) -> None:
     gid, body = scale_graph()
 
     async def go() -> tuple[list[m.WorkerMessage], list[m.WorkerMessage], list[np.ndarray]]:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         # Batch 1 uploads and executes a graph the worker has never seen: nothing of it applies.
         await c.send(1, [upload(1, X), m.Execute(gid, (1,), (2.0,), 2), m.Read(1, 2)], [X])
         # Batch 2 was already on its way; it must be discarded, not applied out of turn.
@@ -152,9 +152,9 @@ def test_unknown_graph_applies_nothing_of_its_batch_and_discards_later_batches(
     np.testing.assert_array_equal(arrays[1], X)
 
 
-def test_graph_cache_survives_a_reconnect_of_the_same_client(worker: BackgroundWorker) -> None:
+def test_graph_cache_survives_a_reconnect_of_the_same_client(worker: InProcessWorker) -> None:
     gid, body = scale_graph()
-    me = new_identity()
+    me = worker.new_client()
 
     async def go() -> list[m.WorkerMessage]:
         c = await RawClient.connect(worker, me)
@@ -171,12 +171,12 @@ def test_graph_cache_survives_a_reconnect_of_the_same_client(worker: BackgroundW
     assert type(result) is m.Result
 
 
-def test_clients_see_neither_each_others_graphs_nor_their_cache_figures(worker: BackgroundWorker) -> None:
+def test_clients_see_neither_each_others_graphs_nor_their_cache_figures(worker: InProcessWorker) -> None:
     gid, body = scale_graph()
 
     async def go() -> tuple[list[m.WorkerMessage], dict, dict]:
-        a = await RawClient.connect(worker, new_identity())
-        b = await RawClient.connect(worker, new_identity())
+        a = await RawClient.connect(worker)
+        b = await RawClient.connect(worker)
         await b.send(1, [m.Stats(1)])
         (before,) = await b.reply_until(1)
         await a.send(
@@ -207,8 +207,8 @@ def test_another_clients_registrations_never_evict_my_graphs(make_worker) -> Non
     worker = make_worker(graph_cache_bytes=2 * len(body) + 4096)  # room for a couple of graphs each
 
     async def go() -> list[m.WorkerMessage]:
-        a = await RawClient.connect(worker, new_identity())
-        b = await RawClient.connect(worker, new_identity())
+        a = await RawClient.connect(worker)
+        b = await RawClient.connect(worker)
         await a.send(1, [m.Register(gid, body), m.Sync(1)])
         await a.reply_until(1)
         for k in range(20):  # b floods the worker with graphs of its own
@@ -225,12 +225,12 @@ def test_another_clients_registrations_never_evict_my_graphs(make_worker) -> Non
     assert result == m.Result(2, "float32", (3,), 12)  # not GraphUnknown: a's graph is still cached
 
 
-def test_execution_error_poisons_only_its_outputs_and_the_session_lives(worker: BackgroundWorker) -> None:
+def test_execution_error_poisons_only_its_outputs_and_the_session_lives(worker: InProcessWorker) -> None:
     gid, body = scale_graph(3)
     wrong = np.arange(4, dtype=np.float32)  # the graph wants 3 elements
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         await c.send(
             1,
             [
@@ -258,9 +258,9 @@ def test_execution_error_poisons_only_its_outputs_and_the_session_lives(worker: 
     assert sync_done == m.Done(4)  # a sync reports each failure once
 
 
-def test_reading_an_unknown_or_dropped_tensor_answers_unknown_tensor(worker: BackgroundWorker) -> None:
+def test_reading_an_unknown_or_dropped_tensor_answers_unknown_tensor(worker: InProcessWorker) -> None:
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         await c.send(1, [upload(1, X), m.Drop((1, 99)), m.Read(1, 1), m.Read(2, 7)], [X])
         got = await c.reply_until(1)
         await c.close()
@@ -275,7 +275,7 @@ def test_upload_over_the_session_quota_is_poisoned_and_its_bytes_are_skipped(mak
     big = np.ones(400, np.float32)  # 1600 bytes
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         await c.send(1, [upload(1, big), upload(2, X), m.Read(1, 1), m.Read(2, 2)], [big, X])
         got = await c.reply_until(1)
         await c.close()
@@ -292,7 +292,7 @@ def test_execute_whose_outputs_would_pass_the_quota_is_poisoned_and_later_work_f
     x = np.ones(200, np.float32)  # 800 bytes: the upload fits, its doubled copy does not
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         await c.send(
             1,
             [upload(1, x), m.Register(gid, body), m.Execute(gid, (1,), (2.0,), 2), m.Read(1, 2), m.Sync(2)],
@@ -316,7 +316,7 @@ def test_execute_whose_outputs_would_pass_the_quota_is_poisoned_and_later_work_f
 
 
 def test_a_client_that_ignores_flow_control_is_cut_off(
-    worker: BackgroundWorker, monkeypatch: pytest.MonkeyPatch
+    worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from emberlink.server import session as session_module
 
@@ -326,7 +326,7 @@ def test_a_client_that_ignores_flow_control_is_cut_off(
     worker.worker.device.post(gate.wait, 10)  # nothing is applied (or acknowledged) meanwhile
 
     async def refused() -> tuple[RawClient, list[m.WorkerMessage]]:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         await c.send(1, [upload(1, x)], [x])
         await c.send(2, [upload(2, x)], [x])  # 1600 bytes unacknowledged: over the bound
         reply, _ = await c.reply()

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from server_harness import RawClient, executor_of, memory_device, new_identity, worker_stats
+from server_harness import RawClient, executor_of, memory_device, worker_stats
 
 import emberlink as el
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import OVERHEAD
-from emberlink.server.background import BackgroundWorker
+from emberlink.testing import InProcessWorker
 
 
-def run(worker: BackgroundWorker, coro):
+def run(worker: InProcessWorker, coro):
     return worker.call(coro, 20)
 
 
@@ -46,7 +46,7 @@ def sgd_step_bytes(dev: el.Device, steps: int) -> tuple[list[float], list[int]]:
     return train(dev, steps, el.optim.SGD, 0.1, 1)
 
 
-def test_inline_uploads_round_trip_and_land_exactly(worker: BackgroundWorker) -> None:
+def test_inline_uploads_round_trip_and_land_exactly(worker: InProcessWorker) -> None:
     rng = np.random.default_rng(3)
     arrays = [
         rng.standard_normal((7, 3)).astype(np.float32),
@@ -66,7 +66,7 @@ def test_inline_uploads_round_trip_and_land_exactly(worker: BackgroundWorker) ->
         np.testing.assert_array_equal((tensors[0] * 2.0).numpy(), arrays[0] * 2)  # a stored view computes
 
 
-def test_small_uploads_travel_inside_the_message_frame(worker: BackgroundWorker) -> None:
+def test_small_uploads_travel_inside_the_message_frame(worker: InProcessWorker) -> None:
     x = np.arange(1000, dtype=np.float32)
     with memory_device(worker) as dev:
         dev.sync()
@@ -78,11 +78,11 @@ def test_small_uploads_travel_inside_the_message_frame(worker: BackgroundWorker)
     assert sent < x.nbytes + 2 * OVERHEAD, sent
 
 
-def test_inline_upload_whose_tail_does_not_match_is_refused(worker: BackgroundWorker) -> None:
+def test_inline_upload_whose_tail_does_not_match_is_refused(worker: InProcessWorker) -> None:
     x = np.arange(4, dtype=np.float32)
 
     async def go(tail: bytes) -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         await c.send(1, [m.Upload(1, "float32", (4,), 16, True), m.Sync(1)], tail=tail)
         got = list((await c.reply())[0].messages)
         assert await c.ended()
@@ -93,11 +93,11 @@ def test_inline_upload_whose_tail_does_not_match_is_refused(worker: BackgroundWo
         assert type(error) is m.Error and error.rid == 0 and error.code == "refused"
 
 
-def test_raw_inline_and_bulk_uploads_in_one_batch_land_exactly(worker: BackgroundWorker) -> None:
+def test_raw_inline_and_bulk_uploads_in_one_batch_land_exactly(worker: InProcessWorker) -> None:
     a, b, c_ = np.arange(3, dtype=np.float32), np.arange(5, dtype=np.int64), np.ones(2, np.float64)
 
     async def go() -> list[np.ndarray]:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         await c.send(
             1,
             [
@@ -120,7 +120,7 @@ def test_raw_inline_and_bulk_uploads_in_one_batch_land_exactly(worker: Backgroun
         np.testing.assert_array_equal(have, want)
 
 
-def test_repeated_steps_are_sent_as_repeats_and_match_the_local_cpu(worker: BackgroundWorker) -> None:
+def test_repeated_steps_are_sent_as_repeats_and_match_the_local_cpu(worker: InProcessWorker) -> None:
     with el.Device.cpu() as cpu:
         expected, _ = sgd_step_bytes(cpu, 12)
     with memory_device(worker) as dev:
@@ -131,7 +131,7 @@ def test_repeated_steps_are_sent_as_repeats_and_match_the_local_cpu(worker: Back
     assert max(sent[3:]) <= OVERHEAD + 16, sent  # one frame: seq and a Repeat of two small shifts
 
 
-def test_repeats_with_changing_bindings_match_the_local_cpu(worker: BackgroundWorker) -> None:
+def test_repeats_with_changing_bindings_match_the_local_cpu(worker: InProcessWorker) -> None:
     with el.Device.cpu() as cpu:
         expected = adam_losses(cpu, 10)
     with memory_device(worker) as dev:
@@ -154,12 +154,12 @@ def test_graph_unknown_in_the_middle_of_repeated_steps_keeps_the_losses(make_wor
     assert stats["graph_cache_misses"] >= 3 and stats["batches_resent"] >= 3
 
 
-def test_repeat_without_a_template_ends_only_that_session(worker: BackgroundWorker) -> None:
+def test_repeat_without_a_template_ends_only_that_session(worker: InProcessWorker) -> None:
     bystander = memory_device(worker)
     x = bystander.tensor(np.arange(3, dtype=np.float32))
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         await c.send(1, [m.Repeat(1, 1)])
         got = list((await c.reply())[0].messages)
         assert await c.ended()
@@ -181,9 +181,9 @@ def test_repeat_without_a_template_ends_only_that_session(worker: BackgroundWork
         m.Repeat(1, 1, ((1.0,), (2.0,))),  # bindings for two Executes, the batch has none
     ],
 )
-def test_repeat_that_does_not_fit_its_template_is_refused(worker: BackgroundWorker, repeat: m.Repeat) -> None:
+def test_repeat_that_does_not_fit_its_template_is_refused(worker: InProcessWorker, repeat: m.Repeat) -> None:
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         await c.send(1, [m.Upload(3, "float32", (0,), 0), m.Read(2, 3)])
         await c.reply_until(1)
         await c.send(2, [repeat])
@@ -195,11 +195,11 @@ def test_repeat_that_does_not_fit_its_template_is_refused(worker: BackgroundWork
     assert type(error) is m.Error and error.rid == 0 and error.code == "refused"
 
 
-def test_repeat_applies_the_previous_batch_shifted(worker: BackgroundWorker) -> None:
+def test_repeat_applies_the_previous_batch_shifted(worker: InProcessWorker) -> None:
     x = np.arange(4, dtype=np.float32)
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker, new_identity())
+        c = await RawClient.connect(worker)
         await c.send(1, [m.Upload(1, "float32", (4,), 16, True), m.Read(1, 1)], tail=x.tobytes())
         await c.reply_until(1)
         await c.send(2, [m.Repeat(5, 10)], tail=(x + 1).tobytes())
@@ -212,7 +212,7 @@ def test_repeat_applies_the_previous_batch_shifted(worker: BackgroundWorker) -> 
     np.testing.assert_array_equal(array, x + 1)
 
 
-def test_no_repeats_when_replay_is_off(worker: BackgroundWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_repeats_when_replay_is_off(worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EMBERLINK_REPLAY", "0")
     with memory_device(worker) as dev:
         sgd_step_bytes(dev, 4)

@@ -1,4 +1,5 @@
-"""The event-loop thread that runs remote sessions' I/O in this process; no protocol logic here.
+"""The event-loop thread that runs sessions' I/O in this process (a client's remote devices, an
+in-process worker); no protocol logic here.
 
 One loop serves every remote device of the process: user threads hand it work with
 `call_soon_threadsafe` and block only on futures. It is started on first use and never closed:
@@ -38,9 +39,6 @@ class LoopThread:
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the loop and wait for it (never from the loop's own thread)."""
         return self.submit(coro).result(timeout)
-
-    def on_loop(self) -> bool:
-        return threading.current_thread() is self._thread
 
     @property
     def alive(self) -> bool:
