@@ -39,9 +39,6 @@ class LoopThread:
         """Run a coroutine on the loop and wait for it (never from the loop's own thread)."""
         return self.submit(coro).result(timeout)
 
-    def on_loop(self) -> bool:
-        return threading.current_thread() is self._thread
-
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()

@@ -131,9 +131,6 @@ class Node:
     inputs: tuple[int, ...]
     attrs: tuple[tuple[str, AttrValue], ...] = ()
 
-    def attr_map(self) -> dict[str, AttrValue]:
-        return dict(self.attrs)
-
 
 @dataclass(frozen=True, slots=True)
 class Graph:
@@ -148,14 +145,6 @@ class Graph:
     def first_node_value(self) -> int:
         """Value number of node 0's output."""
         return len(self.inputs) + len(self.bindings)
-
-    @property
-    def n_values(self) -> int:
-        return len(self.inputs) + len(self.bindings) + len(self.nodes)
-
-    def binding_value(self, j: int) -> int:
-        """Value number of binding `j`."""
-        return len(self.inputs) + j
 
     def node_value(self, i: int) -> int:
         """Value number of node `i`'s output."""

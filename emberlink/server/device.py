@@ -101,10 +101,6 @@ class DeviceThread:
         """Work items posted and not started yet (the worker's presence reports it as load)."""
         return self._queue.qsize()
 
-    def on_thread(self) -> bool:
-        """Whether the caller is the device thread."""
-        return threading.current_thread() is self._thread
-
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue fn(*args) behind all earlier work; its result is dropped, its exception logged."""
         with self._count_lock:
