@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("emberlink.server")
 
 HANDSHAKE_TIMEOUT = 10.0
-"""Frames are packed into one transport blob up to about this size (transport.base.MAX_BLOB is 8 MiB)."""
 MAX_REPLY_MESSAGES = 32_768
 FINAL_SEND_TIMEOUT = 5.0
 MAX_INFLIGHT_BYTES = 256 << 20
