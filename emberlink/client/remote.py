@@ -40,6 +40,7 @@ from emberlink.graph_replay.ops import binding_dtypes
 from emberlink.protocol import messages as m
 from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity, default_key_path, load_or_create
+from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 from emberlink.protocol.ticket import Ticket
 from emberlink.transport.base import Link
 
@@ -48,8 +49,6 @@ log = logging.getLogger("emberlink.client")
 FLUSH_BYTES = 8 << 20
 """Pending upload bytes that start a batch on its way without waiting for a read."""
 FLUSH_MESSAGES = 16_384
-MAX_UNACKED_BATCHES = 64
-MAX_UNACKED_BYTES = 256 << 20
 CLOSE_TIMEOUT = 2.0
 REPLAY_ENV = "EMBERLINK_REPLAY"
 """Set to `0` to send every graph in full with every Execute and every batch in full (never as a

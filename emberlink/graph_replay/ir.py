@@ -18,14 +18,13 @@ import math
 from dataclasses import dataclass
 
 from emberlink.errors import DTypeError, ShapeError
+from emberlink.protocol.limits import MAX_RANK
 
 DTYPES: tuple[str, ...] = ("bool", "int32", "int64", "float16", "float32", "float64")
 """The dtype allow-list, NumPy names."""
 
 BINDING_KINDS: tuple[str, ...] = ("bool", "int", "float")
 """Kinds of per-step scalars (bindings), in promotion order: bool < int < float."""
-
-MAX_RANK = 16
 
 ITEMSIZE: dict[str, int] = {
     "bool": 1,

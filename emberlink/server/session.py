@@ -32,6 +32,7 @@ from emberlink.protocol.channel import (
     split_frames,
 )
 from emberlink.protocol.handshake import WorkerHandshake
+from emberlink.protocol.limits import MAX_UNACKED_BYTES
 from emberlink.server.runner import BatchRunner, Incoming, Outgoing
 from emberlink.server.store import Failure, Quota, TensorStore
 from emberlink.transport.base import Link
@@ -44,9 +45,6 @@ log = logging.getLogger("emberlink.server")
 HANDSHAKE_TIMEOUT = 10.0
 MAX_REPLY_MESSAGES = 32_768
 FINAL_SEND_TIMEOUT = 5.0
-MAX_INFLIGHT_BYTES = 256 << 20
-"""Upload bytes a session may have received and not yet applied: the clients' flow-control bound
-(docs/internals.md section 6), which an honest client never passes since its acks come after apply."""
 
 
 class State(enum.Enum):
@@ -232,9 +230,9 @@ class Session:
         m.check_tail(batch, len(plaintext) - start)
         self._template = batch.messages
         held = self.inflight.used
-        if held and held + sum(u.nbytes for u in batch.messages if type(u) is m.Upload) > MAX_INFLIGHT_BYTES:
+        if held and held + sum(u.nbytes for u in batch.messages if type(u) is m.Upload) > MAX_UNACKED_BYTES:
             raise ProtocolError(
-                f"client sent more than {MAX_INFLIGHT_BYTES} bytes of uploads without waiting for acks"
+                f"client sent more than {MAX_UNACKED_BYTES} bytes of uploads without waiting for acks"
             )
         incoming = Incoming(batch, [], 0)
         for msg in batch.messages:
@@ -266,9 +264,9 @@ class Session:
                 "quota", f"an upload of {msg.nbytes} bytes is larger than the session quota of {limit}"
             )
         held = self.inflight.used
-        if held and held + msg.nbytes > MAX_INFLIGHT_BYTES:
+        if held and held + msg.nbytes > MAX_UNACKED_BYTES:
             raise ProtocolError(
-                f"client sent more than {MAX_INFLIGHT_BYTES} bytes of uploads without waiting for acks"
+                f"client sent more than {MAX_UNACKED_BYTES} bytes of uploads without waiting for acks"
             )
         self.inflight.charge(msg.nbytes)
         incoming.reserved += msg.nbytes

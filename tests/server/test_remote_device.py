@@ -22,6 +22,7 @@ from emberlink.errors import AuthError, ExecutionError, GoingAway, QuotaExceeded
 from emberlink.graph_replay.canonical import encode_graph, graph_id
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
 from emberlink.protocol.identity import AllowPolicy
+from emberlink.protocol.limits import MAX_UNACKED_BATCHES
 from emberlink.protocol.ticket import Ticket
 from emberlink.server.background import BackgroundWorker
 
@@ -192,7 +193,7 @@ def test_flow_control_bounds_unacknowledged_batches(
             x = x + 1.0
             dev.flush()
             seen = max(seen, ex._unacked_batches)
-        assert seen <= remote.MAX_UNACKED_BATCHES
+        assert seen <= MAX_UNACKED_BATCHES
         np.testing.assert_array_equal(x.numpy(), np.full(8, 300, np.float32))
 
 

@@ -320,7 +320,7 @@ def test_a_client_that_ignores_flow_control_is_cut_off(
 ) -> None:
     from emberlink.server import session as session_module
 
-    monkeypatch.setattr(session_module, "MAX_INFLIGHT_BYTES", 1000)
+    monkeypatch.setattr(session_module, "MAX_UNACKED_BYTES", 1000)
     x = np.ones(200, np.float32)  # 800 bytes a batch
     gate = threading.Event()
     worker.worker.device.post(gate.wait, 10)  # nothing is applied (or acknowledged) meanwhile
