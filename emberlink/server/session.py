@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from emberlink.errors import ProtocolError, TransportError
+from emberlink.errors import ErrorCode, ProtocolError, TransportError
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import (
     BULK,
@@ -173,7 +173,7 @@ class Session:
         if self._receiver is not None:
             self._receiver.cancel()
         await self._worker.device.run(lambda: None)  # every queued batch of ours has been applied
-        self._end("worker shutting down", m.Error(0, "going_away", "the worker is shutting down"))
+        self._end("worker shutting down", m.Error(0, ErrorCode.GOING_AWAY, "the worker is shutting down"))
 
     # -- handshake -------------------------------------------------------------------------------------
 
@@ -214,7 +214,7 @@ class Session:
                         self._on_message(frame)
         except ProtocolError as e:
             log.warning("session %s: client %s broke the protocol: %s", self.id, self.client, e)
-            self._end("refused", m.Error(0, "refused", str(e)))
+            self._end("refused", m.Error(0, ErrorCode.REFUSED, str(e)))
         except TransportError as e:
             self._end(f"link lost: {e}")
 
@@ -261,7 +261,8 @@ class Session:
             if msg.nbytes and not msg.inline:
                 self._targets.append(_Target(None, msg.nbytes))
             return Failure(
-                "quota", f"an upload of {msg.nbytes} bytes is larger than the session quota of {limit}"
+                ErrorCode.QUOTA,
+                f"an upload of {msg.nbytes} bytes is larger than the session quota of {limit}",
             )
         held = self.inflight.used
         if held and held + msg.nbytes > MAX_UNACKED_BYTES:
@@ -280,7 +281,7 @@ class Session:
             incoming.reserved -= msg.nbytes
             if msg.nbytes:
                 self._targets.append(_Target(None, msg.nbytes))
-            return Failure("out_of_memory", f"upload {msg.tid} of {msg.nbytes} bytes: {e}")
+            return Failure(ErrorCode.OUT_OF_MEMORY, f"upload {msg.tid} of {msg.nbytes} bytes: {e}")
         if msg.nbytes:
             self._targets.append(_Target(array.data.cast("B"), msg.nbytes))
         return array
@@ -343,7 +344,7 @@ class Session:
 
     def _refuse(self, error: ProtocolError) -> None:
         log.warning("session %s: client %s broke the protocol: %s", self.id, self.client, error)
-        self._end("refused", m.Error(0, "refused", str(error)))
+        self._end("refused", m.Error(0, ErrorCode.REFUSED, str(error)))
 
     def _post(self, out: Outgoing) -> None:
         self._outbox.put_nowait(out)
