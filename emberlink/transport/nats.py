@@ -20,7 +20,7 @@ except ImportError as e:  # nats-py is an optional dependency
 
 from emberlink.errors import TransportError, TransportTimeout
 from emberlink.transport.backoff import Backoff
-from emberlink.transport.base import MAX_BLOB, Handler, check_size
+from emberlink.transport.base import MAX_BLOB, Blob, Handler, check_size
 from emberlink.transport.fragment import Fragmenter, FragmentError, Kind, Reassembler
 from emberlink.transport.sessions import SessionSet
 
@@ -193,7 +193,7 @@ class NatsLink:
         if self._error is not None:
             raise TransportError(self._error)
 
-    async def send(self, blob: bytes | bytearray) -> None:
+    async def send(self, blob: Blob) -> None:
         check_size(blob)  # no copy: the fragmenter copies once, prepending its header
         self._check_open()
         if self._peer_closed:
