@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from server_harness import executor_of, grpc_device, memory_device, new_identity
 
 import emberlink as el
 from emberlink.client import remote
@@ -25,6 +24,9 @@ from emberlink.protocol.identity import AllowPolicy
 from emberlink.protocol.limits import MAX_UNACKED_BATCHES
 from emberlink.protocol.ticket import Ticket
 from emberlink.server.background import BackgroundWorker
+from emberlink.transport.base import Blob, Link
+
+from .server_harness import executor_of, grpc_device, memory_device, new_identity
 
 DeviceMaker = Callable[[BackgroundWorker], el.Device]
 TRANSPORTS = [pytest.param(memory_device, id="memory"), pytest.param(grpc_device, id="grpc")]
@@ -200,7 +202,7 @@ def test_flow_control_bounds_unacknowledged_batches(
 CLIENT_SCRIPT = """
 import json, sys
 import emberlink as el
-from test_remote_device import mlp_losses
+from tests.server.test_remote_device import mlp_losses
 with el.Device.remote(sys.argv[1], timeout=30) as dev:
     print(json.dumps(mlp_losses(dev, int(sys.argv[2]), seed=int(sys.argv[3]))))
 """
@@ -214,7 +216,7 @@ def test_sixteen_concurrent_clients_train_correctly(worker: BackgroundWorker, tm
         expected = [mlp_losses(cpu, steps, seed=s) for s in (0, 1)]
     key = tmp_path / "client.key"
     new_identity().save(key)
-    env = dict(os.environ, EMBERLINK_KEY=str(key), PYTHONPATH=str(Path(__file__).parent))
+    env = dict(os.environ, EMBERLINK_KEY=str(key), PYTHONPATH=str(Path(__file__).parents[2]))
     clients = [
         subprocess.Popen(
             [sys.executable, "-c", CLIENT_SCRIPT, worker.ticket, str(steps), str(i % 2)],
@@ -245,17 +247,17 @@ def test_ticket_with_another_node_id_is_refused_before_any_data_is_sent(worker: 
     from emberlink.transport import grpc
 
     impostor = new_identity().node_id  # the ticket names someone else than the worker at that address
-    sent: list[bytes] = []
+    sent: list[Blob] = []
 
     class Recording:
-        def __init__(self, link) -> None:
+        def __init__(self, link: Link) -> None:
             self.link, self.peer = link, link.peer
 
-        async def send(self, blob: bytes) -> None:
+        async def send(self, blob: Blob) -> None:
             sent.append(blob)
             await self.link.send(blob)
 
-        async def recv(self) -> bytes:
+        async def recv(self) -> bytes | memoryview:
             return await self.link.recv()
 
         async def close(self) -> None:
@@ -266,7 +268,7 @@ def test_ticket_with_another_node_id_is_refused_before_any_data_is_sent(worker: 
 
     with pytest.raises(AuthError, match=impostor):
         remote.connect_link(factory, impostor, new_identity(), path="grpc", timeout=5)
-    assert len(sent) == 1 and sent[0].startswith(b"EMLH")  # the Hello, nothing else
+    assert len(sent) == 1 and bytes(sent[0]).startswith(b"EMLH")  # the Hello, nothing else
     ticket = Ticket(impostor, ((worker.host, worker.port),))
     with pytest.raises(AuthError):
         remote.connect_ticket(ticket, new_identity(), timeout=5)

@@ -6,12 +6,13 @@ import threading
 
 import numpy as np
 import pytest
-from server_harness import RawClient, memory_device, new_identity, worker_stats
 
 from emberlink.graph_replay.canonical import encode_graph, graph_id
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
 from emberlink.protocol import messages as m
 from emberlink.server.background import BackgroundWorker
+
+from .server_harness import RawClient, memory_device, new_identity, worker_stats
 
 
 def scale_graph(n: int = 3) -> tuple[bytes, bytes]:

@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 
-from emberlink.transport import backoff as backoff_module
 from emberlink.transport.backoff import Backoff
 
 
@@ -18,7 +17,7 @@ def test_backoff_doubles_each_delay_up_to_its_cap_and_starts_over_after_reset(
     async def sleep(delay: float) -> None:
         slept.append(delay)
 
-    monkeypatch.setattr(backoff_module.asyncio, "sleep", sleep)
+    monkeypatch.setattr(asyncio, "sleep", sleep)  # what Backoff.sleep awaits
 
     async def failures(backoff: Backoff, n: int) -> None:
         for _ in range(n):
