@@ -81,6 +81,9 @@ def relay_worker(
     service = RelayService(worker.worker, url, ticket)
     try:
         worker.call(service.start())
+        # start() returns before the beacon has subscribed to queries (it attaches in the
+        # background), and a survey published before then goes unheard: wait for it here.
+        worker.call(asyncio.wait_for(service.beacon.attached.wait(), 10))
         worker.relay = service  # type: ignore[attr-defined]
         yield worker
     finally:
