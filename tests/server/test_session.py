@@ -175,7 +175,7 @@ def test_graph_cache_survives_a_reconnect_of_the_same_client(worker: BackgroundW
 def test_clients_see_neither_each_others_graphs_nor_their_cache_figures(worker: BackgroundWorker) -> None:
     gid, body = scale_graph()
 
-    async def go() -> tuple[list[m.WorkerMessage], dict, dict]:
+    async def go() -> tuple[list[m.WorkerMessage], dict[str, m.StatValue], dict[str, m.StatValue]]:
         a = await RawClient.connect(worker, new_identity())
         b = await RawClient.connect(worker, new_identity())
         await b.send(1, [m.Stats(1)])
