@@ -20,6 +20,7 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy emberlink
+	$(BIN)/mypy tests
 	$(BIN)/lint-imports
 
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.

@@ -6,6 +6,24 @@ exception objects. Third-party exceptions are translated where they occur (`rais
 
 from __future__ import annotations
 
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """The code of an `Error` message on the wire; each names the RemoteError subclass it raises.
+
+    A member is its string (`ErrorCode.QUOTA == "quota"`), so the wire form is the plain string.
+    """
+
+    REMOTE = "remote"
+    EXECUTION = "execution"
+    OUT_OF_MEMORY = "out_of_memory"
+    QUOTA = "quota"
+    UNKNOWN_TENSOR = "unknown_tensor"
+    WORKER_LOST = "worker_lost"
+    GOING_AWAY = "going_away"
+    REFUSED = "refused"
+
 
 class EmberlinkError(Exception):
     """Base of every error emberlink raises on purpose."""
@@ -49,9 +67,12 @@ class TransportTimeout(TransportError, TimeoutError):
 
 
 class RemoteError(EmberlinkError):
-    """The worker refused or failed a request. `code` is the wire code, `message` its text."""
+    """The worker refused or failed a request. `code` is the wire code, `message` its text.
 
-    code = "remote"
+    A code this version does not know (from a newer worker) stays a plain string on a RemoteError.
+    """
+
+    code: str = ErrorCode.REMOTE
 
     def __init__(self, message: str, *, code: str | None = None) -> None:
         super().__init__(message)
@@ -71,43 +92,43 @@ class RemoteError(EmberlinkError):
 class ExecutionError(RemoteError):
     """The worker's backend failed running a graph (shape, dtype, numeric or internal failure)."""
 
-    code = "execution"
+    code = ErrorCode.EXECUTION
 
 
 class OutOfMemory(ExecutionError):
     """The worker's device ran out of memory running a graph or storing an upload."""
 
-    code = "out_of_memory"
+    code = ErrorCode.OUT_OF_MEMORY
 
 
 class QuotaExceeded(RemoteError):
     """The session asked to keep more bytes on the worker than its quota allows."""
 
-    code = "quota"
+    code = ErrorCode.QUOTA
 
 
 class UnknownTensor(RemoteError):
     """A request named a tensor id the worker does not hold (never uploaded, or dropped)."""
 
-    code = "unknown_tensor"
+    code = ErrorCode.UNKNOWN_TENSOR
 
 
 class WorkerLost(RemoteError):
     """The connection to the worker died: killed, unreachable, or the relay went away."""
 
-    code = "worker_lost"
+    code = ErrorCode.WORKER_LOST
 
 
 class GoingAway(WorkerLost):
     """The worker is shutting down (SIGTERM) and closed the session after finishing its work."""
 
-    code = "going_away"
+    code = ErrorCode.GOING_AWAY
 
 
 class Refused(RemoteError):
     """The worker refused the request as malformed or not allowed (its side of a ProtocolError)."""
 
-    code = "refused"
+    code = ErrorCode.REFUSED
 
 
 _BY_CODE: dict[str, type[RemoteError]] = {
@@ -122,6 +143,7 @@ __all__ = [
     "DTypeError",
     "DeviceError",
     "EmberlinkError",
+    "ErrorCode",
     "ExecutionError",
     "GoingAway",
     "OutOfMemory",

@@ -53,7 +53,7 @@ class NatsServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self, timeout: float = 10.0) -> NatsServer:
+    def start(self, timeout: float = 10.0) -> Self:
         if self.running:
             raise RuntimeError("nats-server is already running")
         self._starts += 1
@@ -108,7 +108,7 @@ class NatsServer:
             raise RuntimeError("nats-server is not running")
         self._proc.send_signal(sig)
 
-    def restart(self) -> NatsServer:
+    def restart(self) -> Self:
         """Start again on the same port."""
         self.stop()
         return self.start()

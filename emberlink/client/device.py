@@ -13,7 +13,6 @@ Not thread-safe: use a Device from one thread.
 
 from __future__ import annotations
 
-import importlib
 import math
 import weakref
 from collections.abc import Sequence
@@ -160,15 +159,9 @@ class Device:
         `key` is the client's key file (default `$EMBERLINK_KEY`, else
         `~/.config/emberlink/client.key`, created on first use).
         """
-        try:
-            remote = importlib.import_module("emberlink.client.remote")
-        except ModuleNotFoundError as e:
-            if e.name != "emberlink.client.remote":
-                raise
-            raise DeviceError(
-                "remote devices are not available in this build: emberlink.client.remote is missing"
-            ) from e
-        executor = remote.open_remote(address, key=key, timeout=timeout)
+        from emberlink.client.address import open_remote  # the remote stack loads on first use only
+
+        executor = open_remote(address, key=key, timeout=timeout)
         return cls(executor, f"remote({address})")
 
     # -- lifetime ---------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Picking a worker on a NATS relay: collect the workers' signed presence, try them least loaded first,
 skip those that refuse this client; never sends anything that names the client to the relay.
 
-`Device.remote("nats://host:4222")` lands here (through client/remote.py's `_open_discovered`).
+`Device.remote("nats://host:4222")` lands here (through client/address.py's `open_remote`).
 """
 
 from __future__ import annotations
@@ -12,15 +12,13 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from emberlink.client.remote import RemoteExecutor, connect_ticket, load_client_identity
 from emberlink.errors import AuthError, ProtocolError, TransportError, WorkerLost
 from emberlink.protocol.presence import NONCE_SIZE, Presence, decode_presence
 from emberlink.protocol.ticket import Ticket
-
-if TYPE_CHECKING:
-    from emberlink.client.remote import RemoteExecutor
+from emberlink.transport.loop import io_loop
 
 log = logging.getLogger("emberlink.client")
 
@@ -50,8 +48,7 @@ def survey(url: str, *, window: float = WINDOW_S, quiet: float = QUIET_S, timeou
     earlier and replayed, say nothing about whether the worker is there now. Messages that do not
     decode or whose signature does not verify are ignored.
     """
-    from emberlink.transport.loop import io_loop
-    from emberlink.transport.presence import query
+    from emberlink.transport.presence import query  # nats-py is an optional dependency
 
     _check_url(url)
     nonce = os.urandom(NONCE_SIZE)
@@ -104,9 +101,6 @@ def open_discovered(
     AuthError if workers were seen but none admitted this client; TransportError if none was seen
     or none could be reached. Both messages say how many workers were seen.
     """
-    from emberlink.client import paths
-    from emberlink.client.remote import load_client_identity
-
     identity = load_client_identity(key)
     deadline = time.monotonic() + timeout
     candidates = [s for s in survey(address, window=min(WINDOW_S, timeout)) if not s.presence.draining]
@@ -123,7 +117,7 @@ def open_discovered(
             failed.append(f"{seen.node_id[:12]}: not tried, out of time ({timeout} s)")
             break
         try:
-            executor = paths.connect(seen.ticket, identity, timeout=remaining)
+            executor = connect_ticket(seen.ticket, identity, timeout=remaining)
         except AuthError as e:
             log.info("worker %s does not admit this client: %s", seen.node_id, e)
             refused.append(seen.node_id)

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Any
 
-from emberlink.errors import TransportError, TransportTimeout, WorkerLost
-from emberlink.protocol.identity import Identity
+from emberlink.errors import TransportError
 from emberlink.protocol.ticket import Ticket
+from emberlink.transport import grpc
 from emberlink.transport.base import Link
-
-if TYPE_CHECKING:
-    from emberlink.client.remote import RemoteExecutor
 
 log = logging.getLogger("emberlink.client")
 
@@ -33,8 +30,6 @@ RELAY = "relay"
 
 async def connect_direct(ticket: Ticket, timeout: float) -> Link:
     """A gRPC Link to the first of the ticket's addresses that answers."""
-    from emberlink.transport import grpc
-
     errors: list[str] = []
     for host, port in ticket.addrs:
         try:
@@ -112,44 +107,4 @@ def _failed(done: set[asyncio.Task[Link]]) -> bool:
     return any(task.exception() is not None for task in done)
 
 
-def connect(ticket: Ticket, identity: Identity, *, timeout: float = 30.0) -> RemoteExecutor:
-    """A RemoteExecutor for the worker `ticket` names, over the path `open_link` picks.
-
-    If the handshake fails on the direct path for a transport reason, the relay is tried once more.
-    """
-    from emberlink.client import remote
-    from emberlink.transport.loop import io_loop
-
-    loop_thread = io_loop()
-    opening = loop_thread.submit(open_link(ticket, timeout=timeout))
-    try:
-        path, link = opening.result(timeout + DIRECT_HEAD_START_S + 1)
-    except TimeoutError as e:  # only if the transports' own deadlines failed to fire
-        if isinstance(e, TransportTimeout):
-            raise
-        opening.cancel()
-        raise TransportTimeout(f"no path to worker {ticket.node_id} within {timeout} s") from e
-    try:
-        return remote.connect_link(
-            _given(link), ticket.node_id, identity, path=path, timeout=timeout, loop_thread=loop_thread
-        )
-    except (TransportError, WorkerLost) as e:
-        if path != GRPC or ticket.relay is None:
-            raise
-        log.info("worker %s: handshake over the direct path failed (%s); trying the relay", ticket.node_id, e)
-    relay_link = loop_thread.call(connect_relay(ticket, timeout), timeout + 1)
-    return remote.connect_link(
-        _given(relay_link), ticket.node_id, identity, path=RELAY, timeout=timeout, loop_thread=loop_thread
-    )
-
-
-def _given(link: Link) -> Callable[[], Awaitable[Link]]:
-    """A LinkFactory for a Link that is already open."""
-
-    async def factory() -> Link:
-        return link
-
-    return factory
-
-
-__all__ = ["DIRECT_HEAD_START_S", "connect", "connect_direct", "connect_relay", "open_link"]
+__all__ = ["DIRECT_HEAD_START_S", "GRPC", "RELAY", "connect_direct", "connect_relay", "open_link"]

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from emberlink.client import paths
 from emberlink.client.executor import Call
 from emberlink.client.session import ClientSession, Counters, Flow
 from emberlink.errors import (
@@ -38,6 +39,7 @@ from emberlink.graph_replay.ops import binding_dtypes
 from emberlink.protocol import messages as m
 from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity, default_key_path, load_or_create
+from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 from emberlink.protocol.ticket import Ticket
 from emberlink.transport.base import Link
 from emberlink.transport.loop import LoopThread, io_loop
@@ -47,8 +49,6 @@ log = logging.getLogger("emberlink.client")
 FLUSH_BYTES = 8 << 20
 """Pending upload bytes that start a batch on its way without waiting for a read."""
 FLUSH_MESSAGES = 16_384
-MAX_UNACKED_BATCHES = 64
-MAX_UNACKED_BYTES = 256 << 20
 CLOSE_TIMEOUT = 2.0
 REPLAY_ENV = "EMBERLINK_REPLAY"
 """Set to `0` to send every graph in full with every Execute and every batch in full (never as a
@@ -77,36 +77,46 @@ def load_client_identity(key: str | os.PathLike[str] | None) -> Identity:
     return identity
 
 
-def open_remote(
-    address: str, *, key: str | os.PathLike[str] | None = None, timeout: float = 30.0
-) -> RemoteExecutor:
-    """Connect to a worker: `address` is a ticket (`emberlink://<node-id>@host:port[...]`) or
-    `nats://host:port` (discovery on the relay). Returns the Executor of a remote Device."""
-    if address.startswith("nats://"):
-        return _open_discovered(address, key=key, timeout=timeout)
-    ticket = Ticket.parse(address)
-    return connect_ticket(ticket, load_client_identity(key), timeout=timeout)
-
-
-def _open_discovered(address: str, *, key: str | os.PathLike[str] | None, timeout: float) -> RemoteExecutor:
-    # Seam for discovery (another part of the project): `emberlink.client.discovery.open_discovered`
-    # picks a worker from the relay's presence messages and calls `connect_ticket` with its ticket.
-    try:
-        from emberlink.client import discovery
-    except ModuleNotFoundError as e:
-        if e.name != "emberlink.client.discovery":
-            raise
-        raise DeviceError(f"{address}: discovery on a NATS relay is not available in this build") from e
-    executor: RemoteExecutor = discovery.open_discovered(address, key=key, timeout=timeout)
-    return executor
-
-
 def connect_ticket(ticket: Ticket, identity: Identity, *, timeout: float = 30.0) -> RemoteExecutor:
-    """Open a session with the worker a ticket names: direct first, the relay when direct fails or
-    stalls for about a second (client/paths.py); a relay-only ticket goes straight to the relay."""
-    from emberlink.client import paths
+    """Open a session with the worker a ticket names, over the path `paths.open_link` picks: direct
+    first, the relay when direct fails or stalls for about a second; a relay-only ticket goes
+    straight to the relay. If the handshake fails on the direct path for a transport reason, the
+    relay is tried once more."""
+    loop_thread = io_loop()
+    opening = loop_thread.submit(paths.open_link(ticket, timeout=timeout))
+    try:
+        path, link = opening.result(timeout + paths.DIRECT_HEAD_START_S + 1)
+    except TimeoutError as e:  # only if the transports' own deadlines failed to fire
+        if isinstance(e, TransportTimeout):
+            raise
+        opening.cancel()
+        raise TransportTimeout(f"no path to worker {ticket.node_id} within {timeout} s") from e
+    try:
+        return connect_link(
+            _given(link), ticket.node_id, identity, path=path, timeout=timeout, loop_thread=loop_thread
+        )
+    except (TransportError, WorkerLost) as e:
+        if path != paths.GRPC or ticket.relay is None:
+            raise
+        log.info("worker %s: handshake over the direct path failed (%s); trying the relay", ticket.node_id, e)
+    relay_link = loop_thread.call(paths.connect_relay(ticket, timeout), timeout + 1)
+    return connect_link(
+        _given(relay_link),
+        ticket.node_id,
+        identity,
+        path=paths.RELAY,
+        timeout=timeout,
+        loop_thread=loop_thread,
+    )
 
-    return paths.connect(ticket, identity, timeout=timeout)
+
+def _given(link: Link) -> LinkFactory:
+    """A LinkFactory for a Link that is already open."""
+
+    async def factory() -> Link:
+        return link
+
+    return factory
 
 
 def connect_link(

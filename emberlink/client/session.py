@@ -37,7 +37,6 @@ from emberlink.transport.base import Link
 
 log = logging.getLogger("emberlink.client")
 
-"""Frames are packed into one transport blob up to about this size (transport.base.MAX_BLOB is 8 MiB)."""
 PROGRESS_BYTES = 64 << 20
 """Transfers larger than this show a progress bar when stderr is a terminal."""
 

@@ -22,13 +22,12 @@ import msgpack
 from emberlink.errors import DTypeError, ProtocolError, ShapeError
 from emberlink.graph_replay.ir import BINDING_KINDS, MAX_RANK, AttrValue, Graph, Node, TensorSpec
 from emberlink.graph_replay.ops import MAX_VARIADIC, OPS, check_attrs, graph_specs
+from emberlink.protocol.limits import MAX_BINDINGS, MAX_GRAPH_BYTES
 
 FORMAT_VERSION = 1
 GRAPH_ID_BYTES = 16
-MAX_GRAPH_BYTES = 32 << 20
 MAX_NODES = 100_000
 MAX_INPUTS = 16_384
-MAX_BINDINGS = 16_384
 MAX_OUTPUTS = MAX_NODES + MAX_INPUTS
 MAX_VALUE_ELEMENTS = 1 << 36
 """Most elements one value may have (a sanity bound; the worker's quota is the real limit)."""
@@ -215,7 +214,6 @@ def decode_graph(data: object) -> Graph:
 __all__ = [
     "FORMAT_VERSION",
     "GRAPH_ID_BYTES",
-    "MAX_GRAPH_BYTES",
     "MAX_NODES",
     "check_graph_id",
     "decode_graph",

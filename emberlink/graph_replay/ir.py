@@ -18,14 +18,13 @@ import math
 from dataclasses import dataclass
 
 from emberlink.errors import DTypeError, ShapeError
+from emberlink.protocol.limits import MAX_RANK
 
 DTYPES: tuple[str, ...] = ("bool", "int32", "int64", "float16", "float32", "float64")
 """The dtype allow-list, NumPy names."""
 
 BINDING_KINDS: tuple[str, ...] = ("bool", "int", "float")
 """Kinds of per-step scalars (bindings), in promotion order: bool < int < float."""
-
-MAX_RANK = 16
 
 ITEMSIZE: dict[str, int] = {
     "bool": 1,
@@ -131,9 +130,6 @@ class Node:
     inputs: tuple[int, ...]
     attrs: tuple[tuple[str, AttrValue], ...] = ()
 
-    def attr_map(self) -> dict[str, AttrValue]:
-        return dict(self.attrs)
-
 
 @dataclass(frozen=True, slots=True)
 class Graph:
@@ -148,14 +144,6 @@ class Graph:
     def first_node_value(self) -> int:
         """Value number of node 0's output."""
         return len(self.inputs) + len(self.bindings)
-
-    @property
-    def n_values(self) -> int:
-        return len(self.inputs) + len(self.bindings) + len(self.nodes)
-
-    def binding_value(self, j: int) -> int:
-        """Value number of binding `j`."""
-        return len(self.inputs) + j
 
     def node_value(self, i: int) -> int:
         """Value number of node `i`'s output."""

@@ -207,14 +207,6 @@ class Channel:
         worker = cls(session_id, worker_to_client_key, client_to_worker_key, Role.WORKER, **limits)
         return client, worker
 
-    @property
-    def frames_sent(self) -> int:
-        return self._send.counter
-
-    @property
-    def frames_received(self) -> int:
-        return self._recv.counter
-
     def seal(self, plaintext: BytesLike, kind: Kind = MESSAGE) -> bytes:
         """One frame carrying plaintext."""
         n = len(plaintext)

@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 import msgpack
 
 from emberlink.errors import ProtocolError
+from emberlink.protocol.limits import MAX_BINDINGS, MAX_GRAPH_BYTES, MAX_RANK
 
 BytesLike = bytes | bytearray | memoryview
 Scalar = bool | int | float
@@ -45,10 +46,7 @@ GID_SIZE = 16
 MAX_ID = (1 << 63) - 1
 MAX_MESSAGES = 65_536
 MAX_IDS = 1 << 18
-MAX_RANK = 16
 MAX_NBYTES = 1 << 40
-MAX_BINDINGS = 4096
-MAX_GRAPH_BYTES = 16 * 1024 * 1024
 MAX_TEXT = 64 * 1024
 MAX_CODE = 64
 MAX_STATS = 256

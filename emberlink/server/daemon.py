@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,11 +28,6 @@ from emberlink.transport.malloc import tune_malloc
 log = logging.getLogger("emberlink.server")
 
 DRAIN_GRACE = 10.0
-
-RelayHook = Callable[[Worker, Any, Ticket], Awaitable[None]]
-RELAY_HOOKS: list[RelayHook] = []
-"""Called with (worker, relay listener, ticket) once the worker is attached to its relay; the
-discovery part of the project adds presence publishing here."""
 
 
 @dataclass(frozen=True)
@@ -161,15 +155,13 @@ async def serve(config: WorkerConfig) -> int:
 
 
 async def start_relay(worker: Worker, url: str, ticket: Ticket) -> Any:
-    """Serve through the NATS relay and publish presence (server/relay.py), then run the relay hooks."""
+    """Serve through the NATS relay and publish presence (server/relay.py)."""
     try:
         from emberlink.server.relay import RelayService
     except ImportError as e:  # nats-py missing: transport.nats raises ImportError saying so
         raise ConfigError(f"--relay needs the NATS transport: pip install 'emberlink[nats]' ({e})") from e
     service = RelayService(worker, url, ticket)
     await service.start()  # a relay that is down now is retried in the background
-    for hook in RELAY_HOOKS:
-        await hook(worker, service.listener, ticket)
     return service
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from emberlink.errors import ConfigError, ProtocolError, TransportError
 from emberlink.protocol.ticket import Ticket
 from emberlink.server.presence import PresenceSource
+from emberlink.transport.backoff import Backoff
 from emberlink.transport.nats import NatsListener, _redact
 from emberlink.transport.presence import INTERVAL_S, Beacon
 
@@ -23,9 +24,6 @@ if TYPE_CHECKING:
     from emberlink.server.worker import Worker
 
 log = logging.getLogger("emberlink.server")
-
-_RETRY_FIRST_S = 0.1
-_RETRY_MAX_S = 2.0
 
 
 def relay_ticket(ticket: Ticket, url: str) -> Ticket:
@@ -63,14 +61,13 @@ class RelayService:
         await self.beacon.start()
 
     async def _keep_starting(self) -> None:
-        delay = _RETRY_FIRST_S
+        backoff = Backoff()  # start() failed once already: wait before the first retry
         while True:
-            await asyncio.sleep(delay)
+            await backoff.sleep()
             try:
                 await self.listener.start()
             except TransportError as e:
                 log.debug("relay %s: still unreachable: %s", _redact(self.url), e)
-                delay = min(delay * 2, _RETRY_MAX_S)
             else:
                 log.info("listening through the NATS relay at %s", _redact(self.url))
                 return

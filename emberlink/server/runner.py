@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from emberlink.errors import EmberlinkError, ExecutionError, ProtocolError
+from emberlink.errors import EmberlinkError, ErrorCode, ExecutionError, ProtocolError
 from emberlink.graph_replay.backend import Backend
 from emberlink.graph_replay.plan import Plan
 from emberlink.protocol import messages as m
@@ -210,17 +210,17 @@ class BatchRunner:
         quota = self._store.quota
         self._store.drop(msg.tid)  # an upload replaces its id: the old value's bytes are free first
         if not quota.reserve(msg.nbytes):
-            self._fail((msg.tid,), Failure("quota", quota.describe_refusal(msg.nbytes)))
+            self._fail((msg.tid,), Failure(ErrorCode.QUOTA, quota.describe_refusal(msg.nbytes)))
             return
         try:
             value = self._backend.from_numpy(array)
         except EmberlinkError as e:
             quota.release(msg.nbytes)
-            self._fail((msg.tid,), Failure(getattr(e, "code", "execution"), str(e)))
+            self._fail((msg.tid,), Failure(getattr(e, "code", ErrorCode.EXECUTION), str(e)))
             return
         except MemoryError as e:
             quota.release(msg.nbytes)
-            self._fail((msg.tid,), Failure("out_of_memory", f"storing upload {msg.tid}: {e}"))
+            self._fail((msg.tid,), Failure(ErrorCode.OUT_OF_MEMORY, f"storing upload {msg.tid}: {e}"))
             return
         self._store.put(msg.tid, value, msg.nbytes, charged=True)
 
@@ -237,7 +237,7 @@ class BatchRunner:
         need = sum(plan.specs[v].nbytes for v in plan.outputs)
         quota = self._store.quota
         if not quota.reserve(need):
-            self._fail(outs, Failure("quota", quota.describe_refusal(need)))
+            self._fail(outs, Failure(ErrorCode.QUOTA, quota.describe_refusal(need)))
             return
         try:
             results = self._backend.run(plan, inputs, msg.bindings)
@@ -245,14 +245,14 @@ class BatchRunner:
             self._fail(outs, Failure(e.code, e.message))
             return
         except EmberlinkError as e:
-            self._fail(outs, Failure("execution", str(e)))
+            self._fail(outs, Failure(ErrorCode.EXECUTION, str(e)))
             return
         except MemoryError as e:
-            self._fail(outs, Failure("out_of_memory", f"out of memory: {e}"))
+            self._fail(outs, Failure(ErrorCode.OUT_OF_MEMORY, f"out of memory: {e}"))
             return
         except Exception as e:  # a backend bug is the computation's failure, not the session's
             log.exception("backend failed running a graph")
-            self._fail(outs, Failure("execution", f"{type(e).__name__}: {e}"))
+            self._fail(outs, Failure(ErrorCode.EXECUTION, f"{type(e).__name__}: {e}"))
             return
         finally:
             quota.release(need)

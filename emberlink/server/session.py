@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from emberlink.errors import ProtocolError, TransportError
+from emberlink.errors import ErrorCode, ProtocolError, TransportError
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import (
     BULK,
@@ -34,6 +34,7 @@ from emberlink.protocol.channel import (
 )
 from emberlink.protocol.handshake import WorkerHandshake
 from emberlink.protocol.identity import AllowPolicy, Identity
+from emberlink.protocol.limits import MAX_UNACKED_BYTES
 from emberlink.server.device import DeviceThread
 from emberlink.server.graphs import GraphView
 from emberlink.server.runner import BatchRunner, Incoming, Outgoing
@@ -43,12 +44,8 @@ from emberlink.transport.base import Link
 log = logging.getLogger("emberlink.server")
 
 HANDSHAKE_TIMEOUT = 10.0
-"""Frames are packed into one transport blob up to about this size (transport.base.MAX_BLOB is 8 MiB)."""
 MAX_REPLY_MESSAGES = 32_768
 FINAL_SEND_TIMEOUT = 5.0
-MAX_INFLIGHT_BYTES = 256 << 20
-"""Upload bytes a session may have received and not yet applied: the clients' flow-control bound
-(docs/internals.md section 6), which an honest client never passes since its acks come after apply."""
 
 
 class Host(Protocol):
@@ -206,7 +203,7 @@ class Session:
         if self._receiver is not None:
             self._receiver.cancel()
         await self._worker.device.run(lambda: None)  # every queued batch of ours has been applied
-        self._end("worker shutting down", m.Error(0, "going_away", "the worker is shutting down"))
+        self._end("worker shutting down", m.Error(0, ErrorCode.GOING_AWAY, "the worker is shutting down"))
 
     # -- handshake -------------------------------------------------------------------------------------
 
@@ -247,7 +244,7 @@ class Session:
                         self._on_message(frame)
         except ProtocolError as e:
             log.warning("session %s: client %s broke the protocol: %s", self.id, self.client, e)
-            self._end("refused", m.Error(0, "refused", str(e)))
+            self._end("refused", m.Error(0, ErrorCode.REFUSED, str(e)))
         except TransportError as e:
             self._end(f"link lost: {e}")
 
@@ -263,9 +260,9 @@ class Session:
         m.check_tail(batch, len(plaintext) - start)
         self._template = batch.messages
         held = self.inflight.used
-        if held and held + sum(u.nbytes for u in batch.messages if type(u) is m.Upload) > MAX_INFLIGHT_BYTES:
+        if held and held + sum(u.nbytes for u in batch.messages if type(u) is m.Upload) > MAX_UNACKED_BYTES:
             raise ProtocolError(
-                f"client sent more than {MAX_INFLIGHT_BYTES} bytes of uploads without waiting for acks"
+                f"client sent more than {MAX_UNACKED_BYTES} bytes of uploads without waiting for acks"
             )
         incoming = Incoming(batch, [], 0)
         for msg in batch.messages:
@@ -294,12 +291,13 @@ class Session:
             if msg.nbytes and not msg.inline:
                 self._targets.append(_Target(None, msg.nbytes))
             return Failure(
-                "quota", f"an upload of {msg.nbytes} bytes is larger than the session quota of {limit}"
+                ErrorCode.QUOTA,
+                f"an upload of {msg.nbytes} bytes is larger than the session quota of {limit}",
             )
         held = self.inflight.used
-        if held and held + msg.nbytes > MAX_INFLIGHT_BYTES:
+        if held and held + msg.nbytes > MAX_UNACKED_BYTES:
             raise ProtocolError(
-                f"client sent more than {MAX_INFLIGHT_BYTES} bytes of uploads without waiting for acks"
+                f"client sent more than {MAX_UNACKED_BYTES} bytes of uploads without waiting for acks"
             )
         self.inflight.charge(msg.nbytes)
         incoming.reserved += msg.nbytes
@@ -313,7 +311,7 @@ class Session:
             incoming.reserved -= msg.nbytes
             if msg.nbytes:
                 self._targets.append(_Target(None, msg.nbytes))
-            return Failure("out_of_memory", f"upload {msg.tid} of {msg.nbytes} bytes: {e}")
+            return Failure(ErrorCode.OUT_OF_MEMORY, f"upload {msg.tid} of {msg.nbytes} bytes: {e}")
         if msg.nbytes:
             self._targets.append(_Target(array.data.cast("B"), msg.nbytes))
         return array
@@ -376,7 +374,7 @@ class Session:
 
     def _refuse(self, error: ProtocolError) -> None:
         log.warning("session %s: client %s broke the protocol: %s", self.id, self.client, error)
-        self._end("refused", m.Error(0, "refused", str(error)))
+        self._end("refused", m.Error(0, ErrorCode.REFUSED, str(error)))
 
     def _post(self, out: Outgoing) -> None:
         self._outbox.put_nowait(out)

@@ -10,6 +10,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from emberlink.errors import ErrorCode
+
 
 @dataclass(frozen=True, slots=True)
 class Failure:
@@ -108,7 +110,9 @@ class TensorStore:
         failure = self._failures.get(tid)
         if failure is not None:
             return failure
-        return Failure("unknown_tensor", f"tensor {tid} is not on the worker (never uploaded, or dropped)")
+        return Failure(
+            ErrorCode.UNKNOWN_TENSOR, f"tensor {tid} is not on the worker (never uploaded, or dropped)"
+        )
 
     def drop(self, tid: int) -> None:
         """Free tid; an unknown id is ignored (drops are idempotent on resend)."""

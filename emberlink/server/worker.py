@@ -15,16 +15,16 @@ from emberlink.graph_replay.cache import GraphCache
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import CHUNK_SIZE
 from emberlink.protocol.identity import AllowPolicy, Identity
+from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 from emberlink.server.device import DeviceThread
 from emberlink.server.graphs import GraphView
-from emberlink.server.session import MAX_INFLIGHT_BYTES, Session, State
+from emberlink.server.session import Session, State
 from emberlink.server.store import Quota
 from emberlink.transport.base import Link
 
 log = logging.getLogger("emberlink.server")
 
 DEFAULT_GRAPH_CACHE_BYTES = 64 << 20  # per client; graph_replay/cache.py keeps at most 64 clients
-MAX_UNACKED_BATCHES = 64
 
 
 class Worker:
@@ -71,7 +71,7 @@ class Worker:
             "chunk_size": self.chunk_size,
             "max_session_bytes": self.max_session_bytes or 0,
             "max_unacked_batches": MAX_UNACKED_BATCHES,
-            "max_unacked_bytes": MAX_INFLIGHT_BYTES,
+            "max_unacked_bytes": MAX_UNACKED_BYTES,
         }
 
     def graphs_of(self, client: str) -> GraphView:

@@ -4,6 +4,6 @@
 `nats` (a relay; needs the `nats` extra). Import the one you need: this package imports neither.
 """
 
-from emberlink.transport.base import MAX_BLOB, Handler, Link, Listener
+from emberlink.transport.base import MAX_BLOB, Blob, Handler, Link, Listener
 
-__all__ = ["MAX_BLOB", "Handler", "Link", "Listener"]
+__all__ = ["MAX_BLOB", "Blob", "Handler", "Link", "Listener"]

@@ -11,6 +11,9 @@ from emberlink.errors import TransportError
 #: slack lets a session pack a few frames into one blob. gRPC's receive limit is set from this.
 MAX_BLOB = 8 * 1024 * 1024
 
+Blob = bytes | bytearray | memoryview
+"""What `Link.send` takes: bytes, or a buffer the caller does not touch again once sent."""
+
 
 class Link(Protocol):
     """One session's ordered, reliable pipe of whole byte blobs.
@@ -22,7 +25,7 @@ class Link(Protocol):
 
     peer: str
 
-    async def send(self, blob: bytes | bytearray) -> None: ...
+    async def send(self, blob: Blob) -> None: ...
 
     async def recv(self) -> bytes | memoryview: ...
 
@@ -41,13 +44,13 @@ class Listener(Protocol):
     async def stop(self, grace: float | None = None) -> None: ...
 
 
-def check_size(blob: bytes | bytearray | memoryview) -> None:
+def check_size(blob: Blob) -> None:
     """Refuse a blob larger than any transport may carry."""
     if len(blob) > MAX_BLOB:
         raise TransportError(f"blob of {len(blob)} bytes exceeds the transport limit of {MAX_BLOB} bytes")
 
 
-def check_blob(blob: bytes | bytearray | memoryview) -> bytes:
+def check_blob(blob: Blob) -> bytes:
     """Return `blob` as `bytes`, refusing what no transport may carry."""
     check_size(blob)
     if type(blob) is bytes:

@@ -12,6 +12,8 @@ import struct
 from collections.abc import Iterator
 from enum import IntEnum
 
+from emberlink.transport.base import Blob
+
 HEADER = struct.Struct(">BI")
 _SEQ_MASK = 0xFFFFFFFF
 
@@ -38,7 +40,7 @@ class Fragmenter:
         self._seq = (self._seq + 1) & _SEQ_MASK
         return header
 
-    def fragments(self, blob: bytes | bytearray, max_payload: int) -> Iterator[bytes]:
+    def fragments(self, blob: Blob, max_payload: int) -> Iterator[bytes]:
         """The messages carrying `blob`, each at most `max_payload` bytes; numbered as they are drawn."""
         room = max_payload - HEADER.size
         if room <= 0:

@@ -9,7 +9,7 @@ import grpc
 import grpc.aio
 
 from emberlink.errors import TransportError, TransportTimeout
-from emberlink.transport.base import MAX_BLOB, Handler, check_blob
+from emberlink.transport.base import MAX_BLOB, Blob, Handler, check_blob
 from emberlink.transport.sessions import SessionSet
 
 SERVICE = "emberlink.Link"
@@ -74,7 +74,7 @@ class GrpcClientLink:
         self.peer = peer
         self._closed = False
 
-    async def send(self, blob: bytes | bytearray) -> None:
+    async def send(self, blob: Blob) -> None:
         blob = check_blob(blob)
         if self._closed:
             raise TransportError(f"link to {self.peer} is closed")
@@ -135,7 +135,7 @@ class GrpcServerLink:
         if self._closed:
             raise TransportError(f"link to {self.peer} is closed")
 
-    async def send(self, blob: bytes | bytearray) -> None:
+    async def send(self, blob: Blob) -> None:
         blob = check_blob(blob)
         self._check_open()
         try:

@@ -7,7 +7,7 @@ import itertools
 from collections import deque
 
 from emberlink.errors import TransportError
-from emberlink.transport.base import Handler, check_blob
+from emberlink.transport.base import Blob, Handler, check_blob
 from emberlink.transport.sessions import SessionSet
 
 #: Blobs a sender may have queued before `send` waits for the receiver (backpressure).
@@ -95,7 +95,7 @@ class MemoryLink:
         self._outbound = outbound
         self.peer = peer
 
-    async def send(self, blob: bytes | bytearray) -> None:
+    async def send(self, blob: Blob) -> None:
         await self._outbound.put(check_blob(blob))
 
     async def recv(self) -> bytes:

@@ -19,7 +19,8 @@ except ImportError as e:  # nats-py is an optional dependency
     raise ImportError("the NATS relay transport needs nats-py: pip install 'emberlink[nats]'") from e
 
 from emberlink.errors import TransportError, TransportTimeout
-from emberlink.transport.base import MAX_BLOB, Handler, check_size
+from emberlink.transport.backoff import Backoff
+from emberlink.transport.base import MAX_BLOB, Blob, Handler, check_size
 from emberlink.transport.fragment import Fragmenter, FragmentError, Kind, Reassembler
 from emberlink.transport.sessions import SessionSet
 
@@ -34,9 +35,6 @@ SILENCE_S = 1.5
 #: How often the NATS client itself pings the server, and how many unanswered pings end it.
 _PING_INTERVAL_S = 1
 _MAX_OUTSTANDING_PINGS = 2
-#: Backoff of a listener re-attaching to a relay that went away.
-_BACKOFF_FIRST_S = 0.1
-_BACKOFF_MAX_S = 2.0
 
 # A session request is one version byte and 16 random bytes; the reply one byte, then a reason.
 _VERSION = 1
@@ -195,7 +193,7 @@ class NatsLink:
         if self._error is not None:
             raise TransportError(self._error)
 
-    async def send(self, blob: bytes | bytearray) -> None:
+    async def send(self, blob: Blob) -> None:
         check_size(blob)  # no copy: the fragmenter copies once, prepending its header
         self._check_open()
         if self._peer_closed:
@@ -291,7 +289,7 @@ class NatsListener:
             self._lost.set()
 
     async def _supervise(self) -> None:
-        delay = _BACKOFF_FIRST_S
+        backoff = Backoff()
         while not self._stopping:
             await self._lost.wait()
             if self._stopping:
@@ -300,11 +298,10 @@ class NatsListener:
                 await self._attach()
             except TransportError as e:
                 log.debug("re-attaching to %s failed: %s", _redact(self.url), e)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _BACKOFF_MAX_S)
+                await backoff.sleep()
             else:
                 log.info("re-attached to NATS relay at %s", _redact(self.url))
-                delay = _BACKOFF_FIRST_S
+                backoff.reset()
 
     async def _on_request(self, msg: Msg) -> None:
         nc = self._nc

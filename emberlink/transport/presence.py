@@ -18,6 +18,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from emberlink.errors import TransportError
+from emberlink.transport.backoff import Backoff
 from emberlink.transport.nats import _node_subject, _open, _redact
 
 log = logging.getLogger("emberlink.transport.presence")
@@ -25,9 +26,7 @@ log = logging.getLogger("emberlink.transport.presence")
 PRESENCE_PREFIX = "emberlink.presence."
 QUERY_SUBJECT = "emberlink.discover"
 INTERVAL_S = 2.0
-_BACKOFF_FIRST_S = 0.1
 _NO_RESPONDERS = "503"
-_BACKOFF_MAX_S = 2.0
 
 Payload = Callable[[bytes], bytes | None]
 """Builds the current presence message for a query's payload (empty for a periodic message);
@@ -82,17 +81,16 @@ class Beacon:
             self._lost.set()
 
     async def _run(self) -> None:
-        delay = _BACKOFF_FIRST_S
+        backoff = Backoff()
         while True:
             if self._lost.is_set():
                 try:
                     await self._attach()
                 except TransportError as e:
                     log.debug("presence: attaching to %s failed: %s", _redact(self.url), e)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, _BACKOFF_MAX_S)
+                    await backoff.sleep()
                     continue
-                delay = _BACKOFF_FIRST_S
+                backoff.reset()
             await self.publish()
             try:
                 await asyncio.wait_for(self._lost.wait(), self._interval)

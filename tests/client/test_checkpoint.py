@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
-from process_harness import Process
 
 import emberlink as el
 from emberlink import CheckpointError, Device, DTypeError, nn
 from emberlink.checkpoint import CODES
 from emberlink.protocol.identity import Identity
+
+from ..process_harness import Process
 
 DTYPES = list(CODES)
 

@@ -1,16 +1,15 @@
-"""The local device itself: constructors, the Device.remote seam, stats, and LocalExecutor."""
+"""The local device itself: constructors, what Device.remote hands its address to, stats, and LocalExecutor."""
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
 import numpy as np
 import pytest
 
 import emberlink as el
 from emberlink import Device, DeviceError, ExecutionError, UnknownTensor
+from emberlink.client import address as address_module
 from emberlink.client.executor import Call
 from emberlink.client.local import LocalExecutor
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
@@ -39,33 +38,18 @@ def test_cuda_device_runs_a_step() -> None:
         assert dev.memory_stats()["pool_bytes"] > 0
 
 
-def test_remote_calls_open_remote_of_the_remote_module(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_remote_opens_its_address_through_open_remote(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
     def open_remote(address: str, *, key: str | None, timeout: float) -> LocalExecutor:
         calls.append((address, key, timeout))
         return LocalExecutor(NumpyBackend())
 
-    fake = types.ModuleType("emberlink.client.remote")
-    fake.open_remote = open_remote  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "emberlink.client.remote", fake)
+    monkeypatch.setattr(address_module, "open_remote", open_remote)
     with Device.remote("emberlink://abc@host:1", key="/tmp/k", timeout=5.0) as dev:
         assert float(dev.tensor([1.0, 2.0]).sum()) == 3.0
         assert "emberlink://abc@host:1" in str(dev)
     assert calls == [("emberlink://abc@host:1", "/tmp/k", 5.0)]
-
-
-def test_remote_without_the_remote_module_is_a_device_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = importlib.import_module
-
-    def missing(name: str, *args: object) -> types.ModuleType:
-        if name == "emberlink.client.remote":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return real(name, *args)
-
-    monkeypatch.setattr(importlib, "import_module", missing)
-    with pytest.raises(DeviceError, match="remote"):
-        Device.remote("emberlink://abc@host:1")
 
 
 def test_local_stats_have_the_public_keys_and_count_plan_reuse() -> None:

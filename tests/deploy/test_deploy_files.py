@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 
@@ -27,7 +28,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     """What `emberlink ARGV` would run with; fails the test with argparse's complaint instead of exiting."""
     parser = build_parser()
 
-    def error(message: str) -> None:
+    def error(message: str) -> NoReturn:
         raise AssertionError(f"emberlink {shlex.join(argv)}: {message}")
 
     for p in [parser, *_subparsers(parser)]:
@@ -44,11 +45,12 @@ def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser
     return found
 
 
-def compose() -> dict:
-    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+def compose() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    return loaded
 
 
-def workers() -> dict[str, dict]:
+def workers() -> dict[str, dict[str, Any]]:
     return {
         name: svc for name, svc in compose()["services"].items() if svc.get("command", [None])[0] == "worker"
     }
@@ -62,7 +64,10 @@ def substitute(word: str) -> str:
 def nats_conf() -> dict[str, str]:
     pairs = (line.split(":", 1) for line in (DEPLOY / "nats.conf").read_text().splitlines())
     return {
-        k.strip(): v.strip().strip('"') for k, *v in pairs if k.strip() and not k.startswith("#") for v in v
+        k.strip(): value.strip().strip('"')
+        for k, *rest in pairs
+        if k.strip() and not k.startswith("#")
+        for value in rest
     }
 
 
@@ -110,7 +115,8 @@ def test_nats_healthcheck_uses_the_monitoring_port_of_nats_conf():
 def _dockerfile_instruction(name: str) -> list[str]:
     for line in (DEPLOY / "Dockerfile").read_text().splitlines():
         if line.startswith(name + " "):
-            return json.loads(line[len(name) + 1 :])
+            words: list[str] = json.loads(line[len(name) + 1 :])
+            return words
     raise AssertionError(f"Dockerfile has no {name}")
 
 

@@ -6,7 +6,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from e2e_harness import Keys, WorkerProcess, subprocess_env
+
+from .e2e_harness import Keys, WorkerProcess, subprocess_env
 
 
 @pytest.fixture

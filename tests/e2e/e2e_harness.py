@@ -6,9 +6,9 @@ import os
 import sys
 from pathlib import Path
 
-from process_harness import Process
-
 from emberlink.protocol.identity import Identity
+
+from ..process_harness import Process
 
 
 class WorkerProcess(Process):

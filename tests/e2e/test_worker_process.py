@@ -14,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from e2e_harness import Keys, WorkerProcess, subprocess_env
 
 import emberlink as el
 from emberlink.client.remote import RemoteExecutor
 from emberlink.errors import AuthError, GoingAway, WorkerLost
 from emberlink.protocol.ticket import Ticket
+
+from .e2e_harness import Keys, WorkerProcess, subprocess_env
 
 HANG = 5.0  # seconds: a call still blocked after this is a hang, not slowness
 
@@ -28,7 +29,7 @@ def remote(ticket: str, key: Path) -> el.Device:
     return el.Device.remote(ticket, key=str(key), timeout=10)
 
 
-def worker_stats(dev: el.Device) -> dict[str, object]:
+def worker_stats(dev: el.Device) -> dict[str, int | float | str]:
     executor = dev._executor
     assert isinstance(executor, RemoteExecutor)
     return executor.worker_stats()

@@ -137,7 +137,8 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
     x64 = x.astype(np.float64)
     m = x64.max(axis=axis, keepdims=True)
-    return (x64 - m - np.log(np.exp(x64 - m).sum(axis=axis, keepdims=True))).astype(x.dtype)
+    out: np.ndarray = (x64 - m - np.log(np.exp(x64 - m).sum(axis=axis, keepdims=True))).astype(x.dtype)
+    return out
 
 
 def _cross_entropy(logits: np.ndarray, labels: np.ndarray, reduction: str) -> np.ndarray:

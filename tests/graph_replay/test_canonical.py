@@ -91,7 +91,8 @@ def test_check_graph_id_refuses_a_mismatch_with_a_clear_message() -> None:
 
 
 def _tree() -> list[Any]:
-    return msgpack.unpackb(encode_graph(_mlp_step()))
+    tree: list[Any] = msgpack.unpackb(encode_graph(_mlp_step()))
+    return tree
 
 
 def _with(path: tuple[int, ...], value: Any) -> bytes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,7 +79,9 @@ def test_check_attrs_without_defaults_needs_every_attr() -> None:
         ("no_such_op", {}, ShapeError, "unknown op 'no_such_op'"),
     ],
 )
-def test_bad_attrs_are_refused_naming_op_and_attr(op: str, attrs: dict, exc: type, message: str) -> None:
+def test_bad_attrs_are_refused_naming_op_and_attr(
+    op: str, attrs: dict[str, Any], exc: type, message: str
+) -> None:
     with pytest.raises(exc, match=re.escape(message)):
         check_attrs(op, attrs)
 
@@ -256,7 +259,9 @@ def test_dtype_errors_name_op_and_dtypes(op: str, specs: list[TensorSpec], messa
         ),
     ],
 )
-def test_shape_errors_name_op_and_shapes(op: str, specs: list[TensorSpec], attrs: dict, message: str) -> None:
+def test_shape_errors_name_op_and_shapes(
+    op: str, specs: list[TensorSpec], attrs: dict[str, Any], message: str
+) -> None:
     with pytest.raises(ShapeError, match=re.escape(message)):
         infer(op, specs, attrs)
 
@@ -299,7 +304,9 @@ def test_shape_errors_name_op_and_shapes(op: str, specs: list[TensorSpec], attrs
         ("log_softmax", [t("int32", 2, 3)], {}, t(F32, 2, 3)),
     ],
 )
-def test_infer_gives_the_output_spec(op: str, specs: list[TensorSpec], attrs: dict, out: TensorSpec) -> None:
+def test_infer_gives_the_output_spec(
+    op: str, specs: list[TensorSpec], attrs: dict[str, Any], out: TensorSpec
+) -> None:
     if op == "take":
         specs = [*specs, t("int64", 2, 3)]
     if op == "scatter_add":

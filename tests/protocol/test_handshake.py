@@ -18,7 +18,6 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from make_vectors import PATH, run
 
 from emberlink.errors import AuthError, ProtocolError
 from emberlink.protocol.channel import MESSAGE, Channel
@@ -30,6 +29,8 @@ from emberlink.protocol.handshake import (
     WorkerState,
 )
 from emberlink.protocol.identity import AllowPolicy, Identity, Rng
+
+from .make_vectors import PATH, run
 
 CLIENT = Identity.from_seed(bytes([1]) * 32)
 WORKER = Identity.from_seed(bytes([2]) * 32)

@@ -68,7 +68,9 @@ id_lists = st.one_of(
 client_messages = st.one_of(
     st.builds(Register, gids, st.binary(min_size=1, max_size=100)),
     st.builds(Execute, gids, id_lists, st.lists(scalars, max_size=8).map(tuple), ids),
-    st.builds(lambda tid, d, inline: Upload(tid, *d, inline), ids, tensor_desc(), st.booleans()),
+    st.builds(
+        lambda tid, d, inline: Upload(tid, d[0], d[1], d[2], inline), ids, tensor_desc(), st.booleans()
+    ),
     st.builds(Read, rids, ids),
     st.builds(Drop, id_lists),
     st.builds(Sync, rids),

@@ -1,10 +1,12 @@
 """A client script for the relay tests, run as its own process.
 
-relay_client.py ADDRESS KEY train STEPS   prints "connected WORKER PATH", then "losses [...]"
-relay_client.py ADDRESS KEY loop          prints "connected WORKER PATH", trains until "stop" on
-                                          stdin ("done STEPS", exit 0) or the session dies
-                                          ("lost TYPE: MESSAGE", exit 3)
+python -m tests.relay.relay_client ADDRESS KEY train STEPS
+    prints "connected WORKER PATH", then "losses [...]"
+python -m tests.relay.relay_client ADDRESS KEY loop
+    prints "connected WORKER PATH", trains until "stop" on stdin ("done STEPS", exit 0) or the
+    session dies ("lost TYPE: MESSAGE", exit 3)
 --probe HOST:PORT (first) prints "probe ok" or "probe failed: ..." for a plain TCP connect first.
+(Run from the repository root, or with it on PYTHONPATH: relay_harness.client_process does that.)
 """
 
 from __future__ import annotations
@@ -15,9 +17,8 @@ import sys
 import threading
 import time
 
-import relay_training
-
 import emberlink as el
+from tests.relay import relay_training
 
 
 def probe(target: str) -> None:
@@ -42,7 +43,12 @@ def main(argv: list[str]) -> int:
         dev.close()
         return 0
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+
+    def stop_on_a_line_of_stdin() -> None:
+        sys.stdin.readline()
+        stop.set()
+
+    threading.Thread(target=stop_on_a_line_of_stdin, daemon=True).start()
     model, opt = relay_training.make_model(dev)
     data = relay_training.batches(4)
     steps = 0

@@ -13,14 +13,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import nats
-from process_harness import Process
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.ticket import Ticket
 from emberlink.server.background import BackgroundWorker
 from emberlink.server.relay import RelayService
 
-HERE = Path(__file__).parent
+from ..process_harness import Process
+
+ROOT = Path(__file__).parents[2]
+"""The repository root: `python -m tests.relay.relay_client` needs it on the path."""
 
 
 def new_key(folder: Path, name: str) -> tuple[Identity, Path]:
@@ -57,8 +61,14 @@ def relay_worker_process(folder: Path, url: str, key: Path) -> tuple[Process, Ti
 
 def client_process(folder: Path, name: str, *args: str, prefix: list[str] | None = None) -> Process:
     """tests/relay/relay_client.py in its own process (stdin open for commands)."""
-    argv = [*(prefix or []), sys.executable, str(HERE / "relay_client.py"), *args]
-    return Process(argv, folder / f"{name}.log", stdin=True)
+    argv = [*(prefix or []), sys.executable, "-m", "tests.relay.relay_client", *args]
+    return Process(argv, folder / f"{name}.log", stdin=True, env=_with_tests_importable())
+
+
+def _with_tests_importable() -> dict[str, str]:
+    """os.environ with the repository root first on PYTHONPATH, so `-m tests.relay...` resolves."""
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *([path] if path else [])]))
 
 
 @contextlib.contextmanager
@@ -71,6 +81,9 @@ def relay_worker(
     service = RelayService(worker.worker, url, ticket)
     try:
         worker.call(service.start())
+        # start() returns before the beacon has subscribed to queries (it attaches in the
+        # background), and a survey published before then goes unheard: wait for it here.
+        worker.call(asyncio.wait_for(service.beacon.attached.wait(), 10))
         worker.relay = service  # type: ignore[attr-defined]
         yield worker
     finally:
@@ -99,10 +112,10 @@ class Eavesdropper:
         self._thread.start()
         self._nc = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
 
-    async def _start(self) -> nats.NATS:
+    async def _start(self) -> Client:
         nc = await nats.connect(self.url, allow_reconnect=False)
 
-        async def keep(msg: nats.aio.msg.Msg) -> None:
+        async def keep(msg: Msg) -> None:
             self.messages.append((msg.subject, msg.reply, bytes(msg.data)))
 
         await nc.subscribe(">", cb=keep)

@@ -7,12 +7,13 @@ import sys
 import threading
 
 import pytest
-from relay_harness import allow_file, client_process, new_key, relay_worker, wait_until, worker_process
 
 import emberlink as el
 from emberlink.client.discovery import survey
 from emberlink.errors import AuthError, TransportError
 from emberlink.protocol.identity import AllowPolicy
+
+from .relay_harness import allow_file, client_process, new_key, relay_worker, wait_until, worker_process
 
 
 def _seen(url: str) -> set[str]:

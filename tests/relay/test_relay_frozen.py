@@ -6,11 +6,12 @@ import signal
 import time
 
 import pytest
-import relay_training
-from relay_harness import new_key, relay_worker
 
 import emberlink as el
 from emberlink.protocol.ticket import Ticket
+
+from . import relay_training
+from .relay_harness import new_key, relay_worker
 
 
 def test_frozen_relay_fails_the_relayed_session_with_worker_lost_within_two_seconds(nats_server, tmp_path):

@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 
 import pytest
-import relay_training
-from relay_harness import new_key, relay_worker_process, wait_until
 
 import emberlink as el
 from emberlink.client.discovery import survey
 from emberlink.errors import TransportError
 from emberlink.protocol.ticket import Ticket
+
+from . import relay_training
+from .relay_harness import new_key, relay_worker_process, wait_until
 
 
 def _relayed_device(ticket: Ticket, key: str, timeout: float) -> el.Device:

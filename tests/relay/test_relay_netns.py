@@ -14,10 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import relay_training
-from relay_harness import client_process, new_key, relay_worker_process
 
 import emberlink as el
+
+from . import relay_training
+from .relay_harness import client_process, new_key, relay_worker_process
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:

@@ -6,11 +6,12 @@ import asyncio
 import dataclasses
 import threading
 import time
+from typing import Any
 
 import msgpack
 import nats
 import pytest
-from relay_harness import relay_worker, wait_until
+from nats.aio.msg import Msg
 
 from emberlink.client.discovery import survey
 from emberlink.errors import AuthError, ProtocolError
@@ -18,11 +19,13 @@ from emberlink.protocol.identity import Identity
 from emberlink.protocol.presence import LABEL, VERSION, Presence, decode_presence, encode_presence
 from emberlink.transport.presence import PRESENCE_PREFIX
 
+from .relay_harness import relay_worker, wait_until
+
 WORKER = Identity.from_seed(bytes(range(32)))
 OTHER = Identity.from_seed(bytes(range(1, 33)))
 
 
-def presence(identity: Identity = WORKER, **changes: object) -> Presence:
+def presence(identity: Identity = WORKER, **changes: Any) -> Presence:
     base = Presence(
         ticket=f"emberlink://{identity.node_id}@10.0.0.7:7443?relay=nats://10.0.0.1:4222",
         device="cuda:0",
@@ -124,7 +127,7 @@ def test_an_answer_recorded_earlier_and_replayed_does_not_bring_back_a_worker_th
         answers: list[bytes] = []
         inbox = nc.new_inbox()
 
-        async def keep(msg: nats.aio.msg.Msg) -> None:
+        async def keep(msg: Msg) -> None:
             answers.append(msg.data)
 
         await nc.subscribe(inbox, cb=keep)
@@ -146,7 +149,7 @@ def test_an_answer_recorded_earlier_and_replayed_does_not_bring_back_a_worker_th
     async def replay() -> None:
         nc = await nats.connect(nats_server.url)
 
-        async def answer(msg: nats.aio.msg.Msg) -> None:
+        async def answer(msg: Msg) -> None:
             await msg.respond(recorded[0])
 
         await nc.subscribe(QUERY_SUBJECT, cb=answer)

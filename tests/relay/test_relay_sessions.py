@@ -9,8 +9,15 @@ import time
 
 import numpy as np
 import pytest
-import relay_training
-from relay_harness import (
+
+import emberlink as el
+from emberlink.protocol.identity import AllowPolicy
+from emberlink.protocol.presence import decode_presence
+from emberlink.protocol.ticket import Ticket
+from emberlink.transport.presence import PRESENCE_PREFIX
+
+from . import relay_training
+from .relay_harness import (
     Eavesdropper,
     client_process,
     new_key,
@@ -18,12 +25,6 @@ from relay_harness import (
     relay_worker_process,
     wait_until,
 )
-
-import emberlink as el
-from emberlink.protocol.identity import AllowPolicy
-from emberlink.protocol.presence import decode_presence
-from emberlink.protocol.ticket import Ticket
-from emberlink.transport.presence import PRESENCE_PREFIX
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +53,11 @@ def test_script_trains_through_a_relay_only_ticket_with_the_cpus_losses(nats_ser
 
 
 def test_ticket_with_a_working_direct_address_uses_grpc(nats_server, cpu_losses):
-    with relay_worker(nats_server.url) as worker, el.Device.remote(str(worker.relay.ticket)) as dev:
-        assert dev.stats()["path"] == "grpc"
-        assert relay_training.train(dev) == cpu_losses
+    with relay_worker(nats_server.url) as worker:
+        ticket = str(worker.relay.ticket)  # type: ignore[attr-defined]  # relay_worker sets .relay
+        with el.Device.remote(ticket) as dev:
+            assert dev.stats()["path"] == "grpc"
+            assert relay_training.train(dev) == cpu_losses
 
 
 def _closed_port() -> int:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from server_harness import executor_of, grpc_device, memory_device, new_identity
 
 import emberlink as el
 from emberlink.client import remote
@@ -21,8 +20,12 @@ from emberlink.client.executor import Call
 from emberlink.errors import AuthError, ExecutionError, GoingAway, QuotaExceeded, WorkerLost
 from emberlink.graph_replay.canonical import encode_graph, graph_id
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
+from emberlink.protocol.limits import MAX_UNACKED_BATCHES
 from emberlink.protocol.ticket import Ticket
 from emberlink.testing import InProcessWorker
+from emberlink.transport.base import Blob, Link
+
+from .server_harness import executor_of, grpc_device, memory_device, new_identity
 
 DeviceMaker = Callable[[InProcessWorker], el.Device]
 TRANSPORTS = [pytest.param(memory_device, id="memory"), pytest.param(grpc_device, id="grpc")]
@@ -191,14 +194,14 @@ def test_flow_control_bounds_unacknowledged_batches(
             x = x + 1.0
             dev.flush()
             seen = max(seen, ex._unacked_batches)
-        assert seen <= remote.MAX_UNACKED_BATCHES
+        assert seen <= MAX_UNACKED_BATCHES
         np.testing.assert_array_equal(x.numpy(), np.full(8, 300, np.float32))
 
 
 CLIENT_SCRIPT = """
 import json, sys
 import emberlink as el
-from test_remote_device import mlp_losses
+from tests.server.test_remote_device import mlp_losses
 with el.Device.remote(sys.argv[1], timeout=30) as dev:
     print(json.dumps(mlp_losses(dev, int(sys.argv[2]), seed=int(sys.argv[3]))))
 """
@@ -212,7 +215,7 @@ def test_sixteen_concurrent_clients_train_correctly(worker: InProcessWorker, tmp
         expected = [mlp_losses(cpu, steps, seed=s) for s in (0, 1)]
     key = tmp_path / "client.key"
     worker.new_client().save(key)
-    env = dict(os.environ, EMBERLINK_KEY=str(key), PYTHONPATH=str(Path(__file__).parent))
+    env = dict(os.environ, EMBERLINK_KEY=str(key), PYTHONPATH=str(Path(__file__).parents[2]))
     clients = [
         subprocess.Popen(
             [sys.executable, "-c", CLIENT_SCRIPT, worker.ticket, str(steps), str(i % 2)],
@@ -242,17 +245,17 @@ def test_ticket_with_another_node_id_is_refused_before_any_data_is_sent(worker: 
 
     impostor = new_identity().node_id  # the ticket names someone else than the worker at that address
     ((host, port),) = Ticket.parse(worker.ticket).addrs
-    sent: list[bytes] = []
+    sent: list[Blob] = []
 
     class Recording:
-        def __init__(self, link) -> None:
+        def __init__(self, link: Link) -> None:
             self.link, self.peer = link, link.peer
 
-        async def send(self, blob: bytes) -> None:
+        async def send(self, blob: Blob) -> None:
             sent.append(blob)
             await self.link.send(blob)
 
-        async def recv(self) -> bytes:
+        async def recv(self) -> bytes | memoryview:
             return await self.link.recv()
 
         async def close(self) -> None:
@@ -263,7 +266,7 @@ def test_ticket_with_another_node_id_is_refused_before_any_data_is_sent(worker: 
 
     with pytest.raises(AuthError, match=impostor):
         remote.connect_link(factory, impostor, new_identity(), path="grpc", timeout=5)
-    assert len(sent) == 1 and sent[0].startswith(b"EMLH")  # the Hello, nothing else
+    assert len(sent) == 1 and bytes(sent[0]).startswith(b"EMLH")  # the Hello, nothing else
     ticket = Ticket(impostor, ((host, port),))
     with pytest.raises(AuthError):
         remote.connect_ticket(ticket, new_identity(), timeout=5)

@@ -6,12 +6,13 @@ import threading
 
 import numpy as np
 import pytest
-from server_harness import RawClient, memory_device, worker_stats
 
 from emberlink.graph_replay.canonical import encode_graph, graph_id
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
 from emberlink.protocol import messages as m
 from emberlink.testing import InProcessWorker
+
+from .server_harness import RawClient, memory_device, worker_stats
 
 
 def scale_graph(n: int = 3) -> tuple[bytes, bytes]:
@@ -174,7 +175,7 @@ def test_graph_cache_survives_a_reconnect_of_the_same_client(worker: InProcessWo
 def test_clients_see_neither_each_others_graphs_nor_their_cache_figures(worker: InProcessWorker) -> None:
     gid, body = scale_graph()
 
-    async def go() -> tuple[list[m.WorkerMessage], dict, dict]:
+    async def go() -> tuple[list[m.WorkerMessage], dict[str, m.StatValue], dict[str, m.StatValue]]:
         a = await RawClient.connect(worker)
         b = await RawClient.connect(worker)
         await b.send(1, [m.Stats(1)])
@@ -320,7 +321,7 @@ def test_a_client_that_ignores_flow_control_is_cut_off(
 ) -> None:
     from emberlink.server import session as session_module
 
-    monkeypatch.setattr(session_module, "MAX_INFLIGHT_BYTES", 1000)
+    monkeypatch.setattr(session_module, "MAX_UNACKED_BYTES", 1000)
     x = np.ones(200, np.float32)  # 800 bytes a batch
     gate = threading.Event()
     worker.worker.device.post(gate.wait, 10)  # nothing is applied (or acknowledged) meanwhile

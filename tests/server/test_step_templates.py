@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from server_harness import RawClient, executor_of, memory_device, worker_stats
 
 import emberlink as el
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import OVERHEAD
 from emberlink.testing import InProcessWorker
+
+from .server_harness import RawClient, executor_of, memory_device, worker_stats
 
 
 def run(worker: InProcessWorker, coro):

@@ -9,9 +9,9 @@ import pytest
 from emberlink.transport.fragment import HEADER, Fragmenter, FragmentError, Kind, Reassembler
 
 
-def roundtrip(blobs: list[bytes], max_payload: int) -> list[bytes]:
+def roundtrip(blobs: list[bytes], max_payload: int) -> list[bytes | memoryview]:
     out, back = Fragmenter(), Reassembler(limit=1 << 24)
-    got = []
+    got: list[bytes | memoryview] = []
     for blob in blobs:
         for message in out.fragments(blob, max_payload):
             assert len(message) <= max_payload

@@ -8,7 +8,12 @@ import socket
 import time
 
 import pytest
-from transport_checks import (
+
+from emberlink.errors import TransportError, TransportTimeout
+from emberlink.transport import grpc as grpc_transport
+from emberlink.transport.base import MAX_BLOB, Handler, Link
+
+from .transport_checks import (
     Child,
     Recorder,
     blobs,
@@ -21,10 +26,6 @@ from transport_checks import (
     pipelined,
     within,
 )
-
-from emberlink.errors import TransportError, TransportTimeout
-from emberlink.transport import grpc as grpc_transport
-from emberlink.transport.base import MAX_BLOB, Link
 
 ECHO_WORKER = """
     import asyncio
@@ -56,7 +57,7 @@ CLIENT = """
 """
 
 
-async def started(handler: grpc_transport.Handler) -> tuple[grpc_transport.GrpcListener, int]:
+async def started(handler: Handler) -> tuple[grpc_transport.GrpcListener, int]:
     listener = grpc_transport.GrpcListener("127.0.0.1", 0, handler)
     return listener, await listener.start()
 

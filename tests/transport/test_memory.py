@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from transport_checks import blobs, echo, pipelined
 
 from emberlink.errors import TransportError
 from emberlink.transport import memory
-from emberlink.transport.base import MAX_BLOB
+from emberlink.transport.base import MAX_BLOB, Link
+
+from .transport_checks import blobs, echo, pipelined
 
 
 async def test_pair_delivers_blobs_whole_and_in_order() -> None:
@@ -127,7 +128,7 @@ async def test_listener_stop_closes_sessions_so_the_client_recv_raises() -> None
 async def test_handler_return_closes_the_link() -> None:
     hub = memory.MemoryHub()
 
-    async def once(link: memory.Link) -> None:
+    async def once(link: Link) -> None:
         await link.send(await link.recv())
 
     listener = memory.MemoryListener("w", once, hub=hub)

@@ -7,7 +7,13 @@ import signal
 
 import nats
 import pytest
-from transport_checks import (
+from nats.aio.msg import Msg
+
+from emberlink.errors import TransportError, TransportTimeout
+from emberlink.transport import nats as nats_transport
+from emberlink.transport.base import Handler
+
+from .transport_checks import (
     Child,
     Recorder,
     blobs,
@@ -20,9 +26,6 @@ from transport_checks import (
     pipelined,
     within,
 )
-
-from emberlink.errors import TransportError, TransportTimeout
-from emberlink.transport import nats as nats_transport
 
 NODE = "workernodeid"
 
@@ -56,7 +59,7 @@ CLIENT = """
 """
 
 
-async def listening(url: str, handler: nats_transport.Handler = echo) -> nats_transport.NatsListener:
+async def listening(url: str, handler: Handler = echo) -> nats_transport.NatsListener:
     listener = nats_transport.NatsListener(url, NODE, handler)
     await listener.start()
     return listener
@@ -106,7 +109,7 @@ async def test_relay_sees_no_client_identity_only_random_subjects(nats_server) -
     seen: list[tuple[str, bytes, object]] = []
     spy = await nats.connect(nats_server.url)
 
-    async def record(msg: nats.aio.msg.Msg) -> None:
+    async def record(msg: Msg) -> None:
         seen.append((msg.subject, msg.data, msg.headers))
 
     await spy.subscribe(">", cb=record)

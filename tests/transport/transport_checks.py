@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import textwrap
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Self, TypeVar
 
@@ -29,7 +29,7 @@ def blobs(sizes: list[int]) -> list[bytes]:
     return [os.urandom(n) for n in sizes]
 
 
-async def ping_pong(link: Link, sent: list[bytes]) -> list[bytes]:
+async def ping_pong(link: Link, sent: list[bytes]) -> list[bytes | memoryview]:
     got = []
     for blob in sent:
         await link.send(blob)
@@ -37,7 +37,7 @@ async def ping_pong(link: Link, sent: list[bytes]) -> list[bytes]:
     return got
 
 
-async def pipelined(link: Link, sent: list[bytes]) -> list[bytes]:
+async def pipelined(link: Link, sent: list[bytes]) -> list[bytes | memoryview]:
     """Send everything while receiving concurrently: order and wholeness under load."""
 
     async def sender() -> None:
@@ -100,7 +100,7 @@ class Recorder:
     """A worker handler that keeps what its sessions received and the error that ended the first."""
 
     def __init__(self) -> None:
-        self.received: list[bytes] = []
+        self.received: list[bytes | memoryview] = []
         self.ended: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
 
     async def __call__(self, link: Link) -> None:
@@ -118,7 +118,7 @@ async def echo_once(link: Link) -> None:
     await link.send(await link.recv())
 
 
-async def check_sessions_are_isolated(links: list[Link], per_link: list[list[bytes]]) -> None:
+async def check_sessions_are_isolated(links: Sequence[Link], per_link: list[list[bytes]]) -> None:
     """Links to an `echo` worker: pipelined traffic stays on its own link, and closing one spares
     the others. Closes every link."""
     assert (

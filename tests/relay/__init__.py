@@ -1,0 +1,1 @@
+"""Tests through a NATS relay: relayed sessions, presence, discovery, loss of the relay."""
