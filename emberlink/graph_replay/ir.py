@@ -19,7 +19,17 @@ from dataclasses import dataclass
 
 from emberlink.errors import DTypeError, ShapeError
 
-DTYPES: tuple[str, ...] = ("bool", "int32", "int64", "float16", "float32", "float64")
+DTYPES: tuple[str, ...] = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "float32",
+    "float64",
+)
 """The dtype allow-list, NumPy names."""
 
 BINDING_KINDS: tuple[str, ...] = ("bool", "int", "float")
@@ -29,6 +39,9 @@ MAX_RANK = 16
 
 ITEMSIZE: dict[str, int] = {
     "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
     "int32": 4,
     "int64": 8,
     "float16": 2,
@@ -38,6 +51,9 @@ ITEMSIZE: dict[str, int] = {
 
 KIND_OF_DTYPE: dict[str, str] = {
     "bool": "bool",
+    "uint8": "int",
+    "int8": "int",
+    "int16": "int",
     "int32": "int",
     "int64": "int",
     "float16": "float",
