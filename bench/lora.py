@@ -33,7 +33,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -65,69 +64,63 @@ def nbytes(params: list[nn.Parameter]) -> int:
     return sum(p.size * np.dtype(p.dtype).itemsize for p in params)
 
 
-@dataclass
 class Run:
-    mode: str
-    trainable: int = 0
-    upload: int = 0
-    base_weights: int = 0
-    first_step: int = 0
-    per_step: list[int] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
-    after: int = 0
-    peak: int = 0
-    new_graphs: int = 0
+    """One mode against its own fresh worker: set up (upload, first two steps), then timed steps."""
 
-
-def fine_tune(mode: str, steps: int, device: str, client: Identity, key: Path) -> Run:
-    """One mode against a fresh worker: the figures of its upload, first step and timed steps."""
-    rng = np.random.default_rng(0)
-    batches = [
-        (rng.standard_normal((BATCH, SIZES[0]), dtype=np.float32), rng.integers(0, SIZES[-1], BATCH))
-        for _ in range(4)
-    ]
-    run = Run(mode)
-    with BackgroundWorker(allow=AllowPolicy.of([client.node_id]), device=device) as worker:
-        dev = el.Device.remote(worker.ticket, key=str(key))
-        model = build(mode)
-        params = model.parameters()
-        trainable = [p for p in params if p.requires_grad]
-        run.trainable = sum(p.size for p in trainable)
-        model.to(dev)
-        dev.sync()
-        run.upload = int(dev.stats()["bytes_sent"])
-        biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
-        adapters = [p for name, p in model.named_parameters() if "lora_" in name]
-        run.base_weights = dev.memory_stats()["in_use_bytes"] - nbytes(biases) - nbytes(adapters)
-        opt = el.optim.Adam(params, lr=1e-3)
-
-        def step(k: int) -> int:
-            x, y = batches[k % len(batches)]
-            before = int(dev.stats()["bytes_sent"])
-            loss = nn.functional.cross_entropy(model(dev.tensor(x)), dev.tensor(y))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            float(loss)
-            return int(dev.stats()["bytes_sent"]) - before
-
-        run.first_step = step(0)
-        step(1)  # Adam's steady-state graph (its state exists now) is registered here
+    def __init__(self, mode: str, device: str, client: Identity, key: Path) -> None:
+        rng = np.random.default_rng(0)
+        self.batches = [
+            (rng.standard_normal((BATCH, SIZES[0]), dtype=np.float32), rng.integers(0, SIZES[-1], BATCH))
+            for _ in range(4)
+        ]
+        self.mode = mode
+        self.per_step: list[int] = []
+        self.times: list[float] = []
+        self.worker = BackgroundWorker(allow=AllowPolicy.of([client.node_id]), device=device)
+        self.dev = el.Device.remote(self.worker.ticket, key=str(key))
+        self.model = build(mode)
+        params = self.model.parameters()
+        self.trainable = sum(p.size for p in params if p.requires_grad)
+        self.model.to(self.dev)
+        self.dev.sync()
+        self.upload = int(self.dev.stats()["bytes_sent"])
+        named = list(self.model.named_parameters())
+        biases = [p for name, p in named if name.endswith("bias")]
+        adapters = [p for name, p in named if "lora_" in name]
+        self.base_weights = self.dev.memory_stats()["in_use_bytes"] - nbytes(biases) - nbytes(adapters)
+        self.opt = el.optim.Adam(params, lr=1e-3)
+        self.first_step = self.step(0)
+        self.step(1)  # Adam's steady-state graph (its state exists now) is registered here
         gc.collect()
-        dev.sync()
-        worker.worker.device.submit(worker.worker.device.backend.reset_peak).result()
-        registered = int(dev.stats()["graphs_registered"])
-        for k in range(steps):
-            t0 = time.perf_counter()
-            run.per_step.append(step(k))
-            run.times.append(time.perf_counter() - t0)
-        run.new_graphs = int(dev.stats()["graphs_registered"]) - registered
+        self.dev.sync()
+        backend = self.worker.worker.device.backend
+        self.worker.worker.device.submit(backend.reset_peak).result()
+        self.registered = int(self.dev.stats()["graphs_registered"])
+
+    def step(self, k: int) -> int:
+        """One fine-tuning step; the bytes it sent."""
+        x, y = self.batches[k % len(self.batches)]
+        before = int(self.dev.stats()["bytes_sent"])
+        loss = nn.functional.cross_entropy(self.model(self.dev.tensor(x)), self.dev.tensor(y))
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        float(loss)
+        return int(self.dev.stats()["bytes_sent"]) - before
+
+    def timed(self, k: int) -> None:
+        t0 = time.perf_counter()
+        self.per_step.append(self.step(k))
+        self.times.append(time.perf_counter() - t0)
+
+    def finish(self) -> None:
+        self.new_graphs = int(self.dev.stats()["graphs_registered"]) - self.registered
         gc.collect()
-        dev.sync()
-        stats = dev.memory_stats()
-        run.after, run.peak = stats["in_use_bytes"], stats["peak_bytes"]
-        dev.close()
-    return run
+        self.dev.sync()
+        stats = self.dev.memory_stats()
+        self.after, self.peak = stats["in_use_bytes"], stats["peak_bytes"]
+        self.dev.close()
+        self.worker.stop()
 
 
 def mib(n: float) -> str:
@@ -144,8 +137,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "client.key"
         client.save(key)
-        runs = {mode: fine_tune(mode, args.steps, args.device, client, key) for mode in MODES}
-    full, lora, qlora = (runs[m] for m in MODES)
+        order = [Run(mode, args.device, client, key) for mode in MODES]
+        for k in range(args.steps):  # interleaved, so the machine's load hits every mode alike
+            for run in order:
+                run.timed(k)
+        for run in order:
+            run.finish()
+    full, lora, qlora = order
     batch_bytes = BATCH * SIZES[0] * 4 + BATCH * 8
     f32_weights = full.base_weights
 
@@ -161,7 +159,6 @@ def main() -> None:
     print()
     print("| per fine-tuning step | full | LoRA | QLoRA int8 | LoRA / full | QLoRA / full |")
     print("|---|---:|---:|---:|---:|---:|")
-    order = [full, lora, qlora]
     row("trainable parameters", lambda v: f"{v:,.0f}", [r.trainable for r in order])
     row("model upload, once (bytes sent)", lambda v: f"{v:,.0f}", [r.upload for r in order])
     row("base weights on the worker", mib, [r.base_weights for r in order])
