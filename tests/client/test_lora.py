@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -170,3 +172,37 @@ def test_frozen_parameter_may_be_int_but_a_trainable_one_may_not() -> None:
     assert frozen.dtype == "int8" and not frozen.requires_grad
     with pytest.raises(DTypeError, match="requires grad must be float"):
         nn.Parameter(np.zeros(3, np.int8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_lora_on_cuda_trains_and_merges_as_on_the_cpu(quantize: str | None) -> None:
+    pytest.importorskip("cupy")
+    results = []
+    for make in (Device.cpu, lambda: Device.cuda(0)):
+        with make() as dev:
+            model = nn.add_lora(mlp(dev), rank=4, quantize=quantize)
+            opt = train(model, dev, 3)
+            assert set(opt.state) == {id(p) for p in model.parameters() if p.requires_grad}
+            x, _ = batch(9)
+            adapted = model(dev.tensor(x)).numpy()
+            merged = nn.merge_lora(model)(dev.tensor(x)).numpy()
+            np.testing.assert_allclose(merged, adapted, rtol=1e-5, atol=1e-5)
+            results.append(adapted)
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_qlora_on_cuda_holds_base_weights_in_under_0_3_of_float32() -> None:
+    pytest.importorskip("cupy")
+    with Device.cuda(0) as dev:
+        start = dev.memory_stats()["in_use_bytes"]
+        model = nn.Sequential(nn.Linear(1024, 4096, seed=0), nn.ReLU(), nn.Linear(4096, 1024, seed=1))
+        model.to(dev)
+        dev.sync()
+        f32 = dev.memory_stats()["in_use_bytes"] - start
+        nn.add_lora(model, rank=8, quantize="int8")
+        gc.collect()
+        dev.sync()
+        adapters = sum(p.size * 4 for p in model.parameters() if p.requires_grad)
+        assert dev.memory_stats()["in_use_bytes"] - start - adapters <= 0.3 * f32

@@ -117,3 +117,27 @@ def test_an_int_scalar_outside_a_uint8_range_fails_when_the_step_runs(dev: Devic
     u = dev.tensor(np.array([1, 2], np.uint8))
     with pytest.raises(ExecutionError, match="300"):
         (u + 300).numpy()
+
+
+@pytest.mark.gpu
+def test_small_ints_on_cuda_match_the_cpu() -> None:
+    pytest.importorskip("cupy")
+    imgs = np.random.default_rng(0).integers(0, 256, (8, 64), dtype=np.uint8)
+    labels = np.array([255, 0, 17], np.uint8)
+    got = []
+    for make in (Device.cpu, lambda: Device.cuda(0)):
+        with make() as dev:
+            x, u = dev.tensor(imgs), dev.tensor(imgs[0])
+            s = dev.tensor(imgs[1].astype(np.int8))
+            got.append(
+                [
+                    (x.astype("float32") / 255).numpy(),
+                    (u + s).numpy(),
+                    (u > s).numpy(),
+                    x.sum(axis=1).numpy(),
+                    F.one_hot(dev.tensor(labels), 300).numpy(),
+                ]
+            )
+    for a, b in zip(got[0], got[1], strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(b, a, rtol=1e-6)
