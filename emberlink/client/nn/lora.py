@@ -13,11 +13,13 @@ names them, so a fine-tuning step sends the batch and the adapters' scalars, nev
 
 `quantize="int8"` (QLoRA with int8 instead of NF4) stores each frozen `W` as int8 with one scale
 per output channel (absmax / 127 in the weight's dtype, float32 for a float32 model; values rounded
-half away from zero), quantized on the device the weight is on. The forward is `(x @ W_q) * scale`: the matmul widens `W_q` to the compute dtype
-only for its own duration (a transient the worker frees right after), so no float copy of `W`
-persists. 4-bit NF4 is not offered: the IR has no bitwise or integer-division ops, so unpacking
-two nibbles a byte would compose from float casts (several transient full-size arrays per matmul
-and again in backward); it wants a dequantize primitive on the backends, added when measured.
+half away from zero), quantized on the device the weight is on. The forward is
+`(x @ W_q) * scale`: the matmul widens `W_q` to the compute dtype only for its own duration (a
+transient the worker frees right after), so no float copy of `W` persists.
+
+4-bit NF4 is not offered: the IR has no bitwise or integer-division ops, so unpacking two nibbles
+a byte would compose from float casts (several transient full-size arrays per matmul and again in
+backward); it wants a dequantize primitive on the backends, added when a measurement asks.
 """
 
 from __future__ import annotations
