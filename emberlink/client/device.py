@@ -21,7 +21,7 @@ from typing import Any, Self
 import numpy as np
 
 from emberlink.client import segment
-from emberlink.client.dtypes import DEFAULT_FLOAT, DEFAULT_INT, FLOAT_DTYPES, dtype_name, scalar_dtype
+from emberlink.client.dtypes import DEFAULT_FLOAT, DEFAULT_INT, DTYPES, FLOAT_DTYPES, dtype_name, scalar_dtype
 from emberlink.client.executor import Call, Executor
 from emberlink.client.tensor import Scalar, Tensor, create, norm_shape, scalar
 from emberlink.errors import DeviceError, DTypeError, ShapeError
@@ -37,7 +37,7 @@ MAX_PENDING = 4096
 MAX_DROPS = 1024
 """Freed buffer ids collected before they are sent to the executor without waiting for a flush."""
 
-_NATIVE = {np.dtype(name): name for name in ("bool", "int32", "int64", "float16", "float32", "float64")}
+_NATIVE = {np.dtype(name): name for name in DTYPES}
 
 MEMO_LIMIT = 512
 """Segments whose graphs a Device remembers (oldest forgotten first)."""

@@ -8,9 +8,9 @@ import numpy as np
 
 from emberlink.errors import DTypeError
 
-DTYPES = ("bool", "int32", "int64", "float16", "float32", "float64")
+DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
 FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
-INT_DTYPES = frozenset({"int32", "int64"})
+INT_DTYPES = frozenset({"uint8", "int8", "int16", "int32", "int64"})
 
 # The dtype a creation function uses when none is given: float32, as on a GPU framework.
 DEFAULT_FLOAT = "float32"

@@ -23,8 +23,14 @@ import numpy as np
 from emberlink.errors import DeviceError, DTypeError
 from emberlink.graph_replay import fusion
 from emberlink.graph_replay.backend import Array, IntoFn, OpFn, run_plan
-from emberlink.graph_replay.ir import DTYPES, Scalar
-from emberlink.graph_replay.numpy_backend import INTO_TABLE, OP_TABLE, host_scalar, scatter_index
+from emberlink.graph_replay.ir import DTYPES, KIND_OF_DTYPE, Scalar
+from emberlink.graph_replay.numpy_backend import (
+    INTO_TABLE,
+    OP_TABLE,
+    host_scalar,
+    scatter_index,
+    wide_indices,
+)
 from emberlink.graph_replay.plan import FUSED, Plan, Step, derive_plan, run_chain
 
 log = logging.getLogger(__name__)
@@ -42,14 +48,16 @@ def _import_cupy() -> Any:
 
 
 def _scatter_add(xp: Any, args: Sequence[Any], step: Step) -> Array:
-    """`cupy.add.at` on CUDA atomics: float16 accumulates in float32, int64 adds as uint64 (same bits)."""
-    g, indices = args
+    """`cupy.add.at` on CUDA atomics: float16 accumulates in float32; int64, int16, int8 and uint8
+    add as uint64 (int64's bits; CUDA has no signed 64-bit, 8- or 16-bit atomic add), then wrap to
+    their dtype as NumPy's `add.at` does."""
+    g, indices = args[0], wide_indices(args[1])
     dtype = step.out_spec.dtype
     index = scatter_index(step, indices)
-    if dtype == "int64":
+    if KIND_OF_DTYPE[dtype] == "int" and dtype != "int32":
         out = xp.zeros(step.out_spec.shape, dtype=np.uint64)
-        xp.add.at(out, index, g.view(np.uint64))
-        return out.view(np.int64)
+        xp.add.at(out, index, g.astype(np.int64, copy=False).view(np.uint64))
+        return out.view(np.int64).astype(dtype, copy=False)
     acc = "float32" if dtype == "float16" else dtype
     out = xp.zeros(step.out_spec.shape, dtype=acc)
     xp.add.at(out, index, g.astype(acc, copy=False))

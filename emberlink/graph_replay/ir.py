@@ -20,7 +20,17 @@ from dataclasses import dataclass
 from emberlink.errors import DTypeError, ShapeError
 from emberlink.protocol.limits import MAX_RANK
 
-DTYPES: tuple[str, ...] = ("bool", "int32", "int64", "float16", "float32", "float64")
+DTYPES: tuple[str, ...] = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "float32",
+    "float64",
+)
 """The dtype allow-list, NumPy names."""
 
 BINDING_KINDS: tuple[str, ...] = ("bool", "int", "float")
@@ -28,6 +38,9 @@ BINDING_KINDS: tuple[str, ...] = ("bool", "int", "float")
 
 ITEMSIZE: dict[str, int] = {
     "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
     "int32": 4,
     "int64": 8,
     "float16": 2,
@@ -37,6 +50,9 @@ ITEMSIZE: dict[str, int] = {
 
 KIND_OF_DTYPE: dict[str, str] = {
     "bool": "bool",
+    "uint8": "int",
+    "int8": "int",
+    "int16": "int",
     "int32": "int",
     "int64": "int",
     "float16": "float",

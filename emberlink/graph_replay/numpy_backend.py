@@ -245,8 +245,14 @@ def _getitem_grad(xp: Any, args: Sequence[Any], step: Step) -> Array:
     return out
 
 
+def wide_indices(indices: Any) -> Any:
+    """Indices (or labels) of a small int dtype widened to int64, so that bounds checks, `arange`
+    of the class count and CuPy's kernels never compute in uint8/int8/int16 (where 300 wraps)."""
+    return indices.astype(np.int64) if indices.dtype.itemsize < 4 else indices
+
+
 def _take(xp: Any, args: Sequence[Any], step: Step) -> Array:
-    x, indices = args
+    x, indices = args[0], wide_indices(args[1])
     axis = step.attrs["axis"]
     if xp is not np and indices.size:
         # CuPy's take wraps out-of-range indices silently; NumPy raises. Check, so both fail alike
@@ -268,7 +274,7 @@ def scatter_index(step: Step, indices: Any) -> tuple[Any, ...]:
 
 
 def _scatter_add(xp: Any, args: Sequence[Any], step: Step) -> Array:
-    g, indices = args
+    g, indices = args[0], wide_indices(args[1])
     out = xp.zeros(step.out_spec.shape, dtype=step.out_spec.dtype)
     np.add.at(out, scatter_index(step, indices), g)
     return out
@@ -295,7 +301,7 @@ def _softmax(xp: Any, args: Sequence[Any], step: Step) -> Array:
 
 def _cross_entropy(xp: Any, args: Sequence[Any], step: Step) -> Array:
     """Mean/sum/none of -log_softmax(logits)[i, labels[i]]; a label outside [0, C) gives NaN."""
-    logits, labels = args
+    logits, labels = args[0], wide_indices(args[1])
     n, c = logits.shape
     lsm = _log_softmax_wide(xp, logits, 1)
     valid = (labels >= 0) & (labels < c)
@@ -309,8 +315,9 @@ def _cross_entropy(xp: Any, args: Sequence[Any], step: Step) -> Array:
 
 
 def _one_hot(xp: Any, args: Sequence[Any], step: Step) -> Array:
-    classes = xp.arange(step.out_spec.shape[-1], dtype=args[0].dtype)
-    return (args[0][..., None] == classes).astype(step.out_spec.dtype)
+    labels = wide_indices(args[0])
+    classes = xp.arange(step.out_spec.shape[-1], dtype=labels.dtype)
+    return (labels[..., None] == classes).astype(step.out_spec.dtype)
 
 
 OP_TABLE: dict[str, OpFn] = {
@@ -442,4 +449,5 @@ __all__ = [
     "host_scalar",
     "index_tuple",
     "scatter_index",
+    "wide_indices",
 ]

@@ -4,6 +4,9 @@ The rules (docs/internals.md section 2), written once here so that inference and
 agree:
 - Two tensors: same kind -> the wider dtype; bool with int/float -> the other; int with float ->
   the float operand's dtype (so `int64 + float16` is `float16`, unlike NumPy).
+- uint8 with a signed int: the smallest signed int holding both ranges, the Array API's (and
+  NumPy's, PyTorch's) lattice: `uint8 + int8` and `uint8 + int16` are `int16`, `uint8 + int32`
+  is `int32`. uint8 is the only unsigned dtype, so no pair needs more than int64.
 - A weak scalar (a binding) with a tensor: the tensor's dtype wins when the scalar's kind is not
   higher (bool < int < float); otherwise `int64` (int scalar, bool tensor) or `float32` (float
   scalar, bool/int tensor).
@@ -28,6 +31,9 @@ def promote(a: TensorSpec, b: TensorSpec) -> str:
             return tensor.dtype
         return DEFAULT_DTYPE_OF_KIND[scalar.kind]
     if a.kind == b.kind:
+        if a.kind == "int" and (a.dtype == "uint8") != (b.dtype == "uint8"):
+            signed = b.dtype if a.dtype == "uint8" else a.dtype
+            return signed if ITEMSIZE[signed] > 1 else "int16"
         return a.dtype if ITEMSIZE[a.dtype] >= ITEMSIZE[b.dtype] else b.dtype
     if a.kind == "bool":
         return b.dtype

@@ -37,9 +37,12 @@ BytesLike = bytes | bytearray | memoryview
 Scalar = bool | int | float
 StatValue = int | float | str
 
-DTYPES: dict[str, int] = {"bool": 1, "int32": 4, "int64": 8, "float16": 2, "float32": 4, "float64": 8}
+DTYPES: dict[str, int] = {
+    "bool": 1, "int32": 4, "int64": 8, "float16": 2, "float32": 4, "float64": 8, "uint8": 1, "int8": 1, "int16": 2
+}  # fmt: skip
 """Allowed dtype names and their item sizes."""
-_DTYPE_CODES = ("bool", "int32", "int64", "float16", "float32", "float64")  # wire code = index + 1
+# wire code = index + 1; new dtypes are appended, so an old code never changes meaning.
+_DTYPE_CODES = ("bool", "int32", "int64", "float16", "float32", "float64", "uint8", "int8", "int16")
 _DTYPE_TO_CODE = {name: i + 1 for i, name in enumerate(_DTYPE_CODES)}
 
 GID_SIZE = 16

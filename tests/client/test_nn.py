@@ -197,3 +197,12 @@ def test_an_mlp_trains_to_a_low_loss(dev: Device, optimizer: str) -> None:
     accuracy = float((model(xt).argmax(axis=1) == yt).astype("float32").mean())
     assert accuracy > 0.97
     assert dev.stats()["graphs_built"] <= 3  # step 1 (new optimizer state), steps 2.., eval
+
+
+def test_a_replaced_layer_keeps_its_place_in_a_sequential() -> None:
+    model = nn.Sequential(nn.Linear(3, 4, seed=0), nn.ReLU(), nn.Linear(4, 2, seed=1))
+    setattr(model, "0", nn.Linear(3, 4, seed=2))  # as nn.add_lora swaps a layer
+    setattr(model, "2", nn.Linear(4, 2, seed=3))
+    assert [name for name, _ in model.named_modules()] == ["", "0", "1", "2"]
+    assert [type(m).__name__ for m in model] == ["Linear", "ReLU", "Linear"]
+    assert [name for name, _ in model.named_parameters()] == ["0.weight", "0.bias", "2.weight", "2.bias"]

@@ -713,6 +713,96 @@ def _cases() -> list[Case]:
     return c
 
 
-CASES: Sequence[Case] = _cases()
+def _small_int_cases() -> list[Case]:
+    """uint8, int8 and int16: the promotion lattice, reductions, casts, and indices of these dtypes."""
+    u8 = np.array([[0, 7, 200], [255, 1, 128]], np.uint8)
+    s8 = np.array([[-128, 5, 100], [127, -1, 0]], np.int8)
+    s16 = np.array([[-300, 5, 1000], [32767, -1, 2]], np.int16)
+    return [
+        Case("add-u8-i8-gives-i16", "add", (u8, s8), {}, lambda a, b: a.astype(np.int16) + b),
+        Case("subtract-u8-i16-gives-i16", "subtract", (u8, s16), {}, lambda a, b: a.astype(np.int16) - b),
+        Case("multiply-u8-i32-gives-i32", "multiply", (u8, i(2, 3)), {}, lambda a, b: a.astype(np.int32) * b),
+        Case("add-i8-i16-gives-i16", "add", (s8, s16), {}, lambda a, b: a.astype(np.int16) + b),
+        Case("add-u8-wraps-as-uint8", "add", (u8, u8), {}, lambda a, b: a + b),
+        Case("add-u8-int-scalar-stays-u8", "add", (u8, 100), {}, lambda a, s: a + np.uint8(s)),
+        Case(
+            "multiply-i8-float-scalar-gives-f32",
+            "multiply",
+            (s8, 0.5),
+            {},
+            lambda a, s: a.astype(F32) * np.float32(s),
+        ),
+        Case("add-u8-f16-gives-f16", "add", (u8, f(2, 3, dtype=F16)), {}, lambda a, b: a.astype(F16) + b),
+        Case("less-u8-i8-compares-values", "less", (u8, s8), {}, lambda a, b: a.astype(np.int16) < b),
+        Case(
+            "maximum-i8-u8-gives-i16", "maximum", (s8, u8), {}, lambda a, b: np.maximum(a.astype(np.int16), b)
+        ),
+        Case("divide-u8-gives-f32", "divide", (u8, 255), {}, lambda a, s: a.astype(F32) / np.float32(s)),
+        Case("negative-i8-wraps", "negative", (s8,), {}, np.negative),
+        Case("abs-i16", "abs", (s16,), {}, np.abs),
+        Case("sum-u8-gives-int64", "sum", (u8,), {"axis": 1}, lambda a: a.sum(axis=1, dtype=np.int64)),
+        Case("prod-i8-gives-int64", "prod", (s8,), {"axis": 0}, lambda a: a.prod(axis=0, dtype=np.int64)),
+        Case("mean-u8-gives-f32", "mean", (u8,), {}, lambda a: np.asarray(a.mean(dtype=np.float64), F32)),
+        Case("max-i16-keeps-i16", "max", (s16,), {"axis": 0}, lambda a: a.max(axis=0)),
+        Case("argmin-u8", "argmin", (u8,), {"axis": 1}, lambda a: a.argmin(axis=1).astype(np.int64)),
+        Case("astype-u8-to-f32", "astype", (u8,), {"dtype": F32}, lambda a: a.astype(F32)),
+        Case(
+            "astype-f32-to-i8",
+            "astype",
+            (f(2, 3, lo=-100, hi=100),),
+            {"dtype": "int8"},
+            lambda a: a.astype(np.int8),
+        ),
+        Case("astype-i16-to-u8-wraps", "astype", (s16,), {"dtype": "uint8"}, lambda a: a.astype(np.uint8)),
+        Case("matmul-i16", "matmul", (s16 // 8, s16.T // 8), {}, lambda a, b: a @ b),
+        Case(
+            "full-u8", "full", (255,), {"shape": (2,), "dtype": "uint8"}, lambda v: np.full(2, 255, np.uint8)
+        ),
+        Case(
+            "take-u8-indices",
+            "take",
+            (f(300), np.array([255, 0, 17], np.uint8)),
+            {"axis": 0},
+            lambda x, k: x[k.astype(np.int64)],
+        ),
+        Case(
+            "take-i16-indices",
+            "take",
+            (f(300), np.array([299, -300], np.int16)),
+            {"axis": None},
+            lambda x, k: x[k.astype(np.int64)],
+        ),
+        Case(
+            "take-i8-negative-indices",
+            "take",
+            (f(4, 3), np.array([-1, 2], np.int8)),
+            {"axis": 0},
+            lambda x, k: x[k.astype(np.int64)],
+        ),
+        Case(
+            "one_hot-u8-labels-past-255",
+            "one_hot",
+            (np.array([255, 0], np.uint8),),
+            {"num_classes": 300, "dtype": F32},
+            lambda y: np.eye(300, dtype=F32)[y.astype(np.int64)],
+        ),
+        Case(
+            "cross_entropy-u8-labels",
+            "cross_entropy",
+            (_logits, _labels.astype(np.uint8)),
+            {},
+            lambda z, y: _cross_entropy(z, y.astype(np.int64), "mean"),
+        ),
+        Case(
+            "scatter_add-i8-wraps",
+            "scatter_add",
+            (np.array([100, 100, 7], np.int8), np.array([1, 1, 0], np.uint8)),
+            {"axis": 0, "size": 2},
+            lambda g, k: np.array([7, -56], np.int8),
+        ),
+    ]
+
+
+CASES: Sequence[Case] = _cases() + _small_int_cases()
 CASE_IDS = [case.id for case in CASES]
 assert len(set(CASE_IDS)) == len(CASE_IDS), "case ids must be unique"

@@ -114,7 +114,7 @@ def _with(path: tuple[int, ...], value: Any) -> bytes:
         (_with((3, 1, 1), [6]), "node 1 (relu) input must be an int in [0, 5)"),
         (_with((4,), [9]), "output must be an int in [0, 9)"),
         (_with((4,), [3]), "output 3 is a binding"),
-        (_with((1, 0, 0), "uint8"), "unknown dtype 'uint8'"),
+        (_with((1, 0, 0), "uint16"), "unknown dtype 'uint16'"),
         (_with((1, 0, 1), [1] * 17), "input 0 shape has 17 items, want at most 16"),
         (_with((1, 0, 1), [1 << 20, 1 << 20]), "over 68719476736 elements"),
         (_with((1, 0, 1), [8, -4]), "input 0 dim must be an int"),

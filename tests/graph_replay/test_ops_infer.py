@@ -6,10 +6,19 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from emberlink.errors import DTypeError, ShapeError
-from emberlink.graph_replay.ir import DTYPES, Graph, Node, TensorSpec, binding_spec, kind_of_scalar
+from emberlink.graph_replay.ir import (
+    DTYPES,
+    KIND_OF_DTYPE,
+    Graph,
+    Node,
+    TensorSpec,
+    binding_spec,
+    kind_of_scalar,
+)
 from emberlink.graph_replay.ops import (
     ATTR_KINDS,
     OPS,
@@ -68,7 +77,7 @@ def test_check_attrs_without_defaults_needs_every_attr() -> None:
         ("sum", {"axiss": 1}, ShapeError, "sum: unknown attr 'axiss'"),
         ("reshape", {"shape": (2, -1)}, DTypeError, "non-negative"),
         ("reshape", {"shape": (2, 2**70)}, DTypeError, "reshape: attr 'shape'"),
-        ("astype", {"dtype": "uint8"}, DTypeError, "astype: attr 'dtype' must be one of"),
+        ("astype", {"dtype": "uint16"}, DTypeError, "astype: attr 'dtype' must be one of"),
         ("rand", {"shape": (2,), "dtype": "int32"}, DTypeError, "rand: attr 'dtype'"),
         ("arange", {"start": 0, "stop": float("nan"), "step": 1, "dtype": F32}, DTypeError, "finite"),
         ("cross_entropy", {"reduction": "avg"}, DTypeError, "reduction"),
@@ -120,6 +129,15 @@ def test_broadcast_failure_names_op_and_both_shapes() -> None:
         ("float16", "bool", "float16"),
         ("int64", "float16", "float16"),
         ("int32", "float32", "float32"),
+        ("uint8", "int8", "int16"),
+        ("uint8", "int16", "int16"),
+        ("uint8", "int32", "int32"),
+        ("uint8", "int64", "int64"),
+        ("int8", "int16", "int16"),
+        ("uint8", "uint8", "uint8"),
+        ("bool", "uint8", "uint8"),
+        ("uint8", "float16", "float16"),
+        ("int16", "float32", "float32"),
     ],
 )
 def test_two_tensors_promote_per_internals(a: str, b: str, out: str) -> None:
@@ -138,12 +156,22 @@ def test_two_tensors_promote_per_internals(a: str, b: str, out: str) -> None:
         ("int64", "float", "float32"),
         ("bool", "int", "int64"),
         ("bool", "float", "float32"),
+        ("uint8", "int", "uint8"),
+        ("int8", "bool", "int8"),
+        ("int16", "float", "float32"),
     ],
 )
 def test_weak_scalar_promotion(tensor: str, scalar: str, out: str) -> None:
     assert infer("multiply", [t(tensor, 2), binding_spec(scalar)]).dtype == out
     assert infer("multiply", [binding_spec(scalar), t(tensor, 2)]).dtype == out
     assert operand_dtype("multiply", [t(tensor, 2), binding_spec(scalar)]) == out
+
+
+def test_int_pairs_promote_as_numpy_and_the_array_api_lattice() -> None:
+    ints = [d for d in DTYPES if KIND_OF_DTYPE[d] == "int"]
+    for a in ints:
+        for b in ints:
+            assert infer("add", [t(a, 2), t(b, 2)]).dtype == np.promote_types(a, b).name, (a, b)
 
 
 def test_comparison_gives_bool_but_computes_in_promoted_dtype() -> None:
@@ -315,8 +343,8 @@ def test_infer_gives_the_output_spec(
 
 
 def test_tensor_spec_refuses_unknown_dtype_and_bad_shapes() -> None:
-    with pytest.raises(DTypeError, match="unknown dtype 'uint8'"):
-        TensorSpec("uint8", (2,))
+    with pytest.raises(DTypeError, match="unknown dtype 'uint16'"):
+        TensorSpec("uint16", (2,))
     with pytest.raises(ShapeError, match="non-negative ints"):
         TensorSpec("float32", (2, -1))
     with pytest.raises(ShapeError, match="non-negative ints"):
@@ -324,7 +352,17 @@ def test_tensor_spec_refuses_unknown_dtype_and_bad_shapes() -> None:
     with pytest.raises(ShapeError, match="rank 17 is over the limit of 16"):
         TensorSpec("float32", (1,) * 17)
     assert TensorSpec("float16", (3, 4)).nbytes == 24
-    assert set(DTYPES) == {"bool", "int32", "int64", "float16", "float32", "float64"}
+    assert set(DTYPES) == {
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+    }
 
 
 def test_kind_of_scalar_refuses_non_python_scalars() -> None:

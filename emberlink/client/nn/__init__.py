@@ -2,6 +2,7 @@
 
 from emberlink.client.nn import functional
 from emberlink.client.nn.layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, Sequential
+from emberlink.client.nn.lora import LoRALinear, add_lora, merge_lora
 from emberlink.client.nn.module import Module, Parameter
 
 __all__ = [
@@ -10,9 +11,12 @@ __all__ = [
     "Embedding",
     "LayerNorm",
     "Linear",
+    "LoRALinear",
     "Module",
     "Parameter",
     "ReLU",
     "Sequential",
+    "add_lora",
     "functional",
+    "merge_lora",
 ]

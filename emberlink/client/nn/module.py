@@ -14,22 +14,24 @@ from emberlink.errors import DTypeError, ShapeError
 
 
 class Parameter(Tensor):
-    """A leaf tensor a Module owns and an optimizer updates (it always requires grad).
+    """A leaf tensor a Module owns and an optimizer updates.
 
     Made from a NumPy array it lives in host memory until `Module.to(device)` (or `Parameter.to_`)
-    places it; made from a Tensor it shares that tensor's value and device.
+    places it; made from a Tensor it shares that tensor's value and device. As in PyTorch,
+    `requires_grad=False` makes a frozen parameter (it may then be an int, e.g. a quantized
+    weight): it is still listed by `parameters()`, gets no gradient, and optimizers skip it.
     """
 
     __slots__ = ()
 
-    def __init__(self, data: np.ndarray | Tensor) -> None:
+    def __init__(self, data: np.ndarray | Tensor, requires_grad: bool = True) -> None:
         if isinstance(data, Tensor):
             super().__init__(data._v)
         else:
             super().__init__(HostValue(np.array(data, order="C", copy=True)))  # type: ignore[arg-type]
-        if self.dtype not in FLOAT_DTYPES:
-            raise DTypeError(f"a Parameter must be float, got {self.dtype}")
-        self._rg = True
+        if requires_grad and self.dtype not in FLOAT_DTYPES:
+            raise DTypeError(f"a Parameter that requires grad must be float, got {self.dtype}")
+        self._rg = bool(requires_grad)
 
     def to_(self, device: Device) -> Parameter:
         """Move this parameter (and its grad) to `device` in place; the object stays the same."""
@@ -78,8 +80,12 @@ class Module:
         if params is None:
             raise AttributeError(f"{type(self).__name__}.__init__ must call super().__init__() first")
         modules: dict[str, Module] = self.__dict__["_modules"]
-        params.pop(name, None)
-        modules.pop(name, None)
+        # A replaced parameter or module keeps its place (dict order), as in torch: a Sequential
+        # whose layer is swapped (e.g. by nn.add_lora) still runs its layers in the same order.
+        if not isinstance(value, Parameter):
+            params.pop(name, None)
+        if not isinstance(value, Module):
+            modules.pop(name, None)
         if isinstance(value, Parameter):
             params[name] = value
         elif isinstance(value, Module):
