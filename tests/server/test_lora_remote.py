@@ -5,11 +5,12 @@ from __future__ import annotations
 import gc
 
 import numpy as np
-from server_harness import memory_device
 
 import emberlink as el
 from emberlink import nn
 from emberlink.server.background import BackgroundWorker
+
+from .server_harness import memory_device
 
 F = nn.functional
 
