@@ -23,9 +23,10 @@ import numpy as np
 from emberlink.errors import DeviceError, DTypeError
 from emberlink.graph_replay import fusion
 from emberlink.graph_replay.backend import Array, IntoFn, OpFn, run_plan
-from emberlink.graph_replay.ir import DTYPES, Scalar
+from emberlink.graph_replay.ir import Scalar
 from emberlink.graph_replay.numpy_backend import INTO_TABLE, OP_TABLE, host_scalar, scatter_index
 from emberlink.graph_replay.plan import FUSED, Plan, Step, derive_plan, run_chain
+from emberlink.protocol.dtypes import DTYPES
 
 log = logging.getLogger(__name__)
 
