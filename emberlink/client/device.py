@@ -22,14 +22,14 @@ from typing import Any, Self
 import numpy as np
 
 from emberlink.client import segment
-from emberlink.client.dtypes import DEFAULT_FLOAT, DEFAULT_INT, FLOAT_DTYPES, dtype_name, scalar_dtype
+from emberlink.client.dtypes import DEFAULT_FLOAT, DEFAULT_INT, dtype_name, scalar_dtype
 from emberlink.client.executor import Call, Executor
 from emberlink.client.tensor import Scalar, Tensor, TensorDevice, create, norm_shape, scalar
 from emberlink.client.value import Spec, Value
 from emberlink.errors import DeviceError, DTypeError, ShapeError
 from emberlink.graph_replay import canonical
 from emberlink.graph_replay.ir import Graph
-from emberlink.protocol.dtypes import DTYPES
+from emberlink.protocol.dtypes import DTYPES, FLOAT_DTYPES
 
 MAX_PENDING = 4096
 """Nodes recorded before a flush happens by itself."""

@@ -56,13 +56,28 @@ def away_from_zero(rng: np.random.Generator, *shape: int) -> np.ndarray:
 DIFFERENTIABLE_UNARY = [name for name in names("unary") if name in DIFFERENTIABLE]
 
 
-@pytest.mark.parametrize("name", DIFFERENTIABLE_UNARY)
-def test_unary_gradient(dev: Device, rng, name: str) -> None:
-    # Inside the op's domain, at least 0.3 away from 0 (the kinks of abs and relu).
+def in_domain(rng: np.random.Generator, name: str) -> np.ndarray:
+    """3x4 inputs inside unary op `name`'s domain (its case row), at least 0.3 away from 0 (the
+    kinks of abs and relu) where the domain allows."""
     row = UNARY[name]
     a = away_from_zero(rng, 3, 4)
-    a = np.clip(np.abs(a) if row.lo >= 0 else a, row.lo, row.hi)
-    gradcheck(dev, lambda x: getattr(x, name)(), a)
+    return np.clip(np.abs(a) if row.lo >= 0 else a, row.lo, row.hi)
+
+
+@pytest.mark.parametrize("name", DIFFERENTIABLE_UNARY)
+def test_unary_gradient(dev: Device, rng, name: str) -> None:
+    gradcheck(dev, lambda x: getattr(x, name)(), in_domain(rng, name))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", DIFFERENTIABLE_UNARY)
+def test_unary_gradient_on_cuda(name: str) -> None:
+    # Needs no fixture (the GPU machine runs it with --noconftest): the rules are the same
+    # recorded ops, run by CuPy (fused where they fuse).
+    pytest.importorskip("cupy")
+    a = in_domain(np.random.default_rng(1234), name)
+    with Device.cuda(0) as dev:
+        gradcheck(dev, lambda x: getattr(x, name)(), a)
 
 
 @pytest.mark.parametrize("name", ["floor", "ceil", "round", "trunc"])
