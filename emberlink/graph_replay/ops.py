@@ -380,6 +380,7 @@ _ELEMENTWISE: tuple[OpDef, ...] = (
 )  # fmt: skip
 
 _SHAPE_DTYPE = {"shape": "shape", "dtype": "dtype"}
+_SHAPE_FLOAT_DTYPE = {"shape": "shape", "dtype": "float_dtype"}
 _REDUCE_ATTRS = {"axis": "axis", "keepdims": "bool"}
 _ARG_ATTRS = {"axis": "axis_opt", "keepdims": "bool"}
 _NO_AXIS_KEEP: dict[str, AttrValue] = {"axis": None, "keepdims": False}
@@ -399,12 +400,13 @@ _STRUCTURAL: tuple[OpDef, ...] = (
     OpDef(name="arange", family="creation", inputs=(),
           attrs={"start": "number", "stop": "number", "step": "number", "dtype": "dtype"},
           infer=inf.arange, grad=None),
-    OpDef(name="eye", family="creation", inputs=(), attrs={"n": "count", "m": "count", "k": "int", "dtype": "dtype"},
-          defaults={"k": 0}, infer=inf.eye, grad=None),
-    OpDef(name="rand", family="creation", inputs=("b_int",), attrs={"shape": "shape", "dtype": "float_dtype"},
-          infer=inf.rand, grad=None),
-    OpDef(name="randn", family="creation", inputs=("b_int",), attrs={"shape": "shape", "dtype": "float_dtype"},
-          infer=inf.rand, grad=None),
+    OpDef(name="eye", family="creation", inputs=(),
+          attrs={"n": "count", "m": "count", "k": "int", "dtype": "dtype"}, defaults={"k": 0},
+          infer=inf.eye, grad=None),
+    OpDef(name="rand", family="creation", inputs=("b_int",), attrs=_SHAPE_FLOAT_DTYPE, infer=inf.rand,
+          grad=None),
+    OpDef(name="randn", family="creation", inputs=("b_int",), attrs=_SHAPE_FLOAT_DTYPE, infer=inf.rand,
+          grad=None),
     OpDef(name="where", family="select", inputs=("x", "xb", "xb"), infer=inf.where, operands=_promoted_values,
           expr="({0} ? {1} : {2})", grad=gr.WHERE),
     OpDef(name="astype", family="cast", inputs=("x",), attrs={"dtype": "dtype"}, infer=inf.astype,
@@ -446,8 +448,8 @@ _STRUCTURAL: tuple[OpDef, ...] = (
           infer=inf.one_hot, grad=None),
     OpDef(name="getitem_grad", family="backward", inputs=("x",), attrs={"key": "key", "shape": "shape"},
           infer=inf.getitem_grad, grad=None),
-    OpDef(name="scatter_add", family="backward", inputs=("x", "x"), attrs={"axis": "axis_opt", "size": "count"},
-          infer=inf.scatter_add, grad=None),
+    OpDef(name="scatter_add", family="backward", inputs=("x", "x"),
+          attrs={"axis": "axis_opt", "size": "count"}, infer=inf.scatter_add, grad=None),
 )  # fmt: skip
 
 
