@@ -9,31 +9,37 @@ Public API: `Device`, `Tensor`, `nn`, `optim`, `no_grad`, `errors` (and its exce
 plus Array-API-style functions (`el.exp`, `el.concat`, `el.where`, ...).
 """
 
-import sys as _sys
-
-from emberlink import errors
+from emberlink import errors, nn, optim
 from emberlink.checkpoint import load, save
-from emberlink.client import nn, optim
 from emberlink.client.autograd import no_grad
 from emberlink.client.device import Device
 from emberlink.client.functions import (
     abs,
     add,
+    arctan,
     argmax,
     argmin,
     astype,
     broadcast_to,
+    ceil,
     concat,
     cos,
+    cosh,
     divide,
     equal,
     exp,
     expand_dims,
+    expm1,
+    floor,
     greater,
     greater_equal,
+    isfinite,
+    isinf,
+    isnan,
     less,
     less_equal,
     log,
+    log1p,
     logical_and,
     logical_not,
     logical_or,
@@ -51,9 +57,11 @@ from emberlink.client.functions import (
     prod,
     relu,
     reshape,
+    round,
     sigmoid,
     sign,
     sin,
+    sinh,
     sqrt,
     square,
     squeeze,
@@ -62,6 +70,7 @@ from emberlink.client.functions import (
     sum,
     take,
     tanh,
+    trunc,
     where,
 )
 from emberlink.client.tensor import Tensor
@@ -86,12 +95,6 @@ from emberlink.errors import (
     WorkerLost,
 )
 
-# `import emberlink.nn` and `from emberlink.nn.functional import ...` work too: the modules live
-# in emberlink/client/ (DESIGN.md's layout) and are registered under their public names here.
-_sys.modules.setdefault("emberlink.nn", nn)
-_sys.modules.setdefault("emberlink.nn.functional", nn.functional)
-_sys.modules.setdefault("emberlink.optim", optim)
-
 __all__ = [
     "AuthError",
     "CheckpointError",
@@ -115,23 +118,32 @@ __all__ = [
     "WorkerLost",
     "abs",
     "add",
+    "arctan",
     "argmax",
     "argmin",
     "astype",
     "broadcast_to",
+    "ceil",
     "concat",
     "cos",
+    "cosh",
     "divide",
     "equal",
     "errors",
     "exp",
     "expand_dims",
+    "expm1",
+    "floor",
     "greater",
     "greater_equal",
+    "isfinite",
+    "isinf",
+    "isnan",
     "less",
     "less_equal",
     "load",
     "log",
+    "log1p",
     "logical_and",
     "logical_not",
     "logical_or",
@@ -152,10 +164,12 @@ __all__ = [
     "prod",
     "relu",
     "reshape",
+    "round",
     "save",
     "sigmoid",
     "sign",
     "sin",
+    "sinh",
     "sqrt",
     "square",
     "squeeze",
@@ -164,5 +178,6 @@ __all__ = [
     "sum",
     "take",
     "tanh",
+    "trunc",
     "where",
 ]

@@ -29,9 +29,9 @@ from typing import Any, BinaryIO, overload
 import numpy as np
 
 from emberlink.client.device import Device
-from emberlink.client.dtypes import DTYPES
 from emberlink.client.tensor import Tensor
 from emberlink.errors import CheckpointError, DTypeError
+from emberlink.protocol.dtypes import DTYPES
 
 _ALL_CODES = {
     "bool": "BOOL",

@@ -1,1 +1,1 @@
-"""emberlink.client: what a script touches (Device, Tensor, autograd, nn, optim, executors)."""
+"""emberlink.client: what a script touches (Device, Tensor, autograd, executors); never nn or optim."""

@@ -1,21 +1,45 @@
-"""Reverse-mode autograd over recorded ops: `backward` and `no_grad`; records, never computes.
+"""Reverse-mode autograd over recorded ops: grad mode, `no_grad`, history nodes and the backward
+walk; records through the rules of the op table, never computes, never imports tensor.py.
 
-Each op on a tensor that requires grad hangs a `GradNode` on its result (tensor.py). `backward`
-walks those nodes from the loss in topological order, applies `gradients.RULES` (which record
-more ops on the same device), accumulates into each leaf's `.grad`, and frees each node as it
-goes, so the values it saved stop being outputs of the next flush.
+Each op on a tensor that requires grad hangs a `GradNode` on its result (tensor.py's `apply`).
+`run` walks those nodes from the loss in topological order, applies each op's gradient rule from
+the op table (`graph_replay.ops.OPS[op].grad`, which records more ops through the `Recorder` the
+caller passes), accumulates into each leaf's `.grad`, and frees each node as it goes, so the
+values it saved stop being outputs of the next flush.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable
 from typing import Any, Self, TypeVar
 
-from emberlink.client.gradients import RULES, UNIT_SEED
-from emberlink.client.tensor import GRAD_MODE, GradNode, Tensor, create
-from emberlink.errors import DeviceError, ShapeError
+from emberlink.graph_replay.gradients import Recorder, Rule
+from emberlink.graph_replay.ops import OPS
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _GradMode(threading.local):
+    """Whether ops record autograd history; `emberlink.no_grad()` turns it off in its own thread
+    only (as torch's does), so one thread's optimizer step cannot break another's backward."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+
+
+GRAD_MODE = _GradMode()
+
+RULES: dict[str, Rule] = {name: d.grad.rule for name, d in OPS.items() if d.grad is not None}
+"""Op name -> gradient rule, from the op table; ops not here pass no gradient."""
+DIFFERENTIABLE = frozenset(RULES)
+SAVES_INPUTS = frozenset(name for name, d in OPS.items() if d.grad is not None and d.grad.saves_inputs)
+"""Ops whose gradient rule needs the input values kept until backward."""
+SAVES_OUTPUT = frozenset(name for name, d in OPS.items() if d.grad is not None and d.grad.saves_output)
+"""Ops whose gradient rule needs the output value kept until backward."""
+UNIT_SEED = frozenset(name for name, d in OPS.items() if d.grad is not None and d.grad.unit_seed)
+"""Ops whose rule takes the implicit seed of `loss.backward()` as the Python float 1.0."""
 
 
 class no_grad:
@@ -33,14 +57,46 @@ class no_grad:
         GRAD_MODE.enabled = self._prev.pop()
 
     def __call__(self, fn: F) -> F:
-        import functools
-
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             with no_grad():
                 return fn(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
+
+
+class GradNode:
+    """Autograd history of one op's result: what its gradient rule needs, and where to send it.
+
+    `parents[i]` is the GradNode of input i, or the input tensor itself when that is a leaf, or
+    None when input i takes no gradient. Only the values a rule needs are kept (`saved`, `out`),
+    so history does not hold every forward value alive. `run` clears a node once used.
+    """
+
+    __slots__ = ("attrs", "dev", "op", "out", "parents", "saved", "specs")
+
+    # Any: rules index these freely; they are None only after backward has used the node.
+    parents: Any
+    saved: Any
+    out: Any
+
+    def __init__(
+        self,
+        op: str,
+        parents: tuple[Any, ...] | None,
+        saved: list[Any] | None,
+        specs: list[Any],
+        attrs: tuple[Any, ...],
+        out: Any,
+        dev: Any,
+    ) -> None:
+        self.op = op
+        self.parents = parents
+        self.saved = saved
+        self.specs = specs
+        self.attrs = attrs
+        self.out = out
+        self.dev = dev
 
 
 def _topological(root: GradNode) -> list[GradNode]:
@@ -69,59 +125,48 @@ def _topological(root: GradNode) -> list[GradNode]:
     return order
 
 
-def backward(root: Tensor, gradient: Tensor | None = None) -> None:
-    """Accumulate d(root)/d(leaf) into `.grad` of every leaf that requires grad."""
-    if not root._rg:
-        raise RuntimeError("backward() on a tensor that does not require grad (no leaf it depends on does)")
-    node = root._ctx
-    g: Tensor | float
-    if gradient is None:
-        if root.size != 1:
-            raise ShapeError(
-                f"backward() without a gradient needs a one-element tensor, got shape {root.shape}"
-            )
-        if node is not None and node.op in UNIT_SEED:
-            g = 1.0  # the rule folds the seed into a binding: no ones tensor, no multiply
-        else:
-            g = create(root.device, "ones", (), (("dtype", root.dtype), ("shape", root.shape)))
-    else:
-        if not isinstance(gradient, Tensor):
-            raise TypeError(f"gradient must be a Tensor, got {type(gradient).__name__}")
-        if gradient.device is not root.device:
-            raise DeviceError(f"gradient is on {gradient.device}, the tensor on {root.device}")
-        if gradient.shape != root.shape:
-            raise ShapeError(f"gradient shape {gradient.shape} != tensor shape {root.shape}")
-        g = gradient.detach().astype(root.dtype)
+def accumulate(leaf: Any, g: Any) -> None:
+    """Add `g` into a leaf tensor's `.grad`."""
+    leaf.grad = g if leaf.grad is None else leaf.grad + g
+
+
+def run(root: GradNode, g: Any, ns: Recorder) -> None:
+    """Send the gradient `g` of `root`'s value back to every leaf, recording through `ns`.
+
+    `g` is a tensor, or the Python float 1.0 for an op in `UNIT_SEED`. Grad mode is off
+    meanwhile, so the recorded gradient ops carry no history of their own.
+    """
     prev, GRAD_MODE.enabled = GRAD_MODE.enabled, False
     try:
-        if node is None:  # the root is itself a leaf (g is a tensor: UNIT_SEED needs an op)
-            assert isinstance(g, Tensor)
-            _accumulate(root, g)
-        else:
-            _run(node, g)
+        grads: dict[int, Any] = {id(root): g}
+        for node in _topological(root):
+            gn = grads.pop(id(node), None)
+            parents = node.parents
+            if gn is not None:
+                for p, gp in zip(parents, RULES[node.op](ns, gn, node), strict=True):
+                    if p is None or gp is None:
+                        continue
+                    if type(p) is GradNode:
+                        k = id(p)
+                        acc = grads.get(k)
+                        grads[k] = gp if acc is None else acc + gp
+                    else:
+                        accumulate(p, gp)
+            # Free the history as we go: saved values stop being outputs of the next flush.
+            node.parents = node.saved = node.out = None
     finally:
         GRAD_MODE.enabled = prev
 
 
-def _accumulate(leaf: Tensor, g: Tensor) -> None:
-    leaf.grad = g if leaf.grad is None else leaf.grad + g
-
-
-def _run(root: GradNode, g: Tensor | float) -> None:
-    grads: dict[int, Tensor | float] = {id(root): g}
-    for node in _topological(root):
-        gn = grads.pop(id(node), None)
-        parents = node.parents
-        assert parents is not None
-        if gn is not None:
-            for p, gp in zip(parents, RULES[node.op](gn, node), strict=True):
-                if p is None or gp is None:
-                    continue
-                if type(p) is GradNode:
-                    k = id(p)
-                    acc = grads.get(k)
-                    grads[k] = gp if acc is None else acc + gp
-                else:
-                    _accumulate(p, gp)
-        # Free the history as we go: saved values stop being outputs of the next flush.
-        node.parents = node.saved = node.out = None
+__all__ = [
+    "DIFFERENTIABLE",
+    "GRAD_MODE",
+    "RULES",
+    "SAVES_INPUTS",
+    "SAVES_OUTPUT",
+    "UNIT_SEED",
+    "GradNode",
+    "accumulate",
+    "no_grad",
+    "run",
+]

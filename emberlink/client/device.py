@@ -21,15 +21,15 @@ from typing import Any, Self
 import numpy as np
 
 from emberlink.client import segment
-from emberlink.client.dtypes import DEFAULT_FLOAT, DEFAULT_INT, DTYPES, FLOAT_DTYPES, dtype_name, scalar_dtype
+from emberlink.client.dtypes import DEFAULT_FLOAT, DEFAULT_INT, dtype_name, scalar_dtype
 from emberlink.client.executor import Call, Executor
-from emberlink.client.tensor import Scalar, Tensor, create, norm_shape, scalar
+from emberlink.client.tensor import Scalar, Tensor, TensorDevice, create, norm_shape, scalar
+from emberlink.client.value import Spec, Value
 from emberlink.errors import DeviceError, DTypeError, ShapeError
 from emberlink.graph_replay import canonical
 from emberlink.graph_replay.backends import DeviceSpec, create_backend, parse_device
 from emberlink.graph_replay.ir import Graph
-
-Spec = tuple[str, tuple[int, ...]]
+from emberlink.protocol.dtypes import DTYPES, FLOAT_DTYPES
 
 MAX_PENDING = 4096
 """Nodes recorded before a flush happens by itself."""
@@ -41,59 +41,6 @@ _NATIVE = {np.dtype(name): name for name in DTYPES}
 
 MEMO_LIMIT = 512
 """Segments whose graphs a Device remembers (oldest forgotten first)."""
-
-
-class Value:
-    """What a Tensor refers to: a buffer on the device (`buf`) or a pending node (`node`)."""
-
-    __slots__ = ("__weakref__", "buf", "dev", "node", "spec")
-
-    def __init__(self, dev: Any, buf: int | None, node: int | None, spec: Spec) -> None:
-        self.dev = dev
-        self.buf = buf
-        self.node = node
-        self.spec = spec
-
-    def __del__(self) -> None:
-        # Refcounting makes this run as soon as the last Tensor (or saved-for-backward reference)
-        # goes; the id is sent to the executor at the next flush, after the work that may use it.
-        buf = self.buf
-        if buf is not None:
-            dev = self.dev
-            if not dev._closed:
-                dev._dropped.append(buf)
-
-
-class HostValue:
-    """The value of a Parameter made before `Module.to(device)`: a host NumPy array, no ops."""
-
-    __slots__ = ("__weakref__", "array", "buf", "dev", "node", "spec")
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.dev = UNPLACED
-        self.buf = None
-        self.node = None
-        self.array = array
-        self.spec = (array.dtype.name, array.shape)
-
-
-class _Unplaced:
-    """Stands where a Device would for HostValues: reading works, recording ops does not."""
-
-    name = "unplaced"
-    _closed = False
-
-    def __str__(self) -> str:
-        return self.name
-
-    def _record(self, op: str, *args: Any) -> Value:
-        raise DeviceError(f"{op}: a parameter is not on a device yet; call module.to(device) first")
-
-    def _read(self, v: HostValue) -> np.ndarray:
-        return v.array.copy()
-
-
-UNPLACED = _Unplaced()
 
 
 class _Memo:
@@ -419,6 +366,10 @@ class Device:
     def randn(self, shape: Any, *, seed: int, dtype: Any = DEFAULT_FLOAT) -> Tensor:
         """Standard normal numbers (Box-Muller over `rand`'s generator); see `rand`."""
         return create(self, "randn", (_seed(seed),), (("dtype", dtype_name(dtype)), ("shape", _shape(shape))))
+
+
+_IS_A_TENSOR_DEVICE: type[TensorDevice] = Device
+"""What tensor.py knows of a device (it cannot import this module) is what a Device is: mypy checks."""
 
 
 def _shape(shape: Any) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""Dtype names the client accepts and how NumPy spellings map onto them; no device work here."""
+"""How the dtype names a user may pass (NumPy spellings, Python types) map onto `protocol.dtypes`;
+no device work here."""
 
 from __future__ import annotations
 
@@ -7,10 +8,7 @@ from typing import Any
 import numpy as np
 
 from emberlink.errors import DTypeError
-
-DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64")
-FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
-INT_DTYPES = frozenset({"uint8", "int8", "int16", "int32", "int64"})
+from emberlink.protocol.dtypes import DTYPES
 
 # The dtype a creation function uses when none is given: float32, as on a GPU framework.
 DEFAULT_FLOAT = "float32"

@@ -7,16 +7,19 @@ names follow the Python Array API standard (`permute_dims`, `concat`, `expand_di
 from __future__ import annotations
 
 import builtins
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from emberlink.client.tensor import Scalar, Tensor, apply, norm_axis
-from emberlink.graph_replay.ops import MAX_VARIADIC
+from emberlink.graph_replay.ops import MAX_VARIADIC, get_op
 
 Operand = Tensor | Scalar
 
 
-def _binary(op: str) -> Any:
+def _binary(op: str) -> Callable[[Operand, Operand], Tensor]:
+    if get_op(op).family != "binary":
+        raise ValueError(f"{op} is not a binary elementwise op")
+
     def fn(a: Operand, b: Operand) -> Tensor:
         return apply(op, (a, b))
 
@@ -25,15 +28,19 @@ def _binary(op: str) -> Any:
     return fn
 
 
-def _unary(op: str) -> Any:
+def _unary(op: str) -> Callable[[Tensor], Tensor]:
+    if get_op(op).family != "unary":
+        raise ValueError(f"{op} is not a unary elementwise op")
+
     def fn(x: Tensor) -> Tensor:
         return apply(op, (x,))
 
     fn.__name__ = fn.__qualname__ = op
-    fn.__doc__ = f"Elementwise {op}."
+    fn.__doc__ = f"Elementwise {op} (Python Array API semantics)."
     return fn
 
 
+# One line each, from the op table (a test checks every elementwise op has its line).
 add = _binary("add")
 subtract = _binary("subtract")
 multiply = _binary("multiply")
@@ -50,19 +57,31 @@ greater_equal = _binary("greater_equal")
 logical_and = _binary("logical_and")
 logical_or = _binary("logical_or")
 
-exp = _unary("exp")
-log = _unary("log")
-sqrt = _unary("sqrt")
-tanh = _unary("tanh")
-sigmoid = _unary("sigmoid")
-relu = _unary("relu")
 abs = _unary("abs")
-negative = _unary("negative")
-square = _unary("square")
-sin = _unary("sin")
+arctan = _unary("arctan")
+ceil = _unary("ceil")
 cos = _unary("cos")
-sign = _unary("sign")
+cosh = _unary("cosh")
+exp = _unary("exp")
+expm1 = _unary("expm1")
+floor = _unary("floor")
+isfinite = _unary("isfinite")
+isinf = _unary("isinf")
+isnan = _unary("isnan")
+log = _unary("log")
+log1p = _unary("log1p")
 logical_not = _unary("logical_not")
+negative = _unary("negative")
+relu = _unary("relu")
+round = _unary("round")
+sigmoid = _unary("sigmoid")
+sign = _unary("sign")
+sin = _unary("sin")
+sinh = _unary("sinh")
+sqrt = _unary("sqrt")
+square = _unary("square")
+tanh = _unary("tanh")
+trunc = _unary("trunc")
 
 
 def sum(x: Tensor, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Tensor:

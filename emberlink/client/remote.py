@@ -37,6 +37,7 @@ from emberlink.graph_replay import canonical
 from emberlink.graph_replay.ir import Graph
 from emberlink.graph_replay.ops import binding_dtypes
 from emberlink.protocol import messages as m
+from emberlink.protocol.dtypes import DTYPES
 from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity, default_key_path, load_or_create
 from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
@@ -57,7 +58,7 @@ Repeat of the previous one): the design before graph replay, for measuring what 
 
 LinkFactory = Callable[[], Awaitable[Link]]
 
-_DTYPE_NAMES = {np.dtype(name): name for name in m.DTYPES}
+_DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}
 """dtype -> wire name; `ndarray.dtype.name` is a slow Python property on the per-step path."""
 
 
@@ -310,9 +311,7 @@ class RemoteExecutor:
             native = a.dtype.newbyteorder("=")  # the wire carries native (little-endian) bytes
             dtype = _DTYPE_NAMES.get(native)
             if dtype is None:
-                raise DTypeError(
-                    f"dtype {a.dtype} cannot be sent to a worker; allowed: {', '.join(m.DTYPES)}"
-                )
+                raise DTypeError(f"dtype {a.dtype} cannot be sent to a worker; allowed: {', '.join(DTYPES)}")
             a = a.astype(native)
         self._pending.append(m.Upload(buf, dtype, a.shape, a.nbytes))
         if a.nbytes:

@@ -11,94 +11,63 @@ it to a new value, which is how forward, backward and the update of a step becom
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-from emberlink.client import indexing
-from emberlink.client.dtypes import FLOAT_DTYPES, dtype_name
+from emberlink.client import autograd, indexing
+from emberlink.client.autograd import (
+    DIFFERENTIABLE,
+    GRAD_MODE,
+    SAVES_INPUTS,
+    SAVES_OUTPUT,
+    UNIT_SEED,
+    GradNode,
+)
+from emberlink.client.dtypes import dtype_name
+from emberlink.client.value import Spec, Value
 from emberlink.errors import DeviceError, DTypeError, ShapeError
 from emberlink.graph_replay import ops
+from emberlink.graph_replay.gradients import Recorded
 from emberlink.graph_replay.ir import TensorSpec, binding_spec
-
-if TYPE_CHECKING:
-    from emberlink.client.device import Device, Value
+from emberlink.protocol.dtypes import FLOAT_DTYPES
 
 Scalar = bool | int | float
-Spec = tuple[str, tuple[int, ...]]
 
 _KIND = {bool: "bool", int: "int", float: "float"}
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_FLOATS = frozenset(FLOAT_DTYPES)
 
 
-class _GradMode(threading.local):
-    """Whether ops record autograd history; `emberlink.no_grad()` turns it off in its own thread
-    only (as torch's does), so one thread's optimizer step cannot break another's backward."""
+class TensorDevice(Protocol):
+    """A tensor's device as this module sees it: `client.device.Device`, which imports this module
+    (so this one names it only through this protocol; device.py checks Device against it)."""
 
-    def __init__(self) -> None:
-        self.enabled = True
+    @property
+    def name(self) -> str: ...
+    @property
+    def closed(self) -> bool: ...
+    def _record(
+        self, op: str, ins: Sequence[Value | Scalar], attrs: tuple[Any, ...], spec: Spec
+    ) -> Value: ...
+    def _read(self, v: Value) -> np.ndarray: ...
+    def flush(self) -> None: ...
+    def sync(self) -> None: ...
+    def close(self) -> None: ...
+    def stats(self) -> dict[str, int | str]: ...
+    def memory_stats(self) -> dict[str, int]: ...
+    def tensor(self, data: Any, dtype: Any = None) -> Tensor: ...
+    def zeros(self, shape: Any, dtype: Any = ...) -> Tensor: ...
+    def ones(self, shape: Any, dtype: Any = ...) -> Tensor: ...
+    def full(self, shape: Any, fill_value: Scalar, dtype: Any = None) -> Tensor: ...
+    def arange(
+        self, start: float, stop: float | None = None, step: float = 1, dtype: Any = None
+    ) -> Tensor: ...
+    def eye(self, n: int, m: int | None = None, k: int = 0, dtype: Any = ...) -> Tensor: ...
+    def rand(self, shape: Any, *, seed: int, dtype: Any = ...) -> Tensor: ...
+    def randn(self, shape: Any, *, seed: int, dtype: Any = ...) -> Tensor: ...
 
-
-GRAD_MODE = _GradMode()
-
-
-class GradNode:
-    """Autograd history of one op's result: what its gradient rule needs, and where to send it.
-
-    `parents[i]` is the GradNode of input i, or the input Tensor itself when that is a leaf, or
-    None when input i takes no gradient. Only the values a rule needs are kept (`saved`, `out`),
-    so history does not hold every forward value alive. `backward` clears a node once used.
-    """
-
-    __slots__ = ("attrs", "dev", "op", "out", "parents", "saved", "specs")
-
-    # Any: rules index these freely; they are None only after backward() has used the node.
-    parents: Any
-    saved: Any
-    out: Any
-
-    def __init__(
-        self,
-        op: str,
-        parents: tuple[Any, ...] | None,
-        saved: list[Any] | None,
-        specs: list[Any],
-        attrs: tuple[Any, ...],
-        out: Value | None,
-        dev: Device,
-    ) -> None:
-        self.op = op
-        self.parents = parents
-        self.saved = saved
-        self.specs = specs
-        self.attrs = attrs
-        self.out = out
-        self.dev = dev
-
-
-# Ops whose gradient rule needs the input values, or the output value, kept until backward.
-_SAVES_INPUTS = frozenset(
-    {
-        "multiply", "divide", "pow", "maximum", "minimum", "where", "log", "abs", "square", "relu",
-        "sin", "cos", "max", "min", "prod", "matmul", "take", "cross_entropy",
-    }
-)  # fmt: skip
-_SAVES_OUTPUT = frozenset(
-    {"exp", "sqrt", "tanh", "sigmoid", "pow", "max", "min", "prod", "softmax", "log_softmax"}
-)
-# Ops with a gradient rule (gradients.RULES; a test keeps the two in step). Others pass none.
-DIFFERENTIABLE = frozenset(
-    {
-        "add", "subtract", "multiply", "divide", "pow", "maximum", "minimum", "where", "negative",
-        "abs", "exp", "log", "sqrt", "square", "tanh", "sigmoid", "relu", "sin", "cos", "astype",
-        "sum", "mean", "max", "min", "prod", "matmul", "reshape", "expand_dims", "squeeze",
-        "permute_dims", "broadcast_to", "concat", "stack", "getitem", "take", "softmax",
-        "log_softmax", "cross_entropy",
-    }
-)  # fmt: skip
-_FLOATS = frozenset({"float16", "float32", "float64"})
 
 # Memo of ops.infer: (op, attrs, *operand specs or binding kinds) -> output spec.
 _INFER: dict[tuple[Any, ...], Spec] = {}
@@ -149,7 +118,7 @@ def apply(op: str, args: Sequence[Tensor | Scalar], attrs: tuple[Any, ...] = ())
     """
     vals: list[Value | Scalar] = []
     specs: list[Spec | str] = []
-    dev: Device | None = None
+    dev: TensorDevice | None = None
     needs_grad = False
     for a in args:
         if isinstance(a, Tensor):
@@ -183,16 +152,16 @@ def apply(op: str, args: Sequence[Tensor | Scalar], attrs: tuple[Any, ...] = ())
         out._ctx = GradNode(
             op,
             tuple([(a._ctx or a) if isinstance(a, Tensor) and a._rg else None for a in args]),
-            vals if op in _SAVES_INPUTS else None,
+            vals if op in SAVES_INPUTS else None,
             specs,
             attrs,
-            out._v if op in _SAVES_OUTPUT else None,
+            out._v if op in SAVES_OUTPUT else None,
             dev,
         )
     return out
 
 
-def create(dev: Device, op: str, bindings: Sequence[Scalar], attrs: tuple[Any, ...]) -> Tensor:
+def create(dev: TensorDevice, op: str, bindings: Sequence[Scalar], attrs: tuple[Any, ...]) -> Tensor:
     """Record a creation op (no tensor operands) on `dev`."""
     specs = [_KIND[type(b)] for b in bindings]
     key = (op, attrs, *specs)
@@ -264,6 +233,19 @@ def _shape_args(shape: tuple[Any, ...]) -> tuple[int, ...]:
     return norm_shape(shape)
 
 
+def _elementwise_method(op: str) -> Callable[[Tensor], Tensor]:
+    """The Tensor method of unary elementwise op `op` (an op-table entry of family "unary")."""
+    if ops.get_op(op).family != "unary":
+        raise ValueError(f"{op} is not a unary elementwise op")
+
+    def method(self: Tensor) -> Tensor:
+        return apply(op, (self,))
+
+    method.__name__ = method.__qualname__ = op
+    method.__doc__ = f"Elementwise {op} (recorded; see `emberlink.{op}`)."
+    return method
+
+
 class Tensor:
     """A lazily computed array on a Device. Create one with `dev.tensor(...)`, `dev.zeros(...)`, ...
 
@@ -318,8 +300,9 @@ class Tensor:
         return n
 
     @property
-    def device(self) -> Device:
-        dev: Device = self._v.dev
+    def device(self) -> TensorDevice:
+        """The Device this tensor lives on (a `client.device.Device`)."""
+        dev: TensorDevice = self._v.dev
         return dev
 
     @property
@@ -385,7 +368,7 @@ class Tensor:
             raise ValueError(f"the truth value of a tensor of shape {self.shape} is ambiguous")
         return bool(self.item())
 
-    def to(self, device: Device) -> Tensor:
+    def to(self, device: TensorDevice) -> Tensor:
         """This tensor on `device`: read here and uploaded there (crossing devices is explicit)."""
         if device is self._v.dev:
             return self
@@ -401,9 +384,34 @@ class Tensor:
 
     def backward(self, gradient: Tensor | None = None) -> None:
         """Accumulate d(self)/d(leaf) into each leaf's `.grad`; frees this graph's history."""
-        from emberlink.client.autograd import backward
-
-        backward(self, gradient)
+        if not self._rg:
+            raise RuntimeError(
+                "backward() on a tensor that does not require grad (no leaf it depends on does)"
+            )
+        node = self._ctx
+        g: Tensor | float
+        if gradient is None:
+            if self.size != 1:
+                raise ShapeError(
+                    f"backward() without a gradient needs a one-element tensor, got shape {self.shape}"
+                )
+            if node is not None and node.op in UNIT_SEED:
+                g = 1.0  # the rule folds the seed into a binding: no ones tensor, no multiply
+            else:
+                g = create(self.device, "ones", (), (("dtype", self.dtype), ("shape", self.shape)))
+        else:
+            if not isinstance(gradient, Tensor):
+                raise TypeError(f"gradient must be a Tensor, got {type(gradient).__name__}")
+            if gradient.device is not self.device:
+                raise DeviceError(f"gradient is on {gradient.device}, the tensor on {self.device}")
+            if gradient.shape != self.shape:
+                raise ShapeError(f"gradient shape {gradient.shape} != tensor shape {self.shape}")
+            g = gradient.detach().astype(self.dtype)
+        if node is not None:
+            autograd.run(node, g, RECORDER)
+            return
+        with autograd.no_grad():  # the tensor is itself a leaf; g is a tensor (UNIT_SEED needs an op)
+            autograd.accumulate(self, g)
 
     # -- operators --------------------------------------------------------------------------------
 
@@ -496,44 +504,32 @@ class Tensor:
 
     # -- elementwise math -------------------------------------------------------------------------
 
-    def exp(self) -> Tensor:
-        return apply("exp", (self,))
-
-    def log(self) -> Tensor:
-        return apply("log", (self,))
-
-    def sqrt(self) -> Tensor:
-        return apply("sqrt", (self,))
-
-    def tanh(self) -> Tensor:
-        return apply("tanh", (self,))
-
-    def sigmoid(self) -> Tensor:
-        return apply("sigmoid", (self,))
-
-    def relu(self) -> Tensor:
-        return apply("relu", (self,))
-
-    def abs(self) -> Tensor:
-        return apply("abs", (self,))
-
-    def negative(self) -> Tensor:
-        return apply("negative", (self,))
-
-    def square(self) -> Tensor:
-        return apply("square", (self,))
-
-    def sin(self) -> Tensor:
-        return apply("sin", (self,))
-
-    def cos(self) -> Tensor:
-        return apply("cos", (self,))
-
-    def sign(self) -> Tensor:
-        return apply("sign", (self,))
-
-    def logical_not(self) -> Tensor:
-        return apply("logical_not", (self,))
+    # One line each, from the op table: `x.exp()` records `exp` as `el.exp(x)` does.
+    abs = _elementwise_method("abs")
+    arctan = _elementwise_method("arctan")
+    ceil = _elementwise_method("ceil")
+    cos = _elementwise_method("cos")
+    cosh = _elementwise_method("cosh")
+    exp = _elementwise_method("exp")
+    expm1 = _elementwise_method("expm1")
+    floor = _elementwise_method("floor")
+    isfinite = _elementwise_method("isfinite")
+    isinf = _elementwise_method("isinf")
+    isnan = _elementwise_method("isnan")
+    log = _elementwise_method("log")
+    log1p = _elementwise_method("log1p")
+    logical_not = _elementwise_method("logical_not")
+    negative = _elementwise_method("negative")
+    relu = _elementwise_method("relu")
+    round = _elementwise_method("round")
+    sigmoid = _elementwise_method("sigmoid")
+    sign = _elementwise_method("sign")
+    sin = _elementwise_method("sin")
+    sinh = _elementwise_method("sinh")
+    sqrt = _elementwise_method("sqrt")
+    square = _elementwise_method("square")
+    tanh = _elementwise_method("tanh")
+    trunc = _elementwise_method("trunc")
 
     def astype(self, dtype: Any) -> Tensor:
         """A copy converted to `dtype` (a name like "float16" or a NumPy dtype)."""
@@ -707,3 +703,21 @@ class Tensor:
 
 def _arange_attrs(start: float, stop: float, step: float, dtype: str) -> tuple[Any, ...]:
     return (("dtype", dtype), ("start", start), ("step", step), ("stop", stop))
+
+
+class _Recorder:
+    """What gradient rules record with (`graph_replay.gradients.Recorder`): ops on tensors of the
+    node's device, and saved values turned back into history-free tensors."""
+
+    def apply(self, op: str, args: Sequence[Any], attrs: tuple[tuple[str, Any], ...] = ()) -> Tensor:
+        return apply(op, args, attrs)
+
+    def full(self, node: Recorded, value: float, spec: Spec) -> Tensor:
+        return create(node.dev, "full", (value,), (("dtype", spec[0]), ("shape", spec[1])))
+
+    def operand(self, value: Any) -> Any:
+        return value if isinstance(value, bool | int | float) else Tensor(value)
+
+
+RECORDER = _Recorder()
+"""The one Recorder: it keeps no state (every op goes to its operands' device)."""

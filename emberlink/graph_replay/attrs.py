@@ -11,11 +11,11 @@ import math
 from typing import cast
 
 from emberlink.errors import DTypeError, ShapeError
-from emberlink.graph_replay.ir import DTYPES, MAX_RANK, AttrValue, Key
+from emberlink.graph_replay.ir import MAX_RANK, AttrValue, Key
+from emberlink.protocol.dtypes import DTYPES, FLOAT_DTYPES
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
-FLOAT_DTYPES: tuple[str, ...] = ("float16", "float32", "float64")
 REDUCTIONS: tuple[str, ...] = ("mean", "none", "sum")
 
 ATTR_KINDS: dict[str, tuple[str, ...]] = {
@@ -101,4 +101,4 @@ def check_attr_value(op: str, name: str, kind: str, v: object) -> AttrValue:
     return cast(AttrValue, v)
 
 
-__all__ = ["ATTR_KINDS", "FLOAT_DTYPES", "REDUCTIONS", "check_attr_value"]
+__all__ = ["ATTR_KINDS", "REDUCTIONS", "check_attr_value"]

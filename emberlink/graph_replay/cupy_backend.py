@@ -23,7 +23,7 @@ import numpy as np
 from emberlink.errors import DeviceError, DTypeError
 from emberlink.graph_replay import fusion
 from emberlink.graph_replay.backend import Array, IntoFn, OpFn, run_plan
-from emberlink.graph_replay.ir import DTYPES, KIND_OF_DTYPE, Scalar
+from emberlink.graph_replay.ir import KIND_OF_DTYPE, Scalar
 from emberlink.graph_replay.numpy_backend import (
     INTO_TABLE,
     OP_TABLE,
@@ -32,6 +32,7 @@ from emberlink.graph_replay.numpy_backend import (
     wide_indices,
 )
 from emberlink.graph_replay.plan import FUSED, Plan, Step, derive_plan, run_chain
+from emberlink.protocol.dtypes import DTYPES
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,8 @@
 
 `plan.compile_plan(..., fusion=...)` groups the steps (see plan.py); this module decides what is
 fusable and writes the body of a `cupy.ElementwiseKernel` for a fused step, as plain strings, so
-the generator is tested without a GPU. The CuPy backend builds and caches the kernels.
+the generator is tested without a GPU. Each op's C expression is its op-table entry's `expr`
+(ops.py); an op without one never fuses. The CuPy backend builds and caches the kernels.
 
 Rules (what makes a kernel compute what the NumPy reference computes):
 - Only ops whose meaning is one C expression per element, in float32, float64 and bool, join a
@@ -24,57 +25,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from emberlink.graph_replay.ir import TensorSpec
+from emberlink.graph_replay.ops import OPS
 from emberlink.graph_replay.plan import Step
 
 CTYPES: dict[str, str] = {"float32": "float", "float64": "double", "bool": "bool"}
 """Dtypes a fused chain may touch, and their C types."""
 
-_UNARY_FN = ("exp", "log", "sqrt", "tanh", "sin", "cos")
-_BINARY_INFIX = {"add": "+", "subtract": "-", "multiply": "*", "divide": "/"}
-_COMPARE = {"equal": "==", "not_equal": "!=", "less": "<", "less_equal": "<=", "greater": ">"}
-_COMPARE["greater_equal"] = ">="
+FUSABLE_OPS = frozenset(name for name, d in OPS.items() if d.expr is not None)
+"""Ops a fused chain may contain: those with a kernel expression in the op table."""
 
 
-def _expr_unary(op: str, a: str, t: str) -> str:
-    if op in _UNARY_FN:
-        return f"{op}({a})"
-    if op == "negative":
-        return f"(-{a})"
-    if op == "abs":
-        return f"fabs({a})"
-    if op == "square":
-        return f"({a} * {a})"
-    if op == "relu":
-        return f"(({a} > ({t})0 || {a} != {a}) ? {a} : ({t})0)"
-    if op == "sigmoid":
-        return f"(({t})1 / (({t})1 + exp(-{a})))"
-    if op == "logical_not":
-        return f"(!{a})"
-    raise KeyError(op)
-
-
-def _expr_binary(op: str, a: str, b: str) -> str:
-    if op in _BINARY_INFIX:
-        return f"({a} {_BINARY_INFIX[op]} {b})"
-    if op in _COMPARE:
-        return f"({a} {_COMPARE[op]} {b})"
-    if op == "pow":
-        return f"pow({a}, {b})"
-    if op == "maximum":
-        return f"(({a} > {b} || {a} != {a}) ? {a} : {b})"
-    if op == "minimum":
-        return f"(({a} < {b} || {a} != {a}) ? {a} : {b})"
-    if op == "logical_and":
-        return f"({a} && {b})"
-    if op == "logical_or":
-        return f"({a} || {b})"
-    raise KeyError(op)
-
-
-_UNARY_OPS = frozenset((*_UNARY_FN, "negative", "abs", "square", "relu", "sigmoid", "logical_not"))
-_BINARY_OPS = frozenset((*_BINARY_INFIX, *_COMPARE, "pow", "maximum", "minimum", "logical_and", "logical_or"))
-FUSABLE_OPS = _UNARY_OPS | _BINARY_OPS | {"where"}
-"""Ops a fused chain may contain."""
+def expression(op: str, operands: Sequence[str], ctype: str) -> str:
+    """Op `op`'s C expression over `operands` (C expressions already of the operand dtype, whose
+    C type is `ctype`), from its op-table entry."""
+    expr = OPS[op].expr
+    if expr is None:
+        raise KeyError(f"{op} has no kernel expression")
+    return expr.format(*operands, t=ctype)
 
 
 def _dtype_ok(spec: TensorSpec) -> bool:
@@ -87,8 +54,6 @@ def fusable(step: Step) -> bool:
         return False
     if step.operand_dtype is not None and step.operand_dtype not in CTYPES:
         return False
-    if step.op in ("abs", "negative", "square", "relu") and step.out_spec.dtype == "bool":
-        return False  # arithmetic on bool has no single C meaning that matches NumPy's
     return all(_dtype_ok(s) for s in step.in_specs)
 
 
@@ -149,18 +114,10 @@ def kernel_source(step: Step) -> KernelSource:
 
     for k, m in enumerate(step.chain):
         t = m.operand_dtype
-        if m.op == "where":
-            c = operand(m.inputs[0], "bool", m.in_specs[0])
-            a = operand(m.inputs[1], t, m.in_specs[1])
-            b = operand(m.inputs[2], t, m.in_specs[2])
-            expr = f"({c} ? {a} : {b})"
-        elif m.op in _BINARY_OPS:
-            a = operand(m.inputs[0], t, m.in_specs[0])
-            b = operand(m.inputs[1], t, m.in_specs[1])
-            expr = _expr_binary(m.op, a, b)
-        else:
-            x = operand(m.inputs[0], t, m.in_specs[0])
-            expr = _expr_unary(m.op, x, CTYPES[t if t is not None else m.out_spec.dtype])
+        # Every operand is cast to the operand dtype, but a where's condition, which stays bool.
+        wants = [("bool" if m.op == "where" and i == 0 else t) for i in range(len(m.inputs))]
+        args = [operand(v, want, spec) for v, want, spec in zip(m.inputs, wants, m.in_specs, strict=True)]
+        expr = expression(m.op, args, CTYPES[t if t is not None else m.out_spec.dtype])
         out_dtype = m.out_spec.dtype
         name = f"t{k}"  # by position, so the same chain in any plan has the same source
         local[m.out] = (name, out_dtype)
@@ -188,4 +145,4 @@ def call_args(source: KernelSource, args: Sequence[Any], scalar: Callable[[Any, 
     return [args[i] if dtype is None else scalar(args[i], dtype) for i, dtype in source.params]
 
 
-__all__ = ["CTYPES", "FUSABLE_OPS", "KernelSource", "call_args", "fusable", "kernel_source"]
+__all__ = ["CTYPES", "FUSABLE_OPS", "KernelSource", "call_args", "expression", "fusable", "kernel_source"]

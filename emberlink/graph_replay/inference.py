@@ -15,13 +15,6 @@ from emberlink.errors import DTypeError, ShapeError
 from emberlink.graph_replay.ir import MAX_RANK, AttrValue, Key, TensorSpec
 from emberlink.graph_replay.promotion import broadcast_shapes, float_dtype_for, promote, promote_all
 
-UNARY_SAME = ("negative", "abs", "square", "sign", "relu")
-UNARY_FLOAT = ("exp", "log", "sqrt", "tanh", "sigmoid", "sin", "cos")
-ARITH = ("add", "subtract", "multiply", "divide", "pow", "maximum", "minimum")
-COMPARE = ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal")
-LOGICAL = ("logical_and", "logical_or")
-BINARY = ARITH + COMPARE + LOGICAL
-
 
 def _dt(spec: TensorSpec) -> str:
     return f"{spec.dtype} scalar" if spec.weak else spec.dtype
@@ -73,38 +66,77 @@ def eye(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> Tenso
     return TensorSpec(cast(str, a["dtype"]), (cast(int, a["n"]), cast(int, a["m"])))
 
 
-def unary(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+def unary_same(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    """A numeric operand; the result has its dtype (negative, abs, floor, ...)."""
     x = ins[0]
-    if op == "logical_not":
-        if x.kind != "bool":
-            raise DTypeError(f"{op}: needs a bool operand, got {x.dtype}")
-        return x
-    if op in UNARY_FLOAT:
-        return TensorSpec(float_dtype_for(x), x.shape)
     if x.kind == "bool":
         raise DTypeError(f"{op}: needs a numeric operand, got {x.dtype}")
     return x
 
 
-def binary(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
-    x, y = ins
+def unary_float(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    """Any operand; the result is float (exp, log, ...: ints and bools compute in float32)."""
+    x = ins[0]
+    return TensorSpec(float_dtype_for(x), x.shape)
+
+
+def unary_predicate(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    """A numeric operand; the result is bool (isnan, isinf, isfinite)."""
+    x = ins[0]
+    if x.kind == "bool":
+        raise DTypeError(f"{op}: needs a numeric operand, got {x.dtype}")
+    return TensorSpec("bool", x.shape)
+
+
+def logical_not(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    x = ins[0]
+    if x.kind != "bool":
+        raise DTypeError(f"{op}: needs a bool operand, got {x.dtype}")
+    return x
+
+
+def _binary_shape(op: str, x: TensorSpec, y: TensorSpec) -> tuple[int, ...]:
     if x.weak and y.weak:
         raise DTypeError(f"{op}: needs at least one tensor, got {_dt(x)} and {_dt(y)}")
-    shape = broadcast_shapes(op, x, y)
-    if op in LOGICAL:
-        if x.kind != "bool" or y.kind != "bool":
-            raise DTypeError(f"{op}: needs bool operands, got {_dt(x)} and {_dt(y)}")
-        return TensorSpec("bool", shape)
+    return broadcast_shapes(op, x, y)
+
+
+def arithmetic(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    """Numeric operands, promoted (add, subtract, multiply, pow)."""
+    x, y = ins
+    shape = _binary_shape(op, x, y)
     dtype = promote(x, y)
-    if op in COMPARE:
-        return TensorSpec("bool", shape)
-    if op in ("maximum", "minimum"):
-        return TensorSpec(dtype, shape)
     if dtype == "bool":
         raise DTypeError(f"{op}: needs numeric operands, got {_dt(x)} and {_dt(y)}")
-    if op == "divide":
-        dtype = float_dtype_for(TensorSpec(dtype, ()))
     return TensorSpec(dtype, shape)
+
+
+def divide(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    """Numeric operands; the result is the float dtype of their promotion."""
+    out = arithmetic(op, ins, a)
+    return TensorSpec(float_dtype_for(TensorSpec(out.dtype, ())), out.shape)
+
+
+def extremum(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    """Any operands, promoted; bools allowed (maximum, minimum)."""
+    x, y = ins
+    shape = _binary_shape(op, x, y)
+    return TensorSpec(promote(x, y), shape)
+
+
+def compare(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    """Any operands (compared in their promoted dtype); the result is bool."""
+    x, y = ins
+    return TensorSpec("bool", _binary_shape(op, x, y))
+
+
+def logical(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    """Bool operands; the result is bool (logical_and, logical_or)."""
+    x, y = ins
+    shape = _binary_shape(op, x, y)
+    if x.kind != "bool" or y.kind != "bool":
+        raise DTypeError(f"{op}: needs bool operands, got {_dt(x)} and {_dt(y)}")
+    return TensorSpec("bool", shape)
 
 
 def where(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:

@@ -6,7 +6,8 @@ Rules of this file (everything that defines what a graph *is* lives here):
 - Value numbers: `[0, n_inputs)` are the input tensors, `[n_inputs, n_inputs + n_bindings)` the
   bindings (0-d weak scalars), then node `i` produces value `n_inputs + n_bindings + i`. Every node
   has exactly one output.
-- Dtype names are NumPy's and come from `DTYPES` only; binding kinds from `BINDING_KINDS` only.
+- Dtype names are NumPy's and come from `DTYPES` only (`protocol.dtypes`, their one home);
+  binding kinds from `BINDING_KINDS` only.
 - A `TensorSpec` checks itself when built (known dtype, rank <= `MAX_RANK`, dims are non-negative
   Python ints), so no malformed spec exists downstream.
 - Node attrs are a tuple of `(name, value)` pairs sorted by name; `ops.check_attrs` builds them.
@@ -18,47 +19,12 @@ import math
 from dataclasses import dataclass
 
 from emberlink.errors import DTypeError, ShapeError
+from emberlink.protocol.dtypes import DTYPES, ITEMSIZE, KIND_OF_DTYPE
 from emberlink.protocol.limits import MAX_RANK
-
-DTYPES: tuple[str, ...] = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "float16",
-    "float32",
-    "float64",
-)
-"""The dtype allow-list, NumPy names."""
 
 BINDING_KINDS: tuple[str, ...] = ("bool", "int", "float")
 """Kinds of per-step scalars (bindings), in promotion order: bool < int < float."""
 
-ITEMSIZE: dict[str, int] = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "float16": 2,
-    "float32": 4,
-    "float64": 8,
-}
-
-KIND_OF_DTYPE: dict[str, str] = {
-    "bool": "bool",
-    "uint8": "int",
-    "int8": "int",
-    "int16": "int",
-    "int32": "int",
-    "int64": "int",
-    "float16": "float",
-    "float32": "float",
-    "float64": "float",
-}
 
 DEFAULT_DTYPE_OF_KIND: dict[str, str] = {"bool": "bool", "int": "int64", "float": "float32"}
 """The dtype a weak scalar takes when nothing stronger decides (e.g. `where(c, 1.0, 2.0)`)."""

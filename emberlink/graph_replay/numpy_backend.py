@@ -1,7 +1,8 @@
 """The reference backend: each op's meaning, over an array module `xp`, run on NumPy here; no I/O.
 
 The functions below take `xp` (NumPy here, CuPy in cupy_backend.py) so the two backends share one
-definition; CuPy replaces only the entries it must. `OP_TABLE` is an explicit dict from op name to
+definition; CuPy replaces only the entries it must. An elementwise op's meaning is its op-table
+entry's `ref` (ops.py), run here after the operand casts. `OP_TABLE` is an explicit dict from op name to
 function, never a `getattr` on a name that came over the wire. Operands are cast to the step's
 `operand_dtype` first and weak scalars (bindings) become scalars of that dtype, so NumPy's and
 CuPy's own promotion rules never decide a result. float16 reductions, softmaxes, cross-entropy and
@@ -19,9 +20,11 @@ import numpy as np
 from emberlink.errors import DTypeError
 from emberlink.graph_replay import rng
 from emberlink.graph_replay.backend import Array, IntoFn, OpFn, check_inputs, run_plan
-from emberlink.graph_replay.ir import DTYPES, KIND_OF_DTYPE, Key, Scalar
+from emberlink.graph_replay.ir import Key, Scalar
 from emberlink.graph_replay.memory import MemoryMeter
+from emberlink.graph_replay.ops import OPS, Elementwise, names
 from emberlink.graph_replay.plan import REUSE_OPS, Plan, Step, derive_plan
+from emberlink.protocol.dtypes import DTYPES, KIND_OF_DTYPE
 
 
 def as_operand(xp: Any, v: Any, dtype: str) -> Any:
@@ -90,72 +93,22 @@ def _randn(xp: Any, args: Sequence[Any], step: Step) -> Array:
 
 
 # -- elementwise -----------------------------------------------------------------------------------
+# Each elementwise op's meaning is its op-table entry's `ref`; these run it on the step's operands.
 
 
-def _sigmoid(xp: Any, x: Any, out: Any = None) -> Any:
-    xf = x.astype(_wide(str(x.dtype)), copy=False)
-    return (1 / (1 + xp.exp(-xf))).astype(x.dtype, copy=False)
+def _elementwise_operands(xp: Any, args: Sequence[Any], step: Step) -> Sequence[Any]:
+    return args if step.operand_dtype is None else _operands(xp, args, step)
 
 
-def _relu(xp: Any, x: Any, out: Any = None) -> Any:
-    return xp.maximum(x, host_scalar(0, str(x.dtype)), out=out)
+def _elementwise(xp: Any, args: Sequence[Any], step: Step) -> Array:
+    return _REF[step.op](xp, *_elementwise_operands(xp, args, step))
 
 
-# Each entry computes into `out` when given one (see INTO_TABLE), else into a fresh array; the
-# values are the same either way (the same ufunc loop runs).
-_UNARY: dict[str, Any] = {
-    "negative": lambda xp, x, out=None: xp.negative(x, out=out),
-    "abs": lambda xp, x, out=None: xp.abs(x, out=out),
-    "square": lambda xp, x, out=None: xp.square(x, out=out),
-    "sign": lambda xp, x, out=None: xp.sign(x, out=out),
-    "relu": _relu,
-    "exp": lambda xp, x, out=None: xp.exp(x, out=out),
-    "log": lambda xp, x, out=None: xp.log(x, out=out),
-    "sqrt": lambda xp, x, out=None: xp.sqrt(x, out=out),
-    "tanh": lambda xp, x, out=None: xp.tanh(x, out=out),
-    "sigmoid": _sigmoid,  # several ufuncs in the wide dtype: never written into a buffer
-    "sin": lambda xp, x, out=None: xp.sin(x, out=out),
-    "cos": lambda xp, x, out=None: xp.cos(x, out=out),
-    "logical_not": lambda xp, x, out=None: xp.logical_not(x, out=out),
-}
-
-_BINARY: dict[str, Any] = {
-    "add": lambda xp, a, b, out=None: xp.add(a, b, out=out),
-    "subtract": lambda xp, a, b, out=None: xp.subtract(a, b, out=out),
-    "multiply": lambda xp, a, b, out=None: xp.multiply(a, b, out=out),
-    "divide": lambda xp, a, b, out=None: xp.true_divide(a, b, out=out),
-    "pow": lambda xp, a, b, out=None: xp.power(a, b, out=out),
-    "maximum": lambda xp, a, b, out=None: xp.maximum(a, b, out=out),
-    "minimum": lambda xp, a, b, out=None: xp.minimum(a, b, out=out),
-    "equal": lambda xp, a, b, out=None: xp.equal(a, b, out=out),
-    "not_equal": lambda xp, a, b, out=None: xp.not_equal(a, b, out=out),
-    "less": lambda xp, a, b, out=None: xp.less(a, b, out=out),
-    "less_equal": lambda xp, a, b, out=None: xp.less_equal(a, b, out=out),
-    "greater": lambda xp, a, b, out=None: xp.greater(a, b, out=out),
-    "greater_equal": lambda xp, a, b, out=None: xp.greater_equal(a, b, out=out),
-    "logical_and": lambda xp, a, b, out=None: xp.logical_and(a, b, out=out),
-    "logical_or": lambda xp, a, b, out=None: xp.logical_or(a, b, out=out),
-}
+def _elementwise_into(xp: Any, args: Sequence[Any], step: Step, out: Any) -> Array:
+    return _REF[step.op](xp, *_elementwise_operands(xp, args, step), out=out)
 
 
-def _unary_op(xp: Any, args: Sequence[Any], step: Step) -> Array:
-    x = args[0] if step.operand_dtype is None else _operands(xp, args, step)[0]
-    return _UNARY[step.op](xp, x)
-
-
-def _binary_op(xp: Any, args: Sequence[Any], step: Step) -> Array:
-    a, b = _operands(xp, args, step)
-    return _BINARY[step.op](xp, a, b)
-
-
-def _unary_into(xp: Any, args: Sequence[Any], step: Step, out: Any) -> Array:
-    x = args[0] if step.operand_dtype is None else _operands(xp, args, step)[0]
-    return _UNARY[step.op](xp, x, out)
-
-
-def _binary_into(xp: Any, args: Sequence[Any], step: Step, out: Any) -> Array:
-    a, b = _operands(xp, args, step)
-    return _BINARY[step.op](xp, a, b, out)
+_REF: dict[str, Elementwise] = {name: d.ref for name, d in OPS.items() if d.ref is not None}
 
 
 def _where(xp: Any, args: Sequence[Any], step: Step) -> Array:
@@ -328,11 +281,10 @@ OP_TABLE: dict[str, OpFn] = {
     "eye": _eye,
     "rand": _rand,
     "randn": _randn,
-    **{name: _unary_op for name in _UNARY},
-    **{name: _binary_op for name in _BINARY},
+    **dict.fromkeys(_REF, _elementwise),
     "where": _where,
     "astype": _astype,
-    **{name: _reduce for name in ("sum", "mean", "max", "min", "prod", "argmax", "argmin")},
+    **dict.fromkeys(names("reduction"), _reduce),
     "matmul": _matmul,
     "reshape": _reshape,
     "permute_dims": _permute_dims,
@@ -353,11 +305,8 @@ OP_TABLE: dict[str, OpFn] = {
 """Op name -> implementation; exactly the keys of `ops.OPS` (a test checks it)."""
 
 
-INTO_TABLE: dict[str, IntoFn] = {
-    **{name: _unary_into for name in _UNARY if name in REUSE_OPS},
-    **{name: _binary_into for name in _BINARY},
-}
-"""Op name -> implementation writing into a given buffer; exactly `plan.REUSE_OPS` (a test checks it)."""
+INTO_TABLE: dict[str, IntoFn] = dict.fromkeys(REUSE_OPS, _elementwise_into)
+"""Op name -> implementation writing into a given buffer; exactly `plan.REUSE_OPS`."""
 
 
 class NumpyBackend:

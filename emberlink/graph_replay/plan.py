@@ -29,9 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from emberlink.graph_replay.inference import BINARY, UNARY_FLOAT, UNARY_SAME
 from emberlink.graph_replay.ir import AttrValue, Graph, TensorSpec
-from emberlink.graph_replay.ops import graph_specs, operand_dtype
+from emberlink.graph_replay.ops import OPS, graph_specs, operand_dtype
 
 _STEP_OVERHEAD = 512
 _VALUE_OVERHEAD = 96
@@ -39,11 +38,12 @@ _VALUE_OVERHEAD = 96
 FUSED = "fused"
 """The op name of a fused step. Not an op of the IR: no graph can name it (the decoder refuses it)."""
 
-VIEW_OPS = frozenset({"reshape", "permute_dims", "broadcast_to", "expand_dims", "squeeze", "getitem"})
-"""Ops whose result may share memory with their first input."""
+VIEW_OPS = frozenset(name for name, d in OPS.items() if d.view)
+"""Ops whose result may share memory with their first input (the op table's `view`)."""
 
-REUSE_OPS = frozenset({*UNARY_SAME, *(op for op in UNARY_FLOAT if op != "sigmoid"), "logical_not", *BINARY})
-"""Elementwise ops a backend can write into an existing buffer of the result's spec (`out=`)."""
+REUSE_OPS = frozenset(name for name, d in OPS.items() if d.into)
+"""Elementwise ops a backend can write into an existing buffer of the result's spec (`out=`;
+the op table's `into`)."""
 
 MAX_FUSED = 32
 """Most steps one fused chain takes (bounds kernel size and compile time)."""

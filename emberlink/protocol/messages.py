@@ -5,7 +5,7 @@ Rules (everything that decides what is a valid message lives in this file):
   whose first item is its tag. Client-to-worker tags are 1..10, worker-to-client tags 16..20, so
   a message sent the wrong way is an unknown tag.
 - Decoding is validation: known tag, exact arity, exact types (a bool is not an int, an int is
-  not a float), bounded sizes, dtypes from DTYPES. Anything else is a ProtocolError, and nothing
+  not a float), bounded sizes, dtypes from `protocol.dtypes`. Anything else is a ProtocolError, and nothing
   else escapes a decoder.
 - Sizes are bounded before anything is built: msgpack's own length limits, rank <= MAX_RANK,
   elements and nbytes <= MAX_NBYTES (and nbytes == elements * itemsize), and the ids a batch
@@ -31,19 +31,13 @@ from typing import Any, NoReturn
 import msgpack
 
 from emberlink.errors import ProtocolError
+from emberlink.protocol.dtypes import DTYPES, ITEMSIZE, WIRE_CODE
 from emberlink.protocol.limits import MAX_BINDINGS, MAX_GRAPH_BYTES, MAX_RANK
 
 BytesLike = bytes | bytearray | memoryview
 Scalar = bool | int | float
 StatValue = int | float | str
 
-DTYPES: dict[str, int] = {
-    "bool": 1, "int32": 4, "int64": 8, "float16": 2, "float32": 4, "float64": 8, "uint8": 1, "int8": 1, "int16": 2
-}  # fmt: skip
-"""Allowed dtype names and their item sizes."""
-# wire code = index + 1; new dtypes are appended, so an old code never changes meaning.
-_DTYPE_CODES = ("bool", "int32", "int64", "float16", "float32", "float64", "uint8", "int8", "int16")
-_DTYPE_TO_CODE = {name: i + 1 for i, name in enumerate(_DTYPE_CODES)}
 
 GID_SIZE = 16
 MAX_ID = (1 << 63) - 1
@@ -249,9 +243,9 @@ def _wire_worker(m: WorkerMessage) -> list[Any]:
 
 def _dtype_code(dtype: str) -> int:
     try:
-        return _DTYPE_TO_CODE[dtype]
+        return WIRE_CODE[dtype]
     except KeyError:
-        raise ProtocolError(f"dtype {dtype!r} is not one of {', '.join(_DTYPE_CODES)}") from None
+        raise ProtocolError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}") from None
 
 
 def _pack(obj: Any) -> bytes:
@@ -396,8 +390,8 @@ def _gid(v: object) -> bytes:
 
 
 def _tensor_desc(dtype_v: object, shape_v: object, nbytes_v: object) -> tuple[str, tuple[int, ...], int]:
-    code = _int(dtype_v, "dtype code", 1, len(_DTYPE_CODES))
-    dtype = _DTYPE_CODES[code - 1]
+    code = _int(dtype_v, "dtype code", 1, len(DTYPES))
+    dtype = DTYPES[code - 1]
     dims = _list(shape_v, "shape", MAX_RANK)
     elements = 1
     for d in dims:
@@ -405,7 +399,7 @@ def _tensor_desc(dtype_v: object, shape_v: object, nbytes_v: object) -> tuple[st
         if elements > MAX_NBYTES:
             _refuse(f"shape {dims!r} has more than {MAX_NBYTES} elements")
     nbytes = _int(nbytes_v, "nbytes", 0, MAX_NBYTES)
-    if nbytes != elements * DTYPES[dtype]:
+    if nbytes != elements * ITEMSIZE[dtype]:
         _refuse(f"nbytes {nbytes} does not match {dtype} of shape {tuple(dims)}")
     return dtype, tuple(dims), nbytes
 

@@ -21,6 +21,7 @@ from emberlink.errors import EmberlinkError, ErrorCode, ExecutionError, Protocol
 from emberlink.graph_replay.backend import Backend
 from emberlink.graph_replay.plan import Plan
 from emberlink.protocol import messages as m
+from emberlink.protocol.dtypes import DTYPES
 from emberlink.server.graphs import GraphView
 from emberlink.server.store import Failure, Quota, TensorStore
 
@@ -34,7 +35,7 @@ INLINE_STEPS = 64
 INLINE_MESSAGES = 64
 """...the batch has at most this many messages, and registers no graph (compiling is not tiny)."""
 
-_DTYPE_NAMES = {np.dtype(name): name for name in m.DTYPES}
+_DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}
 """dtype -> wire name; `ndarray.dtype.name` is a slow Python property on the per-step path."""
 
 

@@ -32,6 +32,7 @@ from emberlink.protocol.channel import (
     pack_frames,
     split_frames,
 )
+from emberlink.protocol.dtypes import ITEMSIZE
 from emberlink.protocol.handshake import WorkerHandshake
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.limits import MAX_UNACKED_BYTES
@@ -439,7 +440,7 @@ def _inline_array(msg: m.Upload, plaintext: bytes, start: int) -> np.ndarray:
     that a small array never pins a large plaintext."""
     if not msg.nbytes:
         return np.empty(msg.shape, msg.dtype)
-    count = msg.nbytes // m.DTYPES[msg.dtype]
+    count = msg.nbytes // ITEMSIZE[msg.dtype]
     array = np.frombuffer(plaintext, msg.dtype, count, start).reshape(msg.shape)
     return array if 2 * msg.nbytes >= len(plaintext) else array.copy()
 

@@ -9,8 +9,8 @@ import pytest
 
 import emberlink as el
 from emberlink import Device, nn
-from emberlink.client.nn.lora import quantize_int8
 from emberlink.errors import DTypeError
+from emberlink.nn.lora import quantize_int8
 
 F = nn.functional
 

@@ -9,6 +9,7 @@ import pytest
 
 import emberlink as el
 from emberlink import Device
+from tests.graph_replay.cases import SPECIALS, UNARY, expect_ignoring_errors
 
 F32 = np.float32
 
@@ -27,31 +28,45 @@ def check(t: el.Tensor, expected: np.ndarray, *, rtol: float = 1e-6, atol: float
 
 # -- unary ------------------------------------------------------------------------------------------
 
-UNARY = {
-    "exp": np.exp,
-    "log": np.log,
-    "sqrt": np.sqrt,
-    "tanh": np.tanh,
-    "sigmoid": lambda x: 1 / (1 + np.exp(-x)),
-    "relu": lambda x: np.maximum(x, 0),
-    "abs": np.abs,
-    "negative": np.negative,
-    "square": np.square,
-    "sin": np.sin,
-    "cos": np.cos,
-    "sign": np.sign,
-}
-
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("name", sorted(UNARY))
 def test_unary_op_matches_numpy_as_method_and_function(dev: Device, rng, name: str, dtype: str) -> None:
-    lo = 0.1 if name in ("log", "sqrt") else -2.0
-    a = arr(rng, 3, 4, dtype=dtype, lo=lo)
+    row = UNARY[name]
+    a = arr(rng, 3, 4, dtype=dtype, lo=max(row.lo, -2.0), hi=min(row.hi, 2.0))
     x = dev.tensor(a)
-    expected = UNARY[name](a).astype(dtype)
-    check(getattr(x, name)(), expected, rtol=1e-5)
-    check(getattr(el, name)(x), expected, rtol=1e-5)
+    expected = row.expect(a)
+    for got in (getattr(x, name)(), getattr(el, name)(x)):
+        assert got.dtype == expected.dtype.name
+        check(got, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary_op_on_nan_infinities_signed_zeros_and_ties_matches_numpy(dev: Device, name: str) -> None:
+    got = getattr(el, name)(dev.tensor(SPECIALS))
+    expected = expect_ignoring_errors(UNARY[name].expect)(SPECIALS)
+    assert got.dtype == expected.dtype.name
+    check(got, expected, rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.parametrize("name", ["floor", "ceil", "round", "trunc"])
+def test_rounding_an_int_tensor_keeps_its_values_and_dtype(dev: Device, name: str) -> None:
+    a = np.array([-3, 0, 7], dtype="int32")
+    got = getattr(dev.tensor(a), name)()
+    assert got.dtype == "int32"
+    np.testing.assert_array_equal(got.numpy(), a)
+
+
+def test_round_takes_ties_to_even_as_the_array_api_says(dev: Device) -> None:
+    x = dev.tensor(np.array([0.5, 1.5, 2.5, -0.5, -1.5], dtype="float32"))
+    np.testing.assert_array_equal(el.round(x).numpy(), [0.0, 2.0, 2.0, -0.0, -2.0])
+
+
+@pytest.mark.parametrize("name", ["isnan", "isinf", "isfinite"])
+def test_predicates_give_bool_and_refuse_a_bool_tensor(dev: Device, name: str) -> None:
+    assert getattr(el, name)(dev.tensor(np.array([1, 2], dtype="int64"))).dtype == "bool"
+    with pytest.raises(el.DTypeError, match=f"{name}: needs a numeric operand, got bool"):
+        getattr(el, name)(dev.tensor(np.array([True])))
 
 
 def test_python_operators_for_unary_ops(dev: Device, rng) -> None:

@@ -80,7 +80,8 @@ def run_case(backend: Any, case: Case) -> np.ndarray:
 
 
 def assert_close(got: np.ndarray, want: Any, case_id: str, *, loose: bool = False) -> None:
-    """Exact for bool and ints; relative tolerance by float dtype (looser across devices)."""
+    """Exact for bool and ints; relative tolerance by float dtype (looser across devices), scaled
+    by the largest finite value; NaNs and infinities where `want` has them."""
     want = np.asarray(want)
     assert got.dtype == want.dtype, (case_id, got.dtype, want.dtype)
     assert got.shape == want.shape, (case_id, got.shape, want.shape)
@@ -90,7 +91,8 @@ def assert_close(got: np.ndarray, want: Any, case_id: str, *, loose: bool = Fals
     rtol = {"float16": 2e-3, "float32": 2e-6, "float64": 1e-12}[str(got.dtype)]
     if loose:
         rtol *= 50
-    atol = rtol * max(1.0, float(np.nanmax(np.abs(want.astype(np.float64)))) if want.size else 1.0)
+    finite = np.abs(want[np.isfinite(want)].astype(np.float64))
+    atol = rtol * max(1.0, float(finite.max())) if finite.size else rtol
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, equal_nan=True, err_msg=case_id)
 
 
@@ -171,20 +173,62 @@ _logits, _labels = f(6, 5), i(6, lo=0, hi=5, dtype="int64")
 _g = f(5, 2, 3)
 _sidx = np.array([[0, 3, 3], [1, 0, 3]], dtype=np.int32)
 
-UNARY_EXPECT: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "negative": np.negative,
-    "abs": np.abs,
-    "square": np.square,
-    "sign": np.sign,
-    "relu": lambda x: np.maximum(x, np.zeros((), x.dtype)),
-    "exp": np.exp,
-    "log": np.log,
-    "sqrt": np.sqrt,
-    "tanh": np.tanh,
-    "sigmoid": lambda x: _sigmoid(x),
-    "sin": np.sin,
-    "cos": np.cos,
+
+@dataclass(frozen=True)
+class Elementwise:
+    """A unary elementwise op's case row: its meaning in direct NumPy (on an array of the op's
+    result dtype's family, errors ignored) and the inputs it is defined on, `[lo, hi]`.
+
+    The rows drive this table's cases (hence both backends), the client's value tests on every
+    device kind, and, for differentiable ops, the client's gradient checks.
+    """
+
+    expect: Callable[[np.ndarray], np.ndarray]
+    lo: float = -3.0
+    hi: float = 3.0
+
+
+UNARY: dict[str, Elementwise] = {
+    "negative": Elementwise(np.negative),
+    "abs": Elementwise(np.abs),
+    "square": Elementwise(np.square),
+    "sign": Elementwise(np.sign),
+    "relu": Elementwise(lambda x: np.maximum(x, np.zeros((), x.dtype))),
+    "floor": Elementwise(np.floor),
+    "ceil": Elementwise(np.ceil),
+    "round": Elementwise(np.round),
+    "trunc": Elementwise(np.trunc),
+    "exp": Elementwise(np.exp),
+    "expm1": Elementwise(np.expm1),
+    "log": Elementwise(np.log, lo=0.1, hi=5.0),
+    "log1p": Elementwise(np.log1p, lo=-0.9, hi=5.0),
+    "sqrt": Elementwise(np.sqrt, lo=0.1, hi=5.0),
+    "tanh": Elementwise(np.tanh),
+    "sigmoid": Elementwise(lambda x: _sigmoid(x)),
+    "sin": Elementwise(np.sin),
+    "cos": Elementwise(np.cos),
+    "sinh": Elementwise(np.sinh),
+    "cosh": Elementwise(np.cosh),
+    "arctan": Elementwise(np.arctan),
+    "isnan": Elementwise(np.isnan),
+    "isinf": Elementwise(np.isinf),
+    "isfinite": Elementwise(np.isfinite),
 }
+"""Every unary elementwise op but `logical_not` (bool only, below)."""
+
+SPECIALS = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 0.5, -0.5, 1.5, 2.5, -2.5, 1e-8, -7.0, 40.0])
+"""Values every unary op is checked on too: NaN, infinities, signed zeros, ties of `round`."""
+
+
+def expect_ignoring_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with NumPy's floating-point warnings off (inf and nan are results here, as on a GPU)."""
+
+    def run(*args: Any) -> Any:
+        with np.errstate(all="ignore"):
+            return fn(*args)
+
+    return run
+
 
 BINARY_EXPECT: dict[str, Callable[[Any, Any], Any]] = {
     "add": np.add,
@@ -285,9 +329,17 @@ def _cases() -> list[Case]:
         )
     )
     # unary
-    for name, fn in UNARY_EXPECT.items():
-        x = _pos if name in ("log", "sqrt") else _x34
-        add(Case(f"{name}-f32", name, (x,), {}, fn))
+    for name, row in UNARY.items():
+        add(Case(f"{name}-f32", name, (f(3, 4, lo=row.lo, hi=row.hi),), {}, row.expect))
+        add(Case(f"{name}-specials-f64", name, (SPECIALS,), {}, expect_ignoring_errors(row.expect)))
+    for name in ("floor", "ceil", "round", "trunc"):
+        add(Case(f"{name}-int32-keeps-values-and-dtype", name, (i(7),), {}, lambda x: x.copy()))
+    add(Case("round-ties-to-even-f16", "round", (np.array([0.5, 1.5, 2.5, -0.5], F16),), {}, np.round))
+    add(Case("isnan-int64-is-false", "isnan", (i(5, dtype="int64"),), {}, lambda x: np.zeros(5, bool)))
+    add(Case("isfinite-int32-is-true", "isfinite", (i(5),), {}, lambda x: np.ones(5, bool)))
+    add(Case("log1p-tiny-is-exact", "log1p", (np.array([1e-10, -1e-12], F64),), {}, np.log1p))
+    add(Case("expm1-tiny-is-exact", "expm1", (np.array([1e-10, -1e-12], F64),), {}, np.expm1))
+    add(Case("sinh-int32-gives-f32", "sinh", (i(5),), {}, lambda x: np.sinh(x.astype(F32))))
     add(Case("sign-with-zeros-f64", "sign", (np.array([-2.0, 0.0, 3.0, -0.0]),), {}, np.sign))
     add(Case("abs-int64", "abs", (i(7, dtype="int64"),), {}, np.abs))
     add(Case("negative-int32", "negative", (i(7),), {}, np.negative))
@@ -298,14 +350,14 @@ def _cases() -> list[Case]:
     add(Case("sqrt-bool-gives-f32", "sqrt", (b(5),), {}, lambda x: np.sqrt(x.astype(F32))))
     add(Case("exp-f16", "exp", (f(6, dtype=F16),), {}, np.exp))
     big = np.array([-1000.0, -30.0, 0.0, 30.0, 1000.0], F32)
-    add(Case("sigmoid-saturates-f32", "sigmoid", (big,), {}, UNARY_EXPECT["sigmoid"]))
+    add(Case("sigmoid-saturates-f32", "sigmoid", (big,), {}, UNARY["sigmoid"].expect))
     add(
         Case(
             "sigmoid-f16-no-overflow",
             "sigmoid",
             (np.array([-14, -3, 0, 3, 14], F16),),
             {},
-            UNARY_EXPECT["sigmoid"],
+            UNARY["sigmoid"].expect,
         )
     )
     add(Case("logical_not-bool", "logical_not", (b(3, 2),), {}, np.logical_not))

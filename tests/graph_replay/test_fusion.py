@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +15,7 @@ from emberlink.graph_replay import fusion
 from emberlink.graph_replay.backend import run_plan
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
 from emberlink.graph_replay.numpy_backend import INTO_TABLE, OP_TABLE, NumpyBackend
+from emberlink.graph_replay.ops import OPS
 from emberlink.graph_replay.plan import FUSED, MAX_FUSED, Plan, Step, compile_plan, run_chain
 
 from .graphs import mlp_inputs, mlp_step, random_graph
@@ -195,3 +197,17 @@ def test_a_kernel_cuda_refuses_runs_its_chain_unfused_with_the_same_values() -> 
     for a, b in zip(want, got, strict=True):
         np.testing.assert_array_equal(a, b)
     assert all(isinstance(k.broken, Refused) for k in kernels.values())
+
+
+@pytest.mark.parametrize("op", sorted(fusion.FUSABLE_OPS - {"where"}))
+def test_every_fusable_op_writes_its_table_expression_into_the_kernel(op: str) -> None:
+    unary = OPS[op].family == "unary"
+    dtype = "bool" if op.startswith("logical") else "float32"
+    spec = TensorSpec(dtype, (4,))
+    first = Node("logical_not" if dtype == "bool" else "negative", (0,))
+    second = Node(op, (2,)) if unary else Node(op, (2, 1))
+    (step,) = compile_plan(Graph((spec, spec), (), (first, second), (3,)), fusion=ReferenceFusion()).steps
+    assert step.label == f"fused({first.op}, {op})"
+    operands = ["t0"] if unary else ["t0", "in1"]
+    ctype = fusion.CTYPES[step.chain[1].operand_dtype or step.chain[1].out_spec.dtype]
+    assert fusion.expression(op, operands, ctype) in fusion.kernel_source(step).body

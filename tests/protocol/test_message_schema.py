@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from emberlink.errors import ProtocolError
 from emberlink.protocol.channel import Channel
+from emberlink.protocol.dtypes import DTYPES, ITEMSIZE
 from emberlink.protocol.messages import (
-    DTYPES,
     MAX_IDS,
     Batch,
     Close,
@@ -57,7 +57,7 @@ scalars = st.one_of(st.booleans(), int64, st.floats(allow_nan=False))
 def tensor_desc(draw: st.DrawFn) -> tuple[str, tuple[int, ...], int]:
     dtype = draw(st.sampled_from(sorted(DTYPES)))
     shape = tuple(draw(st.lists(st.integers(0, 64), max_size=4)))
-    return dtype, shape, math.prod(shape) * DTYPES[dtype]
+    return dtype, shape, math.prod(shape) * ITEMSIZE[dtype]
 
 
 id_lists = st.one_of(

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from emberlink.client.autograd import no_grad
-from emberlink.client.nn.module import Parameter
 from emberlink.client.tensor import Tensor
+from emberlink.nn.module import Parameter
 
 
 class Optimizer:

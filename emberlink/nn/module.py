@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from emberlink.client.device import Device, HostValue
-from emberlink.client.dtypes import FLOAT_DTYPES
+from emberlink.client.device import Device
 from emberlink.client.tensor import Tensor
+from emberlink.client.value import HostValue
 from emberlink.errors import DTypeError, ShapeError
+from emberlink.protocol.dtypes import FLOAT_DTYPES
 
 
 class Parameter(Tensor):
@@ -28,7 +29,7 @@ class Parameter(Tensor):
         if isinstance(data, Tensor):
             super().__init__(data._v)
         else:
-            super().__init__(HostValue(np.array(data, order="C", copy=True)))  # type: ignore[arg-type]
+            super().__init__(HostValue(np.array(data, order="C", copy=True)))
         if requires_grad and self.dtype not in FLOAT_DTYPES:
             raise DTypeError(f"a Parameter that requires grad must be float, got {self.dtype}")
         self._rg = bool(requires_grad)
@@ -58,7 +59,7 @@ class Parameter(Tensor):
         if isinstance(dev, Device):
             self._v = dev.tensor(a, dtype=self.dtype)._v
         else:
-            self._v = HostValue(np.array(a, dtype=self.dtype, order="C", copy=True))  # type: ignore[assignment]
+            self._v = HostValue(np.array(a, dtype=self.dtype, order="C", copy=True))
 
     def __repr__(self) -> str:
         return "Parameter" + super().__repr__().removeprefix("Tensor")

@@ -16,9 +16,9 @@ import numpy as np
 
 from emberlink.client.device import Device
 from emberlink.client.dtypes import dtype_name
-from emberlink.client.nn import functional as F
-from emberlink.client.nn.module import Module, Parameter
 from emberlink.client.tensor import Tensor
+from emberlink.nn import functional as F
+from emberlink.nn.module import Module, Parameter
 
 _SEEDS = itertools.count()
 

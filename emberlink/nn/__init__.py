@@ -1,9 +1,9 @@
 """emberlink.nn: Module, Parameter, the stock layers and `functional`."""
 
-from emberlink.client.nn import functional
-from emberlink.client.nn.layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, Sequential
-from emberlink.client.nn.lora import LoRALinear, add_lora, merge_lora
-from emberlink.client.nn.module import Module, Parameter
+from emberlink.nn import functional
+from emberlink.nn.layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, Sequential
+from emberlink.nn.lora import LoRALinear, add_lora, merge_lora
+from emberlink.nn.module import Module, Parameter
 
 __all__ = [
     "GELU",

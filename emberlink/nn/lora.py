@@ -32,12 +32,13 @@ from typing import Any, TypeVar
 import numpy as np
 
 from emberlink.client.autograd import no_grad
-from emberlink.client.device import Device, HostValue
+from emberlink.client.device import Device
 from emberlink.client.functions import where
-from emberlink.client.nn.layers import Linear
-from emberlink.client.nn.module import Module, Parameter
 from emberlink.client.tensor import Tensor
+from emberlink.client.value import HostValue
 from emberlink.errors import DTypeError
+from emberlink.nn.layers import Linear
+from emberlink.nn.module import Module, Parameter
 
 QUANTIZE = (None, "int8")
 """What `add_lora(quantize=...)` accepts."""
