@@ -14,6 +14,7 @@ import numpy as np
 
 from emberlink.client.executor import Call
 from emberlink.errors import EmberlinkError, ExecutionError, UnknownTensor
+from emberlink.graph_replay.captured import open_captures
 from emberlink.graph_replay.ir import Graph
 
 
@@ -60,6 +61,8 @@ class LocalExecutor:
         self._peak = 0
         self._replays = 0
         self._closed = False
+        # Device.cuda: plans replayed as captured CUDA graphs where capture serves (None if not).
+        self._captures = open_captures(backend)
 
     def _put(self, buf: int, array: Any) -> None:
         old = self._store.get(buf)
@@ -88,7 +91,10 @@ class LocalExecutor:
             self._poison(call, self._input_failure(call.inputs))
             return
         try:
-            outs = self._backend.run(plan, inputs, call.bindings)
+            if self._captures is not None:
+                outs = self._captures.run(plan, inputs, call.bindings)
+            else:
+                outs = self._backend.run(plan, inputs, call.bindings)
         except ExecutionError as e:  # run_plan turns every op failure into one, naming the op
             self._poison(call, e)
             return
@@ -153,6 +159,7 @@ class LocalExecutor:
             "round_trips": 0,
             "graphs_registered": len(self._plans),
             "graph_replays": self._replays,
+            "captured_replays": self._captures.replays if self._captures is not None else 0,
             "tensors": len(self._store),
         }
 
@@ -171,4 +178,6 @@ class LocalExecutor:
         self._store.clear()
         self._poisoned.clear()
         self._plans.clear()
+        if self._captures is not None:
+            self._captures.close()
         self._in_use = 0

@@ -177,6 +177,27 @@ class CupyBackend:
             self._variants[plan] = variant
         return variant
 
+    # -- what graph capture (cuda_graph.py) builds on ---------------------------------------------------
+
+    @property
+    def xp(self) -> Any:
+        """The cupy module."""
+        return self._cp
+
+    @property
+    def pool(self) -> Any:
+        """CuPy's memory pool, which `memory_stats` reports (captured graphs allocate from it too)."""
+        return self._pool
+
+    @property
+    def device_id(self) -> int:
+        return int(self._device.id)
+
+    @property
+    def op_table(self) -> dict[str, OpFn]:
+        """Op name -> implementation, as `run` uses it."""
+        return self._table
+
     # -- Backend ------------------------------------------------------------------------------------
 
     def _sample(self, value: Any = None) -> None:

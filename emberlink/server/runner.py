@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from emberlink.errors import EmberlinkError, ExecutionError, ProtocolError
+from emberlink.graph_replay.captured import open_captures
 from emberlink.graph_replay.plan import Plan
 from emberlink.protocol import messages as m
 from emberlink.server.graphs import GraphView
@@ -66,6 +67,7 @@ class Counters:
     failures: int = 0
     graph_unknown: int = 0
     discarded_batches: int = 0
+    captured_replays: int = 0  # executes run as one launch of a captured CUDA graph
 
 
 class BatchRunner:
@@ -90,6 +92,9 @@ class BatchRunner:
         self.closed = False
         self.counters = Counters()
         self._light: dict[bytes, bool] = {}  # gid -> whether its plan is light (see `light`)
+        # Plans replayed as captured CUDA graphs (cuda workers), charged to this session's quota
+        # and to the client's cache entry of the plan; None where capture cannot serve.
+        self._captures = open_captures(backend, admit=self._admit_capture, release=self._release_capture)
 
     # -- one batch ----------------------------------------------------------------------------------
 
@@ -236,7 +241,11 @@ class BatchRunner:
             self._fail(outs, Failure("quota", quota.describe_refusal(need)))
             return
         try:
-            results = self._backend.run(plan, inputs, msg.bindings)
+            if self._captures is not None:
+                results = self._captures.run(plan, inputs, msg.bindings, msg.gid)
+                self.counters.captured_replays = self._captures.replays
+            else:
+                results = self._backend.run(plan, inputs, msg.bindings)
         except ExecutionError as e:
             self._fail(outs, Failure(e.code, e.message))
             return
@@ -282,6 +291,22 @@ class BatchRunner:
         """Free everything the session holds; later batches are discarded."""
         self.closed = True
         self._store.clear()
+        if self._captures is not None:
+            self._captures.close()
+
+    def _admit_capture(self, gid: bytes | None, plan: Plan, nbytes: int) -> bool:
+        quota = self._store.quota
+        if not quota.reserve(nbytes):
+            return False
+        if gid is not None and not self._graphs.charge(gid, plan, nbytes):
+            quota.release(nbytes)
+            return False
+        return True
+
+    def _release_capture(self, gid: bytes | None, plan: Plan | None, nbytes: int) -> None:
+        self._store.quota.release(nbytes)
+        if gid is not None and plan is not None:  # a plan that is gone took its cache entry with it
+            self._graphs.charge(gid, plan, -nbytes)
 
 
 def _c_order(a: np.ndarray) -> np.ndarray:
