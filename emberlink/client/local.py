@@ -74,7 +74,9 @@ class LocalExecutor:
 
     def upload(self, buf: int, array: np.ndarray) -> None:
         self._poisoned.pop(buf, None)
-        self._put(buf, self._backend.from_numpy(array))
+        # With captures, an upload stays in host memory until a plan uses it: a captured graph
+        # copies it to the device itself (one node of the graph); `_on_device` uploads the rest.
+        self._put(buf, array if self._captures is not None else self._backend.from_numpy(array))
 
     def execute(self, graph: Graph, gid: bytes, call: Call) -> None:
         plan = self._plans.get(gid)
@@ -92,6 +94,8 @@ class LocalExecutor:
             return
         try:
             if self._captures is not None:
+                if not self._captures.takes_host(plan):
+                    inputs = self._on_device(call.inputs, inputs)
                 outs = self._captures.run(plan, inputs, call.bindings)
             else:
                 outs = self._backend.run(plan, inputs, call.bindings)
@@ -106,6 +110,16 @@ class LocalExecutor:
             if poisoned:
                 poisoned.pop(buf, None)
             self._put(buf, array)
+
+    def _on_device(self, bufs: Sequence[int], inputs: list[Any]) -> list[Any]:
+        """An eager run's inputs, with uploads still in host memory moved to the device for good."""
+        out = []
+        for buf, a in zip(bufs, inputs, strict=True):
+            if isinstance(a, np.ndarray):
+                a = self._backend.from_numpy(a)
+                self._put(buf, a)
+            out.append(a)
+        return out
 
     def _input_failure(self, bufs: Sequence[int]) -> ExecutionError:
         for b in bufs:

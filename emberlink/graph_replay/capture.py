@@ -11,6 +11,8 @@ on any machine:
   and dtype it is used as, holding exactly what the eager ops would compute from it
   (`numpy_backend.host_scalar`, or a seed taken modulo 2**64). So replays with new learning rates
   or dropout seeds give the eager values without a new capture.
+- The staging layout: that buffer's copy tables, slots, and the regions of inputs that arrive in
+  host memory (an uploaded batch), which the same first node copies to the device.
 - `ArenaLayout`: the first-fit placement of a run's intermediates in one arena. Fed the run's
   allocations and frees in order (frees follow the plan's liveness, `Step.free`), it gives the
   arena's size; a capture then places the same sequence inside an arena of that size, so a replay
@@ -215,28 +217,45 @@ class ArenaLayout:
 @dataclass(frozen=True, slots=True)
 class StagingLayout:
     """Byte offsets in the buffer a replay fills on the host and the graph's first node copies to
-    the device: the input copy table, the output copy table (3 uint64 per entry: source address,
-    destination address, bytes), then the binding slots, each 8-byte aligned."""
+    the device: the input copy table, the output copy table (3 uint64 per row: source address,
+    destination address, bytes), the binding slots (8 bytes each), then one region per input that
+    arrives in host memory (`hosts_at`, None for the others), `HOST_ALIGN`-aligned: its device copy
+    is the graph's fixed buffer for that input."""
 
     inputs_at: int
     outputs_at: int
     slots_at: tuple[int, ...]
+    hosts_at: tuple[int | None, ...]
     nbytes: int
 
 
-def staging_layout(n_inputs: int, n_outputs: int, slots: Sequence[Slot]) -> StagingLayout:
+HOST_ALIGN = 256
+
+
+def staging_layout(n_outputs: int, slots: Sequence[Slot], host_nbytes: Sequence[int | None]) -> StagingLayout:
+    """The layout for `len(host_nbytes)` inputs, where `host_nbytes[i]` is input `i`'s size if it
+    is staged from host memory, else None."""
     inputs_at = 0
-    outputs_at = inputs_at + 24 * n_inputs
+    outputs_at = inputs_at + 24 * len(host_nbytes)
     at = outputs_at + 24 * n_outputs
-    offsets = []
+    slots_at = []
     for _ in slots:
-        offsets.append(at)
+        slots_at.append(at)
         at += 8
-    return StagingLayout(inputs_at, outputs_at, tuple(offsets), max(at, 8))
+    hosts_at: list[int | None] = []
+    for n in host_nbytes:
+        if n is None:
+            hosts_at.append(None)
+            continue
+        at = -(-at // HOST_ALIGN) * HOST_ALIGN
+        hosts_at.append(at)
+        at += n
+    return StagingLayout(inputs_at, outputs_at, tuple(slots_at), tuple(hosts_at), max(at, 8))
 
 
 __all__ = [
     "ALIGN",
+    "HOST_ALIGN",
     "MAX_CAPTURED_CONCAT",
     "SEED",
     "UNCAPTURABLE_OPS",

@@ -11,6 +11,11 @@ Rules (everything that decides between the eager path and a captured graph lives
   process.
 - A call whose bindings cannot be staged (capture.StagingError) runs eagerly, so it fails as the
   eager ops fail; the capture stays.
+- Inputs may be host (NumPy) arrays where `takes_host(plan)` says so: the plan is about to be
+  captured or replayed, and a capture copies host inputs into its pinned staging buffer, the
+  upload being one node of the graph. An owner keeps an uploaded batch in host memory and uploads
+  it itself only for a plan that runs eagerly; if a run falls back to the eager path after all,
+  its host inputs are uploaded first.
 - A capture lives as long as its plan and its owner: when the plan is dropped (graph-cache
   eviction) or the owner closes (session end), its memory is freed and `release` is told.
 """
@@ -18,6 +23,7 @@ Rules (everything that decides between the eager path and a captured graph lives
 from __future__ import annotations
 
 import enum
+import importlib.util
 import logging
 import os
 import threading
@@ -25,6 +31,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 from emberlink.errors import EmberlinkError
 from emberlink.graph_replay.capture import CaptureRefused, StagingError, refusal
@@ -109,19 +117,30 @@ class Captures:
         `key` names the plan to `admit` and `release` (the graph id on a worker)."""
         entry = self._entries.get(id(plan))
         if entry is None or entry.ref() is not plan:
-            outs: list[Any] = self._backend.run(plan, inputs, bindings)
+            outs = self._eager(plan, inputs, bindings)
             self._first_run(plan)
             return outs
         if entry.captured is not None:
             try:
                 outs = entry.captured.replay(inputs, bindings)
             except StagingError:
-                return list(self._backend.run(plan, inputs, bindings))
+                return self._eager(plan, inputs, bindings)
             self.replays += 1
             return outs
         if entry.state is _State.EAGER:
-            return list(self._backend.run(plan, inputs, bindings))
+            return self._eager(plan, inputs, bindings)
         return self._try_capture(entry, plan, inputs, bindings, key)
+
+    def takes_host(self, plan: Plan) -> bool:
+        """Whether `run(plan, ...)` is best given uploaded batches as the host arrays they arrived
+        as: the run captures or replays the plan, so they reach the device as part of the graph."""
+        entry = self._entries.get(id(plan))
+        return entry is not None and entry.ref() is plan and entry.state is not _State.EAGER
+
+    def _eager(self, plan: Plan, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> list[Any]:
+        if self._backend.name != "numpy" and any(isinstance(a, np.ndarray) for a in inputs):
+            inputs = [self._backend.from_numpy(a) if isinstance(a, np.ndarray) else a for a in inputs]
+        return list(self._backend.run(plan, inputs, bindings))
 
     def _first_run(self, plan: Plan) -> None:
         reason = refusal(self._backend.plan_for(plan)) if plan.steps else "nothing to capture"
@@ -139,17 +158,17 @@ class Captures:
         try:
             captured, outs = self._capture(plan, inputs, bindings)
         except StagingError:
-            return list(self._backend.run(plan, inputs, bindings))
+            return self._eager(plan, inputs, bindings)
         except CaptureRefused as e:
             log_once(str(e))
             entry.state = _State.EAGER
-            return e.outputs if e.outputs is not None else list(self._backend.run(plan, inputs, bindings))
+            return e.outputs if e.outputs is not None else self._eager(plan, inputs, bindings)
         except EmberlinkError:
             raise  # the call's own error (inputs that do not match the graph), as the eager path raises it
         except Exception as e:  # noqa: BLE001 - any failure to capture means: run it eagerly
             log_once(f"capturing a plan failed: {type(e).__name__}: {e}")
             entry.state = _State.EAGER
-            return list(self._backend.run(plan, inputs, bindings))
+            return self._eager(plan, inputs, bindings)
         if self._admit is not None and not self._admit(key, plan, captured.nbytes):
             captured.free()
             log_once("a captured graph did not fit the session's memory or the client's graph-cache budget")
@@ -191,6 +210,39 @@ class Captures:
             self._free(entry, entry.ref())
 
 
+class _LazyCapturer:
+    """cuda_graph.capturer_for(backend), made at the first capture (on the thread that runs plans,
+    not the one that opens the owner: importing nvmath-python and creating cuBLAS take a while)."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self._capture: CaptureFn | None = None
+        self._failure: str | None = None
+
+    def __call__(
+        self, plan: Plan, inputs: Sequence[Any], bindings: Sequence[Scalar]
+    ) -> tuple[Captured, list[Any]]:
+        if self._capture is None:
+            if self._failure is not None:
+                raise CaptureRefused(self._failure)
+            try:
+                from emberlink.graph_replay.cuda_graph import capturer_for
+
+                self._capture = capturer_for(self._backend)
+            except Exception as e:  # a cuBLAS that does not load, a driver without graphs
+                self._failure = f"CUDA graph capture is unavailable: {type(e).__name__}: {e}"
+                raise CaptureRefused(self._failure) from e
+        return self._capture(plan, inputs, bindings)
+
+
+def _nvmath_missing() -> str | None:
+    try:
+        found = importlib.util.find_spec("nvmath")
+    except (ImportError, ValueError) as e:  # ValueError: a module set to None in sys.modules
+        return str(e) or "nvmath"
+    return None if found is not None else "No module named 'nvmath'"
+
+
 def open_captures(
     backend: Any, *, admit: Admit | None = None, release: Release | None = None
 ) -> Captures | None:
@@ -202,17 +254,11 @@ def open_captures(
     if name != "cupy":
         log_once(f"capture needs the CuPy backend; this one is {name}", logging.DEBUG)
         return None
-    try:
-        from emberlink.graph_replay.cuda_graph import capturer_for
-
-        capture = capturer_for(backend)
-    except ImportError as e:
-        log_once(f"nvmath-python is missing ({e}): pip install 'emberlink[cuda13]' (or [cuda12])")
+    missing = _nvmath_missing()
+    if missing is not None:
+        log_once(f"nvmath-python is missing ({missing}): pip install 'emberlink[cuda13]' (or [cuda12])")
         return None
-    except Exception as e:  # noqa: BLE001 - a cuBLAS that does not load, a driver without graphs
-        log_once(f"CUDA graph capture is unavailable: {type(e).__name__}: {e}")
-        return None
-    return Captures(backend, capture, admit=admit, release=release)
+    return Captures(backend, _LazyCapturer(backend), admit=admit, release=release)
 
 
 __all__ = [

@@ -4,8 +4,12 @@ captured.py decides when to capture; this module does it. A captured plan owns:
 - a staging buffer in pinned host memory, which a replay fills on the host (the addresses of this
   call's inputs and outputs, the binding slots of capture.py) and which the graph's first node
   copies to the device;
-- one fixed device buffer per input, which the graph's second node (one kernel) fills from this
-  call's input arrays, wherever they are, by the addresses staged;
+- one fixed device buffer per input. An input that arrived in host memory when the plan was
+  captured (an uploaded batch) has its region in the staging buffer, so the first node brings it
+  over; the others are filled by the graph's second node (one kernel) from this call's input
+  arrays, wherever they are, by the addresses staged. Either kind of buffer takes either kind of
+  array on a later call: a device array for a host input is copied by that kernel after the first
+  node, a host array for a device input is uploaded before the launch;
 - an arena for every intermediate, laid out by liveness (capture.ArenaLayout), so a replay
   allocates nothing but its outputs;
 - the graph: the plan's steps (CuPy's kernels and fused kernels, matmuls through cuBLAS from
@@ -105,8 +109,9 @@ class Capturer:
             reason = cap.refusal(variant)
             if reason is not None:
                 raise cap.CaptureRefused(reason)
+            host = tuple(isinstance(a, np.ndarray) for a in inputs)
             try:
-                captured = CapturedPlan(self, variant)
+                captured = CapturedPlan(self, variant, host)
             except self.xp.cuda.memory.OutOfMemoryError as e:
                 raise cap.CaptureRefused(f"no device memory for a capture's buffers: {e}") from e
             outs = captured.capture(inputs, bindings)
@@ -141,7 +146,7 @@ class _Block:
 class CapturedPlan:
     """One plan as a CUDA graph with its own staging, input buffers and arena (see the module doc)."""
 
-    def __init__(self, capturer: Capturer, plan: Plan) -> None:
+    def __init__(self, capturer: Capturer, plan: Plan, host: Sequence[bool]) -> None:
         xp = capturer.xp
         self._c = capturer
         self.plan = plan
@@ -153,7 +158,11 @@ class CapturedPlan:
         self._node_outputs = tuple(dict.fromkeys(v for v in plan.outputs if v >= self._first_node))
         self._slots = cap.binding_slots(plan)
         self._slot_index = {(s.value, s.dtype): k for k, s in enumerate(self._slots)}
-        self._layout = cap.staging_layout(self._n_inputs, len(self._node_outputs), self._slots)
+        self._layout = cap.staging_layout(
+            len(self._node_outputs),
+            self._slots,
+            [s.nbytes if h else None for s, h in zip(graph.inputs, host)],
+        )
         size = self._layout.nbytes
         self._host_mem = xp.cuda.alloc_pinned_memory(size)
         self._host = np.frombuffer(self._host_mem, np.uint8, size)
@@ -171,11 +180,21 @@ class CapturedPlan:
             xp.ndarray((), s.np_dtype, memptr=self._dev_mem + at)
             for s, at in zip(self._slots, self._layout.slots_at)
         ]
-        self._fixed = [xp.empty(s.shape, s.dtype) for s in graph.inputs]
+        # Host inputs: their pinned region (written by a replay) and its device copy (the fixed buffer).
+        self._host_views: list[np.ndarray | None] = [
+            None if at is None else self._host[at : at + s.nbytes].view(s.dtype).reshape(s.shape)
+            for s, at in zip(graph.inputs, self._layout.hosts_at)
+        ]
+        self._fixed = [
+            xp.empty(s.shape, s.dtype)
+            if at is None
+            else xp.ndarray(s.shape, s.dtype, memptr=self._dev_mem + at)
+            for s, at in zip(graph.inputs, self._layout.hosts_at)
+        ]
         self._in_table[:] = 0
         self._out_table[:] = 0
         for row, array in zip(self._in_table, self._fixed):
-            row[1], row[2] = array.data.ptr, array.nbytes
+            row[1] = array.data.ptr
         for row, v in zip(self._out_table, self._node_outputs):
             row[2] = plan.specs[v].nbytes
         self._in_grid = _grid([a.nbytes for a in self._fixed])
@@ -184,7 +203,11 @@ class CapturedPlan:
         self._done = xp.cuda.Event(block=False, disable_timing=True)
         self._arena: Any = None
         self._graph: Any = None
-        self._fixed_bytes = cap.aligned(size) + size + sum(cap.aligned(a.nbytes) for a in self._fixed)
+        self._fixed_bytes = (
+            cap.aligned(size)
+            + size
+            + sum(cap.aligned(a.nbytes) for a, at in zip(self._fixed, self._layout.hosts_at) if at is None)
+        )
 
     @property
     def nbytes(self) -> int:
@@ -207,11 +230,19 @@ class CapturedPlan:
             except (OverflowError, ValueError, TypeError) as e:
                 raise cap.StagingError(str(e)) from e
         keep: list[Any] = []
-        for row, a in zip(self._in_table, inputs):
-            if not a.flags.c_contiguous:
+        for row, given, pinned in zip(self._in_table, inputs, self._host_views):
+            a: Any = given
+            if isinstance(a, np.ndarray):
+                if pinned is not None:  # into the pinned region: the graph's first node copies it over
+                    np.copyto(pinned, a)
+                    row[2] = 0
+                    continue
+                a = xp.asarray(a)
+                keep.append(a)
+            elif not a.flags.c_contiguous:
                 a = xp.ascontiguousarray(a)
                 keep.append(a)
-            row[0] = a.data.ptr
+            row[0], row[2] = a.data.ptr, a.nbytes
         made: dict[int, Any] = {}
         for row, v in zip(self._out_table, self._node_outputs):
             spec = plan.specs[v]

@@ -214,7 +214,9 @@ class BatchRunner:
             self._fail((msg.tid,), Failure("quota", quota.describe_refusal(msg.nbytes)))
             return
         try:
-            value = self._backend.from_numpy(array)
+            # With captures, an upload stays in host memory until a plan uses it: a captured graph
+            # copies it to the device itself (one node of the graph); `_on_device` uploads the rest.
+            value = array if self._captures is not None else self._backend.from_numpy(array)
         except EmberlinkError as e:
             quota.release(msg.nbytes)
             self._fail((msg.tid,), Failure(getattr(e, "code", "execution"), str(e)))
@@ -242,6 +244,8 @@ class BatchRunner:
             return
         try:
             if self._captures is not None:
+                if not self._captures.takes_host(plan):
+                    inputs = self._on_device(msg.inputs, inputs)
                 results = self._captures.run(plan, inputs, msg.bindings, msg.gid)
                 self.counters.captured_replays = self._captures.replays
             else:
@@ -264,6 +268,16 @@ class BatchRunner:
         nbytes = self._backend.nbytes
         for tid, value in zip(outs, results, strict=True):
             self._store.put(tid, value, nbytes(value), charged=False)
+
+    def _on_device(self, tids: Sequence[int], inputs: list[Any]) -> list[Any]:
+        """An eager run's inputs, with uploads still in host memory moved to the device for good."""
+        out = []
+        for tid, a in zip(tids, inputs, strict=True):
+            if isinstance(a, np.ndarray):
+                a = self._backend.from_numpy(a)
+                self._store.put(tid, a, self._backend.nbytes(a), charged=False)
+            out.append(a)
+        return out
 
     def _read(self, msg: m.Read, out: Outgoing) -> None:
         self.counters.reads += 1

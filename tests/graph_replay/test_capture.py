@@ -141,9 +141,10 @@ def test_slot_values_are_what_the_eager_ops_compute_with() -> None:
         cap.slot_value(cap.Slot(0, "int32"), 2**40)
 
 
-def test_staging_puts_the_copy_tables_first_and_aligns_the_slots() -> None:
-    layout = cap.staging_layout(2, 1, (cap.Slot(3, "float16"), cap.Slot(4, cap.SEED)))
-    assert (layout.inputs_at, layout.outputs_at, layout.slots_at, layout.nbytes) == (0, 48, (72, 80), 88)
+def test_staging_puts_the_copy_tables_first_then_the_slots_then_aligned_host_inputs() -> None:
+    layout = cap.staging_layout(1, (cap.Slot(3, "float16"), cap.Slot(4, cap.SEED)), (None, 10, 300))
+    assert (layout.inputs_at, layout.outputs_at, layout.slots_at) == (0, 72, (96, 104))
+    assert layout.hosts_at == (None, 256, 512) and layout.nbytes == 812
 
 
 # -- refusals ------------------------------------------------------------------------------------------
@@ -223,6 +224,18 @@ def test_the_first_run_is_eager_the_second_captures_and_later_ones_replay() -> N
     assert len(fake.made) == 1 and fake.made[0].replays == 1
     np.testing.assert_array_equal(third, -1.0)
     assert caps.captured(plan) and caps.replays == 1 and caps.nbytes == 1000
+
+
+def test_host_inputs_are_wanted_once_the_next_run_captures_or_replays() -> None:
+    caps = Captures(NumpyBackend(), FakeCapture())
+    plan, take = compile_plan(_scale_graph()), compile_plan(_take_graph())
+    assert not caps.takes_host(plan)  # the first run is eager
+    caps.run(plan, _IN, [0.5, 1.0])
+    assert caps.takes_host(plan)  # the next one captures
+    caps.run(plan, _IN, [0.5, 1.0])
+    assert caps.takes_host(plan)  # and later ones replay
+    caps.run(take, [np.arange(3, dtype=np.float32), np.array([0, 1])], [])
+    assert not caps.takes_host(take)  # eager for good
 
 
 def test_a_plan_with_an_uncapturable_op_runs_eagerly_and_the_reason_is_logged_once(
