@@ -40,6 +40,7 @@ import numpy as np
 from emberlink.errors import ExecutionError, OutOfMemory
 from emberlink.graph_replay import capture as cap
 from emberlink.graph_replay import nvmath_matmul, rng
+from emberlink.graph_replay.backend import _exclusive as exclusive_buffer  # the run loop's check
 from emberlink.graph_replay.backend import check_bindings, check_inputs
 from emberlink.graph_replay.ir import Scalar
 from emberlink.graph_replay.plan import FUSED, Plan, Step, derive_plan
@@ -262,7 +263,8 @@ class CapturedPlan:
             (False, v) if d is None else (True, self._slot_index[(v, d)]) for v, d in zip(step.inputs, dtypes)
         ]
 
-    def _run_step(self, step: Step, args: list[Any]) -> Any:
+    def _run_step(self, step: Step, args: list[Any], into: Any) -> Any:
+        """One step's result; written into `into` (a dying input's buffer) where that is not None."""
         xp = self._c.xp
         op, spec = step.op, step.out_spec
         if op == FUSED:
@@ -270,7 +272,9 @@ class CapturedPlan:
                 args[i] if d is None else self._slot_arrays[self._slot_index[(step.inputs[i], d)]]
                 for i, d in step.kernel.source.params
             ]
-            return step.kernel.kernel(*call)
+            return step.kernel.kernel(*call) if into is None else step.kernel.kernel(*call, into)
+        if into is not None:
+            return self._c.backend.into_table[op](xp, args, step, into)
         if op == "matmul" and spec.dtype in nvmath_matmul.FLOAT_DTYPES:
             return self._c.gemm.matmul(args[0], args[1], spec.dtype)
         if op == "full":
@@ -294,10 +298,16 @@ class CapturedPlan:
             self._c.copy_kernel((self._in_grid, self._n_inputs), (_THREADS,), (table,))
         values: list[Any] = [None] * len(self.plan.specs)
         values[: self._n_inputs] = self._fixed
+        into_ops = self._c.backend.into_table
         for step, how in zip(self.plan.steps, self._args):
             args = [self._slot_arrays[k] if slot else values[k] for slot, k in how]
-            out = xp.asarray(self._run_step(step, args))
-            del args
+            # The plan's in-place reuse, checked as the eager run loop checks it, so the arena's
+            # high point is the eager run's.
+            buf = None
+            if step.into is not None and (step.op == FUSED or step.op in into_ops):
+                buf = exclusive_buffer(values, step.into, step.inputs.count(step.into))
+            out = xp.asarray(self._run_step(step, args, buf))
+            del args, buf
             if sizing and (
                 out.dtype != np.dtype(step.out_spec.dtype) or tuple(out.shape) != step.out_spec.shape
             ):

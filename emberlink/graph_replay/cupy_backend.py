@@ -198,6 +198,11 @@ class CupyBackend:
         """Op name -> implementation, as `run` uses it."""
         return self._table
 
+    @property
+    def into_table(self) -> dict[str, IntoFn]:
+        """Op name -> implementation writing into a dying input's buffer (`Step.into`)."""
+        return self._into
+
     # -- Backend ------------------------------------------------------------------------------------
 
     def _sample(self, value: Any = None) -> None:

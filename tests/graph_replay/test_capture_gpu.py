@@ -291,10 +291,10 @@ def test_a_worker_charges_captures_frees_them_on_eviction_and_recaptures_after_r
         for _ in range(3):  # B captured too: past the 12 MiB budget, so A's entry is evicted
             assert graph_b(x) == pytest.approx(want_b, rel=1e-4)
         s2 = worker_stats(dev)
-        assert s2["cache_evictions"] >= 1
-        assert s2["session_bytes"] == pytest.approx(
-            s1["session_bytes"], abs=1 << 20
-        )  # A's freed, B's charged
+        assert s2["cache_evictions"] >= 1 and s2["cache_entries"] == 1  # only B's
+        # The session pays for x and B's capture alone: A's was freed with its entry.
+        assert abs((s2["session_bytes"] - a.nbytes) - s2["cache_size"]) <= 64 << 10
+        assert s2["cache_size"] >= 8 << 20
 
         for k in (1.0, 2.0, 3.0, 2.0):  # A again: re-registered, eager, captured, replayed
             assert graph_a(x, k) == pytest.approx(want_a[k], rel=1e-4)
