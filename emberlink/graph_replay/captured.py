@@ -188,9 +188,10 @@ class Captures:
         captured, entry.captured = entry.captured, None
         if captured is None:
             return
+        nbytes = captured.nbytes  # what was admitted: a freed capture holds nothing
         captured.free()
         if self._release is not None:
-            self._release(entry.key, plan, captured.nbytes)
+            self._release(entry.key, plan, nbytes)
 
     def captured(self, plan: Plan) -> bool:
         """Whether `plan` now runs as a captured graph."""

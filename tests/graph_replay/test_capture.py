@@ -178,7 +178,7 @@ class FakeCaptured:
 
     @property
     def nbytes(self) -> int:
-        return self._nbytes
+        return 0 if self.freed else self._nbytes
 
     def replay(self, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> list[Any]:
         if self.staging_error:
