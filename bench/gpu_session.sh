@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine has to show, in one call from the repository root (CuPy there; the
-# wheels it lacks travel in .whl/, see README "GPU checks"). Logs go to $OUT when it is set.
+# wheels it lacks, nvmath-python among them, travel in .whl/: see README "GPU checks"). Logs go to
+# $OUT when it is set.
 set -u
 OUT=${OUT:-/tmp/emberlink-gpu}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -13,8 +14,10 @@ fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import cupy, numpy, grpc; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'grpcio', grpc.__version__)"
+python3 -c "import nvmath; print('nvmath-python', nvmath.__version__)" \
+    || echo "nvmath-python missing: plans run eagerly, the captured rows and tests cannot run"
 
-echo "== 1. GPU tests: every op on CuPy against the NumPy reference, fused chains, Device.cuda"
+echo "== 1. GPU tests: every op on CuPy against the NumPy reference, fused chains, captured graphs, Device.cuda"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests >"$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $?"; tail -5 "$OUT/gpu_tests.log"
 
@@ -35,7 +38,7 @@ EMBERLINK_KEY="$tmp/client.key" python3 examples/train_mlp.py --device "$ticket"
     | tee "$OUT/example_remote_cuda.log" | tail -5
 kill -TERM $worker; wait $worker; echo "worker exit $?"; tail -3 "$OUT/worker.log"
 
-echo "== 4. MLP step: Device.cuda(0) against a cuda:0 worker on loopback and the CPU"
+echo "== 4. MLP step: PyTorch, Device.cuda(0) and a cuda:0 worker on loopback, eager and captured, and the CPU"
 python3 bench/gpu_step.py --steps 200 2>/dev/null | tee "$OUT/gpu_step.md"
 
 # EMBERLINK_HOST_BENCHES=1 runs them all; a list of names (e.g. "remote_step local_step") runs those.

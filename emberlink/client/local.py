@@ -15,6 +15,7 @@ import numpy as np
 from emberlink.client.executor import Call
 from emberlink.errors import EmberlinkError, ExecutionError, UnknownTensor
 from emberlink.graph_replay.backend import Backend
+from emberlink.graph_replay.captured import open_captures
 from emberlink.graph_replay.ir import Graph
 
 
@@ -47,6 +48,8 @@ class LocalExecutor:
         self._peak = 0
         self._replays = 0
         self._closed = False
+        # Device.cuda: plans replayed as captured CUDA graphs where capture serves (None if not).
+        self._captures = open_captures(backend)
 
     def _put(self, buf: int, array: Any) -> None:
         old = self._store.get(buf)
@@ -58,7 +61,9 @@ class LocalExecutor:
 
     def upload(self, buf: int, array: np.ndarray) -> None:
         self._poisoned.pop(buf, None)
-        self._put(buf, self._backend.from_numpy(array))
+        # With captures, an upload stays in host memory until a plan uses it: a captured graph
+        # copies it to the device itself (one node of the graph); `_on_device` uploads the rest.
+        self._put(buf, array if self._captures is not None else self._backend.from_numpy(array))
 
     def execute(self, graph: Graph, gid: bytes, call: Call) -> None:
         plan = self._plans.get(gid)
@@ -75,7 +80,12 @@ class LocalExecutor:
             self._poison(call, self._input_failure(call.inputs))
             return
         try:
-            outs = self._backend.run(plan, inputs, call.bindings)
+            if self._captures is not None:
+                if not self._captures.takes_host(plan):
+                    inputs = self._on_device(call.inputs, inputs)
+                outs = self._captures.run(plan, inputs, call.bindings)
+            else:
+                outs = self._backend.run(plan, inputs, call.bindings)
         except ExecutionError as e:  # run_plan turns every op failure into one, naming the op
             self._poison(call, e)
             return
@@ -87,6 +97,16 @@ class LocalExecutor:
             if poisoned:
                 poisoned.pop(buf, None)
             self._put(buf, array)
+
+    def _on_device(self, bufs: Sequence[int], inputs: list[Any]) -> list[Any]:
+        """An eager run's inputs, with uploads still in host memory moved to the device for good."""
+        out = []
+        for buf, a in zip(bufs, inputs, strict=True):
+            if isinstance(a, np.ndarray):
+                a = self._backend.from_numpy(a)
+                self._put(buf, a)
+            out.append(a)
+        return out
 
     def _input_failure(self, bufs: Sequence[int]) -> ExecutionError:
         for b in bufs:
@@ -140,6 +160,7 @@ class LocalExecutor:
             "round_trips": 0,
             "graphs_registered": len(self._plans),
             "graph_replays": self._replays,
+            "captured_replays": self._captures.replays if self._captures is not None else 0,
             "tensors": len(self._store),
         }
 
@@ -158,4 +179,6 @@ class LocalExecutor:
         self._store.clear()
         self._poisoned.clear()
         self._plans.clear()
+        if self._captures is not None:
+            self._captures.close()
         self._in_use = 0

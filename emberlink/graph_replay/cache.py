@@ -9,8 +9,9 @@ Rules:
 - Memory stays bounded: at most `max_clients` clients keep a cache. Past that, the client whose
   cache was used least recently loses its whole cache. That is the one way clients can affect each
   other, and only on a worker serving more than `max_clients` identities.
-- An entry's size is its canonical byte length plus an estimate of its plan's overhead; a graph
-  larger than the budget is not stored (the caller runs it once, uncached).
+- An entry's size is its canonical byte length plus an estimate of its plan's overhead, plus the
+  memory of the plan's captured CUDA graphs while they exist (`resize`); a graph larger than the
+  budget is not stored (the caller runs it once, uncached).
 - Thread-safe: the event loop and the device thread may both use it.
 """
 
@@ -108,6 +109,29 @@ class GraphCache:
             for c in (self._total, mine.counts):
                 c.size += size
                 c.entries += 1
+            return True
+
+    def resize(self, client: str, gid: bytes, plan: Plan, delta: int) -> bool:
+        """Charge `delta` more bytes (fewer, if negative) to `client`'s entry `gid` if it still
+        holds `plan` (a captured graph's memory), evicting that client's least recently used other
+        entries to fit. False, changing nothing, if the entry is gone or alone would pass the budget.
+        """
+        with self._lock:
+            mine = self._clients.get(client)
+            found = mine.entries.get(gid) if mine is not None else None
+            if mine is None or found is None or found[0] is not plan:
+                return False
+            size = found[1] + delta
+            if size > self._budget:
+                return False
+            while mine.counts.size + delta > self._budget:
+                oldest = next(g for g in mine.entries if g != gid)
+                self._remove(mine, oldest)
+                mine.counts.evictions += 1
+                self._total.evictions += 1
+            mine.entries[gid] = (plan, size)
+            for c in (self._total, mine.counts):
+                c.size += delta
             return True
 
     def _remove(self, mine: _ClientCache, gid: bytes) -> None:

@@ -187,6 +187,32 @@ class CupyBackend:
             self._variants[plan] = variant
         return variant
 
+    # -- what graph capture (cuda_graph.py) builds on ---------------------------------------------------
+
+    @property
+    def xp(self) -> Any:
+        """The cupy module."""
+        return self._cp
+
+    @property
+    def pool(self) -> Any:
+        """CuPy's memory pool, which `memory_stats` reports (captured graphs allocate from it too)."""
+        return self._pool
+
+    @property
+    def device_id(self) -> int:
+        return int(self._device.id)
+
+    @property
+    def op_table(self) -> dict[str, OpFn]:
+        """Op name -> implementation, as `run` uses it."""
+        return self._table
+
+    @property
+    def into_table(self) -> dict[str, IntoFn]:
+        """Op name -> implementation writing into a dying input's buffer (`Step.into`)."""
+        return self._into
+
     # -- Backend ------------------------------------------------------------------------------------
 
     def _sample(self, value: Any = None) -> None:

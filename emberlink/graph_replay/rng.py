@@ -21,9 +21,14 @@ MASK64 = (1 << 64) - 1
 MANTISSA_BITS = {"float16": 11, "float32": 24, "float64": 53}
 
 
-def splitmix64(xp: Any, seed: int, count: int) -> Any:
-    """Words `1..count` of splitmix64 from `seed` (taken modulo 2**64), as a uint64 array."""
-    z = xp.arange(1, count + 1, dtype=np.uint64) * np.uint64(GAMMA) + np.uint64(seed & MASK64)
+def splitmix64(xp: Any, seed: Any, count: int) -> Any:
+    """Words `1..count` of splitmix64 from `seed` (taken modulo 2**64), as a uint64 array.
+
+    `seed` is a Python int, or a 0-d uint64 array of `xp` already reduced modulo 2**64 (a captured
+    graph reads its seed from device memory, so that each replay can bring a new one).
+    """
+    start = np.uint64(seed & MASK64) if isinstance(seed, int) else seed
+    z = xp.arange(1, count + 1, dtype=np.uint64) * np.uint64(GAMMA) + start
     z = (z ^ (z >> np.uint64(30))) * np.uint64(MIX1)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(MIX2)
     return z ^ (z >> np.uint64(31))
@@ -34,14 +39,14 @@ def _unit(xp: Any, words: Any, bits: int) -> Any:
     return (words >> np.uint64(64 - bits)).astype(np.float64) * math.ldexp(1.0, -bits)
 
 
-def uniform(xp: Any, seed: int, shape: tuple[int, ...], dtype: str) -> Any:
+def uniform(xp: Any, seed: Any, shape: tuple[int, ...], dtype: str) -> Any:
     """Uniform numbers in [0, 1), exact in `dtype` (float16, float32 or float64)."""
     count = math.prod(shape)
     u = _unit(xp, splitmix64(xp, seed, count), MANTISSA_BITS[dtype])
     return u.astype(dtype).reshape(shape)
 
 
-def normal(xp: Any, seed: int, shape: tuple[int, ...], dtype: str) -> Any:
+def normal(xp: Any, seed: Any, shape: tuple[int, ...], dtype: str) -> Any:
     """Standard normal numbers by Box-Muller on two 53-bit uniforms per element."""
     count = math.prod(shape)
     words = splitmix64(xp, seed, 2 * count)

@@ -44,6 +44,11 @@ class GraphView:
         self._cache.put(self.owner, gid, plan, len(body) + plan.overhead_bytes)
         return plan
 
+    def charge(self, gid: bytes, plan: Plan, delta: int) -> bool:
+        """Count `delta` more bytes (a captured graph's memory; negative when it is freed) against
+        this client's cache entry of `plan`; False if it does not fit or the entry is gone."""
+        return self._cache.resize(self.owner, gid, plan, delta)
+
     def stats(self) -> dict[str, int]:
         """This client's own cache figures: size, entries, hits, misses, evictions, budget."""
         return self._cache.stats(self.owner)

@@ -14,11 +14,13 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from emberlink.errors import EmberlinkError, ErrorCode, ExecutionError, ProtocolError
 from emberlink.graph_replay.backend import Backend
+from emberlink.graph_replay.captured import open_captures
 from emberlink.graph_replay.plan import Plan
 from emberlink.protocol import messages as m
 from emberlink.protocol.dtypes import DTYPES
@@ -68,6 +70,7 @@ class Counters:
     failures: int = 0
     graph_unknown: int = 0
     discarded_batches: int = 0
+    captured_replays: int = 0  # executes run as one launch of a captured CUDA graph
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -95,6 +98,9 @@ class BatchRunner:
         self.closed = False
         self.counters = Counters()
         self._light: dict[bytes, bool] = {}  # gid -> whether its plan is light (see `light`)
+        # Plans replayed as captured CUDA graphs (cuda workers), charged to this session's quota
+        # and to the client's cache entry of the plan; None where capture cannot serve.
+        self._captures = open_captures(backend, admit=self._admit_capture, release=self._release_capture)
 
     # -- one batch ----------------------------------------------------------------------------------
 
@@ -214,7 +220,9 @@ class BatchRunner:
             self._fail((msg.tid,), Failure(ErrorCode.QUOTA, quota.describe_refusal(msg.nbytes)))
             return
         try:
-            value = self._backend.from_numpy(array)
+            # With captures, an upload stays in host memory until a plan uses it: a captured graph
+            # copies it to the device itself (one node of the graph); `_on_device` uploads the rest.
+            value = array if self._captures is not None else self._backend.from_numpy(array)
         except EmberlinkError as e:
             quota.release(msg.nbytes)
             self._fail((msg.tid,), Failure(getattr(e, "code", ErrorCode.EXECUTION), str(e)))
@@ -241,7 +249,13 @@ class BatchRunner:
             self._fail(outs, Failure(ErrorCode.QUOTA, quota.describe_refusal(need)))
             return
         try:
-            results = self._backend.run(plan, inputs, msg.bindings)
+            if self._captures is not None:
+                if not self._captures.takes_host(plan):
+                    inputs = self._on_device(msg.inputs, inputs)
+                results = self._captures.run(plan, inputs, msg.bindings, msg.gid)
+                self.counters.captured_replays = self._captures.replays
+            else:
+                results = self._backend.run(plan, inputs, msg.bindings)
         except ExecutionError as e:
             self._fail(outs, Failure(e.code, e.message))
             return
@@ -260,6 +274,16 @@ class BatchRunner:
         nbytes = self._backend.nbytes
         for tid, value in zip(outs, results, strict=True):
             self._store.put(tid, value, nbytes(value), charged=False)
+
+    def _on_device(self, tids: Sequence[int], inputs: list[Any]) -> list[Any]:
+        """An eager run's inputs, with uploads still in host memory moved to the device for good."""
+        out = []
+        for tid, a in zip(tids, inputs, strict=True):
+            if isinstance(a, np.ndarray):
+                a = self._backend.from_numpy(a)
+                self._store.put(tid, a, self._backend.nbytes(a), charged=False)
+            out.append(a)
+        return out
 
     def _read(self, msg: m.Read, out: Outgoing) -> None:
         self.counters.reads += 1
@@ -287,6 +311,22 @@ class BatchRunner:
         """Free everything the session holds; later batches are discarded."""
         self.closed = True
         self._store.clear()
+        if self._captures is not None:
+            self._captures.close()
+
+    def _admit_capture(self, gid: bytes | None, plan: Plan, nbytes: int) -> bool:
+        quota = self._store.quota
+        if not quota.reserve(nbytes):
+            return False
+        if gid is not None and not self._graphs.charge(gid, plan, nbytes):
+            quota.release(nbytes)
+            return False
+        return True
+
+    def _release_capture(self, gid: bytes | None, plan: Plan | None, nbytes: int) -> None:
+        self._store.quota.release(nbytes)
+        if gid is not None and plan is not None:  # a plan that is gone took its cache entry with it
+            self._graphs.charge(gid, plan, -nbytes)
 
 
 def _c_order(a: np.ndarray) -> np.ndarray:

@@ -1,0 +1,277 @@
+"""What a plan needs to run as one captured CUDA graph, worked out from the plan alone; no CuPy, no I/O.
+
+cuda_graph.py captures a plan; this module decides the parts that need no GPU, so they are tested
+on any machine:
+
+- `refusal(plan)`: why a plan cannot be captured (an op that reads device values back to the
+  host, or that CuPy stages through reused pinned buffers), or None.
+- Binding slots: a captured graph never sees a binding's Python value, since anything passed by
+  value at capture time is baked into the graph. Each binding instead lives in a slot of the
+  graph's staging buffer (copied to the device by the graph's first node), one slot per binding
+  and dtype it is used as, holding exactly what the eager ops would compute from it
+  (`numpy_backend.host_scalar`, or a seed taken modulo 2**64). So replays with new learning rates
+  or dropout seeds give the eager values without a new capture.
+- The staging layout: that buffer's copy tables, slots, and the regions of inputs that arrive in
+  host memory (an uploaded batch), which the same first node copies to the device.
+- `ArenaLayout`: the first-fit placement of a run's intermediates in one arena. Fed the run's
+  allocations and frees in order (frees follow the plan's liveness, `Step.free`), it gives the
+  arena's size; a capture then places the same sequence inside an arena of that size, so a replay
+  allocates nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from emberlink.graph_replay import fusion, ops
+from emberlink.graph_replay.ir import Scalar
+from emberlink.graph_replay.numpy_backend import host_scalar
+from emberlink.graph_replay.plan import FUSED, Plan, Step
+from emberlink.graph_replay.rng import MASK64
+
+BINARY = frozenset(ops.names("binary"))
+"""The binary elementwise ops: a binding operand is read at the step's operand dtype."""
+
+UNCAPTURABLE_OPS = frozenset({"take"})
+"""Ops a captured graph cannot hold: on CuPy, `take` reads its indices' range back to the host
+(so that an out-of-range index fails as it does on NumPy), and a graph cannot wait on the host."""
+
+MAX_CAPTURED_CONCAT = 8
+"""CuPy joins more arrays than this in one kernel whose pointer table it uploads through a pinned
+buffer that it reuses once the upload is done; a replay would read whatever is there by then."""
+
+SEED = "seed"
+"""The slot dtype of a `rand`/`randn` seed: the binding modulo 2**64, as a uint64."""
+
+ALIGN = 512
+"""Arena offsets and sizes are multiples of this (CuPy's own allocation unit)."""
+
+
+def refusal(plan: Plan) -> str | None:
+    """Why `plan` (as the backend runs it, fused) cannot be captured; None if it can."""
+    for step in plan.steps:
+        if step.op in UNCAPTURABLE_OPS:
+            return f"op {step.op} cannot be captured"
+        if step.op in ("concat", "stack") and len(step.inputs) > MAX_CAPTURED_CONCAT:
+            return f"{step.op} of more than {MAX_CAPTURED_CONCAT} arrays cannot be captured"
+        if step.op == FUSED and getattr(step.kernel, "broken", None) is not None:
+            return "a fused kernel that CUDA did not compile cannot be captured"
+    return None
+
+
+# -- binding slots -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One binding as one dtype: `value` is the binding's value number, `dtype` a NumPy dtype name
+    or `SEED`."""
+
+    value: int
+    dtype: str
+
+    @property
+    def np_dtype(self) -> np.dtype[np.generic]:
+        return np.dtype("uint64" if self.dtype == SEED else self.dtype)
+
+
+def step_slots(step: Step, first_binding: int, first_node: int) -> tuple[str | None, ...]:
+    """For each input of `step`: the slot dtype it takes if it is a binding, else None.
+
+    For a fused step, a binding the kernel takes in several dtypes is listed by `fused_slots`.
+    """
+    out: list[str | None] = []
+    for v in step.inputs:
+        if not first_binding <= v < first_node:
+            out.append(None)
+        elif step.op in ("rand", "randn"):
+            out.append(SEED)
+        elif step.op == "full":
+            out.append(step.out_spec.dtype)
+        elif step.op in BINARY or step.op == "where":
+            out.append(step.operand_dtype)
+        elif step.op == FUSED:
+            out.append(None)  # see fused_slots
+        else:
+            raise ValueError(
+                f"{step.label} (node {step.node}) takes a binding no captured op knows how to read"
+            )
+    return tuple(out)
+
+
+def fused_slots(step: Step) -> tuple[tuple[int, str | None], ...]:
+    """A fused step's kernel arguments: `(input position, None)` for an array, `(input position,
+    dtype)` for a binding read as `dtype` (fusion.kernel_source's `params`)."""
+    return fusion.kernel_source(step).params
+
+
+def binding_slots(plan: Plan) -> tuple[Slot, ...]:
+    """Every (binding, dtype) pair the steps of `plan` read, in first-use order."""
+    graph = plan.graph
+    first_binding, first_node = len(graph.inputs), graph.first_node_value
+    found: dict[Slot, None] = {}
+    for step in plan.steps:
+        if step.op == FUSED:
+            for i, dtype in fused_slots(step):
+                if dtype is not None:
+                    found[Slot(step.inputs[i], dtype)] = None
+            continue
+        for v, dtype in zip(step.inputs, step_slots(step, first_binding, first_node)):
+            if dtype is not None:
+                found[Slot(v, dtype)] = None
+    return tuple(found)
+
+
+def slot_value(slot: Slot, value: Scalar) -> np.generic:
+    """What a slot holds for a binding's `value`: what the eager op would compute with.
+
+    Raises what `host_scalar` raises (e.g. OverflowError for an int out of the dtype's range).
+    """
+    if slot.dtype == SEED:
+        return np.uint64(int(value) & MASK64)
+    result: np.generic = host_scalar(value, slot.dtype)
+    return result
+
+
+# -- the arena ---------------------------------------------------------------------------------------
+
+
+class CaptureRefused(Exception):
+    """A plan cannot be captured (the message says why); `outputs`: the call's results if the
+    attempt computed them before it stopped, else None (the caller runs the plan eagerly)."""
+
+    def __init__(self, reason: str, outputs: list[Any] | None = None) -> None:
+        super().__init__(reason)
+        self.outputs = outputs
+
+
+class StagingError(Exception):
+    """A call's bindings cannot be staged (e.g. an int out of the range of the dtype it is used
+    as): the caller runs the plan eagerly, which raises the error the eager ops raise."""
+
+
+class ArenaFull(Exception):
+    """An allocation did not fit the arena (the run allocated differently from the sizing run)."""
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class ArenaLayout:
+    """First-fit placement of blocks in `[0, limit)` (no limit: as far as needed); no memory.
+
+    `alloc` returns an offset, `free` gives a block back (merging it with free neighbours);
+    `high_water` is the end of the furthest block ever placed: the arena's size.
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self.high_water = 0
+        self._free: list[tuple[int, int]] = []  # (offset, size), sorted, merged, below high_water
+        self._live: dict[int, int] = {}  # offset -> size
+        self.allocations = 0
+
+    def alloc(self, nbytes: int) -> int:
+        size = aligned(max(nbytes, 1))
+        self.allocations += 1
+        for k, (off, room) in enumerate(self._free):
+            if room >= size:
+                if room == size:
+                    del self._free[k]
+                else:
+                    self._free[k] = (off + size, room - size)
+                self._live[off] = size
+                return off
+        off = self.high_water
+        if self._free and self._free[-1][0] + self._free[-1][1] == off:
+            off = self._free.pop()[0]  # grow the free block at the end rather than leave it
+        if self.limit is not None and off + size > self.limit:
+            raise ArenaFull(f"{size} bytes at offset {off} do not fit an arena of {self.limit}")
+        self._live[off] = size
+        self.high_water = max(self.high_water, off + size)
+        return off
+
+    def free(self, offset: int) -> None:
+        size = self._live.pop(offset)
+        blocks = self._free
+        k = 0
+        while k < len(blocks) and blocks[k][0] < offset:
+            k += 1
+        blocks.insert(k, (offset, size))
+        if k + 1 < len(blocks) and blocks[k][0] + blocks[k][1] == blocks[k + 1][0]:
+            blocks[k] = (blocks[k][0], blocks[k][1] + blocks.pop(k + 1)[1])
+        if k > 0 and blocks[k - 1][0] + blocks[k - 1][1] == blocks[k][0]:
+            blocks[k - 1] = (blocks[k - 1][0], blocks[k - 1][1] + blocks.pop(k)[1])
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(self._live.values())
+
+
+# -- the staging buffer ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StagingLayout:
+    """Byte offsets in the buffer a replay fills on the host and the graph's first node copies to
+    the device: the input copy table, the output copy table (3 uint64 per row: source address,
+    destination address, bytes), the binding slots (8 bytes each), then one region per input that
+    arrives in host memory (`hosts_at`, None for the others), `HOST_ALIGN`-aligned: its device copy
+    is the graph's fixed buffer for that input."""
+
+    inputs_at: int
+    outputs_at: int
+    slots_at: tuple[int, ...]
+    hosts_at: tuple[int | None, ...]
+    nbytes: int
+
+
+HOST_ALIGN = 256
+
+
+def staging_layout(n_outputs: int, slots: Sequence[Slot], host_nbytes: Sequence[int | None]) -> StagingLayout:
+    """The layout for `len(host_nbytes)` inputs, where `host_nbytes[i]` is input `i`'s size if it
+    is staged from host memory, else None."""
+    inputs_at = 0
+    outputs_at = inputs_at + 24 * len(host_nbytes)
+    at = outputs_at + 24 * n_outputs
+    slots_at = []
+    for _ in slots:
+        slots_at.append(at)
+        at += 8
+    hosts_at: list[int | None] = []
+    for n in host_nbytes:
+        if n is None:
+            hosts_at.append(None)
+            continue
+        at = -(-at // HOST_ALIGN) * HOST_ALIGN
+        hosts_at.append(at)
+        at += n
+    return StagingLayout(inputs_at, outputs_at, tuple(slots_at), tuple(hosts_at), max(at, 8))
+
+
+__all__ = [
+    "ALIGN",
+    "HOST_ALIGN",
+    "MAX_CAPTURED_CONCAT",
+    "SEED",
+    "UNCAPTURABLE_OPS",
+    "ArenaFull",
+    "ArenaLayout",
+    "CaptureRefused",
+    "Slot",
+    "StagingError",
+    "StagingLayout",
+    "aligned",
+    "binding_slots",
+    "fused_slots",
+    "refusal",
+    "slot_value",
+    "staging_layout",
+    "step_slots",
+]

@@ -1,0 +1,423 @@
+"""A plan captured into one CUDA graph and replayed with one launch, on CuPy and nvmath-python; no policy.
+
+captured.py decides when to capture; this module does it. A captured plan owns:
+- a staging buffer in pinned host memory, which a replay fills on the host (the addresses of this
+  call's inputs and outputs, the binding slots of capture.py) and which the graph's first node
+  copies to the device;
+- one fixed device buffer per input. An input that arrived in host memory when the plan was
+  captured (an uploaded batch) has its region in the staging buffer, so the first node brings it
+  over; the others are filled by the graph's second node (one kernel) from this call's input
+  arrays, wherever they are, by the addresses staged. Either kind of buffer takes either kind of
+  array on a later call: a device array for a host input is copied by that kernel after the first
+  node, a host array for a device input is uploaded before the launch;
+- an arena for every intermediate, laid out by liveness (capture.ArenaLayout), so a replay
+  allocates nothing but its outputs;
+- the graph: the plan's steps (CuPy's kernels and fused kernels, matmuls through cuBLAS from
+  nvmath_matmul.py), then one kernel that copies the outputs into the arrays the replay allocated
+  for them, so each call's results are its own arrays, as on the eager path.
+
+Capturing runs the same body twice. First it runs for real (the sizing run), with every
+allocation taken from CuPy's pool and also placed in an `ArenaLayout`; its outputs are that
+call's results and the layout's high-water mark is the arena's size. Then it captures the body
+with every allocation placed in the arena by the same first-fit rule; an allocation past the
+arena (the body allocated differently) abandons the capture. Work on one stream runs in order, so
+a block that one step frees and a later step takes is safe within a replay, and replays of all
+graphs and eager work share the device's current stream.
+
+Everything is called on one thread (the worker's device thread, or a local device's caller).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from emberlink.errors import ExecutionError, OutOfMemory
+from emberlink.graph_replay import capture as cap
+from emberlink.graph_replay import nvmath_matmul, rng
+from emberlink.graph_replay.backend import _exclusive as exclusive_buffer  # the run loop's check
+from emberlink.graph_replay.backend import check_bindings, check_inputs
+from emberlink.graph_replay.ir import Scalar
+from emberlink.graph_replay.plan import FUSED, Plan, Step, derive_plan
+
+_COPY_KERNEL = r"""
+extern "C" __global__ void emberlink_copy_table(const unsigned long long* table) {
+    // One row of (source, destination, bytes) per blockIdx.y; blocks along x stride over it.
+    const unsigned long long* row = table + 3 * blockIdx.y;
+    const unsigned long long src = row[0], dst = row[1], n = row[2];
+    const unsigned long long start = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    if (((src | dst | n) & 15) == 0) {
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        for (unsigned long long i = start; i < n / 16; i += stride) d[i] = s[i];
+    } else if (((src | dst | n) & 3) == 0) {
+        const unsigned int* s = (const unsigned int*)src;
+        unsigned int* d = (unsigned int*)dst;
+        for (unsigned long long i = start; i < n / 4; i += stride) d[i] = s[i];
+    } else {
+        const unsigned char* s = (const unsigned char*)src;
+        unsigned char* d = (unsigned char*)dst;
+        for (unsigned long long i = start; i < n; i += stride) d[i] = s[i];
+    }
+}
+"""
+_THREADS = 256
+_MAX_BLOCKS = 1024
+
+
+def _grid(nbytes: Sequence[int]) -> int:
+    """Blocks along x for a copy table whose largest row is max(nbytes) (16 bytes a thread a pass)."""
+    most = max(nbytes, default=0)
+    return max(1, min(_MAX_BLOCKS, math.ceil(most / (16 * _THREADS))))
+
+
+class Capturer:
+    """What every capture on one backend shares: the capture stream, cuBLAS (one handle and
+    workspace) and the copy kernel. Built once per backend (`capturer_for`)."""
+
+    def __init__(self, backend: Any) -> None:
+        cublas = nvmath_matmul.load()  # first, so a missing nvmath-python is found before anything else
+        self._backend = weakref.ref(backend)  # held weakly: `_CAPTURERS` lives as long as the backend
+        self.xp = backend.xp
+        self.pool = backend.pool
+        self.device_id: int = backend.device_id
+        with self.xp.cuda.Device(self.device_id):
+            self.stream = self.xp.cuda.Stream(non_blocking=True)
+            self.gemm = nvmath_matmul.Gemm(self.xp, cublas)
+            self.copy_kernel = self.xp.RawKernel(_COPY_KERNEL, "emberlink_copy_table")
+
+    @property
+    def backend(self) -> Any:
+        backend = self._backend()
+        if backend is None:
+            raise RuntimeError("the backend of this capturer is gone")
+        return backend
+
+    def __call__(
+        self, plan: Plan, inputs: Sequence[Any], bindings: Sequence[Scalar]
+    ) -> tuple[CapturedPlan, list[Any]]:
+        """Capture `plan` while running it for this call: `(captured, this call's outputs)`."""
+        with self.xp.cuda.Device(self.device_id):
+            variant = self.backend.plan_for(plan)
+            if variant is plan:  # the capture must not keep `plan` alive: its death frees the capture
+                variant = derive_plan(plan)
+            reason = cap.refusal(variant)
+            if reason is not None:
+                raise cap.CaptureRefused(reason)
+            host = tuple(isinstance(a, np.ndarray) for a in inputs)
+            try:
+                captured = CapturedPlan(self, variant, host)
+            except self.xp.cuda.memory.OutOfMemoryError as e:
+                raise cap.CaptureRefused(f"no device memory for a capture's buffers: {e}") from e
+            outs = captured.capture(inputs, bindings)
+            return captured, outs
+
+
+_CAPTURERS: weakref.WeakKeyDictionary[Any, Capturer] = weakref.WeakKeyDictionary()
+
+
+def capturer_for(backend: Any) -> Capturer:
+    """The backend's Capturer (made on first use); ImportError if nvmath-python is missing."""
+    found = _CAPTURERS.get(backend)
+    if found is None:
+        found = _CAPTURERS[backend] = Capturer(backend)
+    return found
+
+
+class _Block:
+    """An arena block while some array uses it: gives its offset back when the last one goes."""
+
+    __slots__ = ("layout", "memory", "offset")
+
+    def __init__(self, layout: cap.ArenaLayout, offset: int, memory: Any) -> None:
+        self.layout = layout
+        self.offset = offset
+        self.memory = memory  # the pool's memory behind a sizing run's block; None in an arena
+
+    def __del__(self) -> None:
+        self.layout.free(self.offset)
+
+
+class CapturedPlan:
+    """One plan as a CUDA graph with its own staging, input buffers and arena (see the module doc)."""
+
+    def __init__(self, capturer: Capturer, plan: Plan, host: Sequence[bool]) -> None:
+        xp = capturer.xp
+        self._c = capturer
+        self.plan = plan
+        graph = plan.graph
+        self._n_inputs = len(graph.inputs)
+        self._first_node = graph.first_node_value
+        # Outputs: node values get a copy-table row each (once, however often listed); inputs are
+        # returned as they came, as the eager path returns them.
+        self._node_outputs = tuple(dict.fromkeys(v for v in plan.outputs if v >= self._first_node))
+        self._slots = cap.binding_slots(plan)
+        self._slot_index = {(s.value, s.dtype): k for k, s in enumerate(self._slots)}
+        self._layout = cap.staging_layout(
+            len(self._node_outputs),
+            self._slots,
+            [s.nbytes if h else None for s, h in zip(graph.inputs, host)],
+        )
+        size = self._layout.nbytes
+        self._host_mem = xp.cuda.alloc_pinned_memory(size)
+        self._host = np.frombuffer(self._host_mem, np.uint8, size)
+        self._dev_mem = self._c.pool.malloc(cap.aligned(size))
+        self._in_table = (
+            self._host[self._layout.inputs_at : self._layout.outputs_at].view(np.uint64).reshape(-1, 3)
+        )
+        out_end = self._layout.outputs_at + 24 * len(self._node_outputs)
+        self._out_table = self._host[self._layout.outputs_at : out_end].view(np.uint64).reshape(-1, 3)
+        self._slot_views = [
+            self._host[at : at + s.np_dtype.itemsize].view(s.np_dtype)
+            for s, at in zip(self._slots, self._layout.slots_at)
+        ]
+        self._slot_arrays = [
+            xp.ndarray((), s.np_dtype, memptr=self._dev_mem + at)
+            for s, at in zip(self._slots, self._layout.slots_at)
+        ]
+        # Host inputs: their pinned region (written by a replay) and its device copy (the fixed buffer).
+        self._host_views: list[np.ndarray | None] = [
+            None if at is None else self._host[at : at + s.nbytes].view(s.dtype).reshape(s.shape)
+            for s, at in zip(graph.inputs, self._layout.hosts_at)
+        ]
+        self._fixed = [
+            xp.empty(s.shape, s.dtype)
+            if at is None
+            else xp.ndarray(s.shape, s.dtype, memptr=self._dev_mem + at)
+            for s, at in zip(graph.inputs, self._layout.hosts_at)
+        ]
+        self._in_table[:] = 0
+        self._out_table[:] = 0
+        for row, array in zip(self._in_table, self._fixed):
+            row[1] = array.data.ptr
+        for row, v in zip(self._out_table, self._node_outputs):
+            row[2] = plan.specs[v].nbytes
+        self._in_grid = _grid([a.nbytes for a in self._fixed])
+        self._out_grid = _grid([plan.specs[v].nbytes for v in self._node_outputs])
+        self._args = [self._step_args(step) for step in plan.steps]
+        self._done = xp.cuda.Event(block=False, disable_timing=True)
+        self._arena: Any = None
+        self._graph: Any = None
+        self._fixed_bytes = (
+            cap.aligned(size)
+            + size
+            + sum(cap.aligned(a.nbytes) for a, at in zip(self._fixed, self._layout.hosts_at) if at is None)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Device and pinned memory this capture holds."""
+        return self._fixed_bytes + (0 if self._arena is None else int(self._arena.mem.size))
+
+    # -- staging -----------------------------------------------------------------------------------
+
+    def _stage(self, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> tuple[list[Any], list[Any]]:
+        """Write this call's addresses and bindings into the staging buffer; `(results, keep)`:
+        the results in the plan's output order, and arrays to hold until the launch is queued."""
+        plan, xp = self.plan, self._c.xp
+        check_inputs(plan, inputs)
+        values = check_bindings(plan, bindings)
+        n_in = self._n_inputs
+        self._done.synchronize()  # the last launch has read the staging buffer
+        for slot, view in zip(self._slots, self._slot_views):
+            try:
+                view[0] = cap.slot_value(slot, values[slot.value - n_in])
+            except (OverflowError, ValueError, TypeError) as e:
+                raise cap.StagingError(str(e)) from e
+        keep: list[Any] = []
+        for row, given, pinned in zip(self._in_table, inputs, self._host_views):
+            a: Any = given
+            if isinstance(a, np.ndarray):
+                if pinned is not None:  # into the pinned region: the graph's first node copies it over
+                    np.copyto(pinned, a)
+                    row[2] = 0
+                    continue
+                a = xp.asarray(a)
+                keep.append(a)
+            elif not a.flags.c_contiguous:
+                a = xp.ascontiguousarray(a)
+                keep.append(a)
+            row[0], row[2] = a.data.ptr, a.nbytes
+        made: dict[int, Any] = {}
+        for row, v in zip(self._out_table, self._node_outputs):
+            spec = plan.specs[v]
+            out = made[v] = xp.empty(spec.shape, spec.dtype)
+            row[1] = out.data.ptr
+        results = [inputs[v] if v < n_in else made[v] for v in plan.outputs]
+        return results, keep
+
+    # -- the body: what the graph does -------------------------------------------------------------
+
+    def _step_args(self, step: Step) -> list[tuple[bool, int]]:
+        """How to gather a step's args: `(False, value)` a value, `(True, slot)` a binding slot."""
+        if step.op == FUSED:
+            return [(False, v) for v in step.inputs]  # bindings are the kernel's own (fused_slots)
+        dtypes = cap.step_slots(step, self._n_inputs, self._first_node)
+        return [
+            (False, v) if d is None else (True, self._slot_index[(v, d)]) for v, d in zip(step.inputs, dtypes)
+        ]
+
+    def _run_step(self, step: Step, args: list[Any], into: Any) -> Any:
+        """One step's result; written into `into` (a dying input's buffer) where that is not None."""
+        xp = self._c.xp
+        op, spec = step.op, step.out_spec
+        if op == FUSED:
+            call = [
+                args[i] if d is None else self._slot_arrays[self._slot_index[(step.inputs[i], d)]]
+                for i, d in step.kernel.source.params
+            ]
+            return step.kernel.kernel(*call) if into is None else step.kernel.kernel(*call, into)
+        if into is not None:
+            return self._c.backend.into_table[op](xp, args, step, into)
+        if op == "matmul" and spec.dtype in nvmath_matmul.FLOAT_DTYPES:
+            return self._c.gemm.matmul(args[0], args[1], spec.dtype)
+        if op == "full":
+            out = xp.empty(spec.shape, spec.dtype)
+            out[...] = args[0]
+            return out
+        if op == "rand":
+            return rng.uniform(xp, args[0], spec.shape, spec.dtype)
+        if op == "randn":
+            return rng.normal(xp, args[0], spec.shape, spec.dtype)
+        return self._c.backend.op_table[op](xp, args, step)
+
+    def _body(self, stream_ptr: int, sizing: bool) -> None:
+        xp, layout = self._c.xp, self._layout
+        runtime = xp.cuda.runtime
+        runtime.memcpyAsync(
+            self._dev_mem.ptr, self._host_mem.ptr, layout.nbytes, runtime.memcpyHostToDevice, stream_ptr
+        )
+        if self._n_inputs:
+            table = xp.ndarray((self._n_inputs, 3), np.uint64, memptr=self._dev_mem + layout.inputs_at)
+            self._c.copy_kernel((self._in_grid, self._n_inputs), (_THREADS,), (table,))
+        values: list[Any] = [None] * len(self.plan.specs)
+        values[: self._n_inputs] = self._fixed
+        into_ops = self._c.backend.into_table
+        for step, how in zip(self.plan.steps, self._args):
+            args = [self._slot_arrays[k] if slot else values[k] for slot, k in how]
+            # The plan's in-place reuse, checked as the eager run loop checks it, so the arena's
+            # high point is the eager run's.
+            buf = None
+            if step.into is not None and (step.op == FUSED or step.op in into_ops):
+                buf = exclusive_buffer(values, step.into, step.inputs.count(step.into))
+            out = xp.asarray(self._run_step(step, args, buf))
+            del args, buf
+            if sizing and (
+                out.dtype != np.dtype(step.out_spec.dtype) or tuple(out.shape) != step.out_spec.shape
+            ):
+                raise cap.CaptureRefused(f"{step.label} gave {out.dtype} {out.shape} when captured")
+            values[step.out] = out
+            del out
+            for v in step.free:
+                values[v] = None
+        if not self._node_outputs:
+            return
+        sources = [xp.ascontiguousarray(values[v]) for v in self._node_outputs]
+        for row, a in zip(self._out_table, sources):
+            row[0] = a.data.ptr
+        at = layout.outputs_at
+        if sizing:  # the sources became known after the first copy; a capture's stay fixed
+            runtime.memcpyAsync(
+                self._dev_mem.ptr + at,
+                self._host_mem.ptr + at,
+                self._out_table.nbytes,
+                runtime.memcpyHostToDevice,
+                stream_ptr,
+            )
+        table = xp.ndarray((len(self._node_outputs), 3), np.uint64, memptr=self._dev_mem + at)
+        self._c.copy_kernel((self._out_grid, len(self._node_outputs)), (_THREADS,), (table,))
+
+    # -- capture and replay ------------------------------------------------------------------------
+
+    def capture(self, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> list[Any]:
+        """Run the body for this call (sizing the arena), then capture it; this call's outputs."""
+        c = self._c
+        xp = c.xp
+        results, keep = self._stage(inputs, bindings)
+        current = xp.cuda.get_current_stream()
+        sizing = cap.ArenaLayout()
+        try:
+            with xp.cuda.using_allocator(self._allocator(sizing, None)):
+                c.gemm.bind(current.ptr)
+                self._body(current.ptr, sizing=True)
+        except cap.CaptureRefused:
+            raise
+        except Exception as e:  # the eager path runs it instead and, if the plan is at fault, says why
+            raise cap.CaptureRefused(f"running a plan for capture failed: {type(e).__name__}: {e}") from e
+        current.synchronize()  # the sizing run has read the staging buffer we now change
+        del keep
+        try:
+            self._arena = c.pool.malloc(max(cap.ALIGN, sizing.high_water))
+        except xp.cuda.memory.OutOfMemoryError as e:
+            raise cap.CaptureRefused(f"no device memory for a {sizing.high_water}-byte arena", results) from e
+        arena = cap.ArenaLayout(limit=sizing.high_water)
+        stream = c.stream
+        stream.begin_capture()
+        try:
+            with stream, xp.cuda.using_allocator(self._allocator(arena, self._arena)):
+                c.gemm.bind(stream.ptr)
+                self._body(stream.ptr, sizing=False)
+        except BaseException as e:
+            # An invalidated capture ends in an error too; the first one is the one that matters.
+            with contextlib.suppress(Exception):
+                stream.end_capture()
+            self._arena = None
+            raise cap.CaptureRefused(f"capturing a plan failed: {type(e).__name__}: {e}", results) from e
+        self._graph = stream.end_capture()
+        self._graph.upload(current)
+        self._done.record(current)
+        return results
+
+    def _allocator(self, layout: cap.ArenaLayout, arena: Any) -> Callable[[int], Any]:
+        """A CuPy allocator placing blocks by `layout`: in `arena`, or (arena None: the sizing run)
+        in memory from the pool, with the layout only counting."""
+        memory = self._c.xp.cuda.memory
+        pool, device = self._c.pool, self._c.device_id
+
+        def alloc(nbytes: int) -> Any:
+            offset = layout.alloc(nbytes)
+            if arena is None:
+                real = pool.malloc(nbytes)
+                block = _Block(layout, offset, real)
+                ptr = real.ptr
+            else:
+                block = _Block(layout, offset, None)
+                ptr = arena.ptr + offset
+            return memory.MemoryPointer(memory.UnownedMemory(ptr, nbytes, block, device), 0)
+
+        return alloc
+
+    def replay(self, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> list[Any]:
+        """This call's outputs, computed by one launch of the graph."""
+        xp = self._c.xp
+        with xp.cuda.Device(self._c.device_id):
+            try:
+                results, keep = self._stage(inputs, bindings)
+                stream = xp.cuda.get_current_stream()
+                self._graph.launch(stream)
+                self._done.record(stream)
+            except (cap.StagingError, ExecutionError):
+                raise
+            except xp.cuda.memory.OutOfMemoryError as e:
+                raise OutOfMemory(f"captured graph: out of memory for its outputs: {e}") from e
+            except Exception as e:
+                raise ExecutionError(f"captured graph failed: {type(e).__name__}: {e}") from e
+            del keep  # the pool reuses their memory only for work queued after the launch
+            return results
+
+    def free(self) -> None:
+        """Give everything back (after the last launch has read the staging buffer)."""
+        self._done.synchronize()
+        self._graph = None
+        self._arena = None
+        self._fixed = []
+        self._slot_arrays = []
+
+
+__all__ = ["CapturedPlan", "Capturer", "capturer_for"]

@@ -1,0 +1,307 @@
+"""Captured CUDA graphs against the eager CuPy path they replace (GPU machine only, with nvmath-python).
+
+The eager path is the reference: every op case, an MLP step, dropout and new bindings give the
+same values captured as eager; captured memory is charged, shown and freed with its plan and its
+session.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import emberlink as el
+from emberlink.graph_replay.capture import UNCAPTURABLE_OPS
+from emberlink.graph_replay.captured import CAPTURE_ENV, Captures, open_captures
+from emberlink.graph_replay.ir import AttrValue, Graph, Node, TensorSpec
+from emberlink.graph_replay.nvmath_matmul import WORKSPACE_BYTES
+from emberlink.graph_replay.ops import check_attrs
+from emberlink.graph_replay.plan import Plan, compile_plan
+
+from .cases import CASE_IDS, CASES, Case, assert_close
+from .graphs import mlp_inputs, mlp_step
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def backend() -> Any:
+    pytest.importorskip("nvmath")
+    from emberlink.graph_replay.cupy_backend import CupyBackend
+
+    return CupyBackend()
+
+
+@pytest.fixture
+def captures(backend: Any) -> Iterator[Captures]:
+    caps = open_captures(backend)
+    assert caps is not None, "capture should serve a CuPy backend with nvmath-python installed"
+    yield caps
+    caps.close()
+
+
+def _numpy(backend: Any, outs: list[Any]) -> list[np.ndarray]:
+    backend.synchronize()
+    return [backend.to_numpy(o) for o in outs]
+
+
+def _other(a: np.ndarray) -> np.ndarray:
+    """Different values of the same spec (reversed), still in any op's domain where `a` is."""
+    return np.ascontiguousarray(a.reshape(-1)[::-1].reshape(a.shape))
+
+
+def _three_runs(
+    backend: Any, caps: Captures, plan: Plan, inputs: list[np.ndarray], bindings: list[Any]
+) -> Any:
+    """Eager and capturing runs on other inputs, then a replay on `inputs`: the replay's outputs."""
+    other = [backend.from_numpy(_other(a)) for a in inputs]
+    caps.run(plan, other, bindings)  # eager
+    caps.run(plan, other, bindings)  # captures
+    return _numpy(backend, caps.run(plan, [backend.from_numpy(a) for a in inputs], bindings))
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_every_op_case_gives_the_same_values_captured_as_eager(
+    backend: Any, captures: Captures, case: Case
+) -> None:
+    plan = case.plan()
+    (got,) = _three_runs(backend, captures, plan, case.inputs(), case.bindings())
+    (want,) = _numpy(
+        backend, backend.run(case.plan(), [backend.from_numpy(a) for a in case.inputs()], case.bindings())
+    )
+    assert captures.captured(plan) is (case.op not in UNCAPTURABLE_OPS)
+    if case.op == "matmul":  # cuBLAS through nvmath, with CuPy's algorithm choice: rounding may differ
+        assert_close(got, want, case.id)
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=case.id)
+
+
+def test_an_mlp_step_captured_replays_the_eager_values_step_after_step(
+    backend: Any, captures: Captures
+) -> None:
+    graph = mlp_step(batch=128, sizes=(784, 512, 10))
+    inputs, bindings = mlp_inputs(graph)
+    plan, eager_plan = compile_plan(graph), compile_plan(graph)
+    ins_c = [backend.from_numpy(a) for a in inputs]
+    ins_e = list(ins_c)
+    for step in range(6):  # eager, capture, four replays; the new parameters fed back each time
+        outs_c = captures.run(plan, ins_c, bindings)
+        outs_e = backend.run(eager_plan, ins_e, bindings)
+        for g, w in zip(_numpy(backend, outs_c), _numpy(backend, outs_e), strict=True):
+            assert_close(g, w, f"mlp step {step}", loose=True)
+        ins_c = [ins_c[0], *outs_c[1:5], ins_c[5]]
+        ins_e = [ins_e[0], *outs_e[1:5], ins_e[5]]
+    assert captures.captured(plan) and captures.replays == 4
+
+
+def test_new_binding_values_reach_a_replay(backend: Any, captures: Captures) -> None:
+    """A learning rate and an offset that change every call, in a fused chain and a plain op."""
+    full: dict[str, AttrValue] = {"shape": (3,), "dtype": "float64"}
+    nodes = (Node("multiply", (0, 1)), Node("add", (3, 2)), Node("full", (2,), check_attrs("full", full)))
+    graph = Graph((TensorSpec("float32", (1000,)),), ("float", "float"), nodes, (4, 5))
+    plan, eager = compile_plan(graph), compile_plan(graph)
+    x = backend.from_numpy(np.linspace(-1, 1, 1000, dtype=np.float32))
+    for k, (lr, off) in enumerate([(0.1, 1.0), (0.2, 2.0), (0.3, -3.5), (1e-3, 7.0)]):
+        got = _numpy(backend, captures.run(plan, [x], [lr, off]))
+        want = _numpy(backend, backend.run(eager, [x], [lr, off]))
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w, err_msg=f"call {k}")
+        np.testing.assert_array_equal(got[1], np.full(3, off))
+    assert captures.captured(plan)
+
+
+def test_host_and_device_inputs_reach_a_replay_whichever_kind_it_was_captured_with(
+    backend: Any, captures: Captures
+) -> None:
+    """Input 0 is captured from host memory (staged, uploaded by the graph), input 1 from the
+    device (gathered by the graph's copy kernel); later calls bring each as either kind."""
+    graph = Graph(
+        (TensorSpec("float32", (3, 5)), TensorSpec("float32", (5,))), (), (Node("add", (0, 1)),), (2,)
+    )
+    plan, eager = compile_plan(graph), compile_plan(graph)
+    rng = np.random.default_rng(3)
+
+    def pair() -> tuple[np.ndarray, np.ndarray]:
+        return rng.standard_normal((3, 5)).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+
+    dev = backend.from_numpy
+    for k, kinds in enumerate(["hd", "hd", "hd", "dd", "hh", "dh"]):
+        a, b = pair()
+        ins = [a if kinds[0] == "h" else dev(a), b if kinds[1] == "h" else dev(b)]
+        (got,) = _numpy(backend, captures.run(plan, ins, []))
+        (want,) = _numpy(backend, backend.run(eager, [dev(a), dev(b)], []))
+        np.testing.assert_array_equal(got, want, err_msg=f"call {k} ({kinds})")
+    assert captures.captured(plan) and captures.replays == 4
+
+
+def test_random_ops_give_the_eager_values_for_each_new_seed(backend: Any, captures: Captures) -> None:
+    spec: dict[str, AttrValue] = {"shape": (257, 3), "dtype": "float32"}
+    attrs = check_attrs("randn", spec)
+    graph = Graph((), ("int", "int"), (Node("randn", (0,), attrs), Node("rand", (1,), attrs)), (2, 3))
+    plan, eager = compile_plan(graph), compile_plan(graph)
+    for seeds in ([1, 2], [3, -4], [2**63 + 5, 0], [7, 7]):
+        got = _numpy(backend, captures.run(plan, [], seeds))
+        want = _numpy(backend, backend.run(eager, [], seeds))
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    assert captures.captured(plan)
+
+
+def test_an_int_binding_out_of_range_fails_as_on_the_eager_path(backend: Any, captures: Captures) -> None:
+    plan = compile_plan(Graph((TensorSpec("int32", (2,)),), ("int",), (Node("add", (0, 1)),), (2,)))
+    x = backend.from_numpy(np.zeros(2, np.int32))
+    for _ in range(2):
+        captures.run(plan, [x], [5])
+    assert captures.captured(plan)
+    with pytest.raises(el.errors.ExecutionError, match=r"add \(node 0\) failed"):
+        captures.run(plan, [x], [2**40])
+    np.testing.assert_array_equal(_numpy(backend, captures.run(plan, [x], [6]))[0], [6, 6])
+
+
+# -- on devices: dropout, Device.cuda, a cuda worker ---------------------------------------------------
+
+
+def _dropout_training(steps: int) -> tuple[list[float], int]:
+    """Losses of a dropout MLP trained on Device.cuda(0), and how many steps replayed a capture."""
+    nn = el.nn
+    with el.Device.cuda(0) as dev:
+        model = nn.Sequential(
+            nn.Linear(64, 128, seed=1), nn.ReLU(), nn.Dropout(0.3, seed=5), nn.Linear(128, 10, seed=2)
+        ).to(dev)
+        opt = el.optim.SGD(model.parameters(), lr=0.1)
+        rng = np.random.default_rng(0)
+        x, y = rng.standard_normal((32, 64), dtype=np.float32), rng.integers(0, 10, 32)
+        losses = []
+        for _ in range(steps):
+            loss = nn.functional.cross_entropy(model(dev.tensor(x)), dev.tensor(y))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        return losses, int(dev.stats()["captured_replays"])
+
+
+def test_a_dropout_training_step_captured_equals_eager_for_the_same_seeds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("nvmath")
+    captured, replays = _dropout_training(8)
+    monkeypatch.setenv(CAPTURE_ENV, "0")
+    eager, none = _dropout_training(8)
+    assert replays == 6 and none == 0  # eager, capture, then six replays
+    np.testing.assert_allclose(captured, eager, rtol=1e-5)
+    assert len(set(captured)) == len(captured)  # a new dropout seed every step
+
+
+def test_a_cuda_device_frees_its_captured_graphs_when_it_closes() -> None:
+    pytest.importorskip("nvmath")
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    a = np.linspace(0, 1, 1 << 20, dtype=np.float32)
+    with el.Device.cuda(0) as dev:
+        x = dev.tensor(a)
+        for _ in range(3):
+            assert (
+                abs(float((x * 2.0).exp().sum()) - float(np.exp(a * 2).sum(dtype=np.float64))) < 1e-2 * a.size
+            )
+        held = pool.used_bytes()
+        assert dev.stats()["captured_replays"] == 1
+        del x
+    assert pool.used_bytes() <= held - (8 << 20)  # x, its fixed input buffer and the arena
+
+
+# -- a cuda worker: the cache and the session pay for captures, and get the memory back ---------------
+
+
+@pytest.fixture
+def cuda_worker() -> Iterator[Any]:
+    pytest.importorskip("nvmath")
+    from emberlink.server.background import BackgroundWorker
+
+    with BackgroundWorker(grpc=False, memory=True, device="cuda:0", graph_cache_bytes=12 << 20) as worker:
+        yield worker
+
+
+def memory_device(worker: Any) -> el.Device:
+    """A remote Device over the worker's in-process memory endpoint."""
+    import os
+
+    from emberlink.client.remote import connect_link
+    from emberlink.protocol.identity import Identity
+    from emberlink.transport import memory
+
+    executor = connect_link(
+        lambda: memory.connect(worker.memory_name, hub=worker.hub),
+        worker.node_id,
+        Identity.generate(os.urandom),
+        path="memory",
+        loop_thread=worker.loop_thread,
+        timeout=10,
+    )
+    return el.Device(executor, "remote-memory")
+
+
+def worker_stats(dev: el.Device) -> dict[str, Any]:
+    stats: dict[str, Any] = dev._executor.worker_stats()  # type: ignore[attr-defined]
+    return stats
+
+
+def _wait_until(condition: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_worker_charges_captures_frees_them_on_eviction_and_recaptures_after_reregistration(
+    cuda_worker: Any,
+) -> None:
+    backend = cuda_worker.worker.device.backend
+    a = np.linspace(-1, 1, 1 << 20, dtype=np.float32)  # 4 MiB: each capture holds more than 8 MiB
+    want_a = {k: float(np.exp(a * np.float32(k)).sum(dtype=np.float64)) for k in (1.0, 2.0, 3.0)}
+    want_b = float(np.tanh(a - np.float32(1)).sum(dtype=np.float64))
+
+    def graph_a(x: Any, k: float) -> float:
+        return float((x * k).exp().sum())
+
+    def graph_b(x: Any) -> float:
+        return float((x - 1.0).tanh().sum())
+
+    with memory_device(cuda_worker) as dev:
+        x = dev.tensor(a)
+        dev.sync()
+        pool_before = backend.pool.used_bytes()
+        assert graph_a(x, 1.0) == pytest.approx(want_a[1.0], rel=1e-4)  # eager
+        s0 = worker_stats(dev)
+        assert graph_a(x, 2.0) == pytest.approx(want_a[2.0], rel=1e-4)  # captured
+        s1 = worker_stats(dev)
+        charged = s1["session_bytes"] - s0["session_bytes"]
+        assert charged >= 8 << 20
+        assert abs((s1["cache_size"] - s0["cache_size"]) - charged) <= 64  # the same bytes, in the cache
+        assert s1["in_use_bytes"] >= s0["in_use_bytes"] + (8 << 20)  # memory_stats shows them
+        assert backend.pool.used_bytes() >= pool_before + (8 << 20)
+        assert graph_a(x, 3.0) == pytest.approx(want_a[3.0], rel=1e-4)  # replayed
+        assert worker_stats(dev)["session_captured_replays"] == 1
+
+        for _ in range(3):  # B captured too: past the 12 MiB budget, so A's entry is evicted
+            assert graph_b(x) == pytest.approx(want_b, rel=1e-4)
+        s2 = worker_stats(dev)
+        assert s2["cache_evictions"] >= 1 and s2["cache_entries"] == 1  # only B's
+        # The session pays for x and B's capture alone: A's was freed with its entry.
+        assert abs((s2["session_bytes"] - a.nbytes) - s2["cache_size"]) <= 64 << 10
+        assert s2["cache_size"] >= 8 << 20
+
+        for k in (1.0, 2.0, 3.0, 2.0):  # A again: re-registered, eager, captured, replayed
+            assert graph_a(x, k) == pytest.approx(want_a[k], rel=1e-4)
+        s3 = worker_stats(dev)
+        assert s3["session_captured_replays"] == 1 + 1 + 2  # A, B, then A again
+        assert s3["cache_evictions"] >= 2
+        del x
+    _wait_until(lambda: not cuda_worker.worker.sessions)
+    assert cuda_worker.worker.held.used == 0  # the session's tensors and captures are all released
+    assert backend.pool.used_bytes() <= pool_before + WORKSPACE_BYTES  # cuBLAS's stays with the device
