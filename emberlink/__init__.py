@@ -6,12 +6,13 @@
     print((x @ x.T).sum().item())
 
 Public API: `Device`, `Tensor`, `nn`, `optim`, `no_grad`, `errors` (and its exception classes),
+`data.DataLoader`, `ArrayFuture` (what `Tensor.read_async()` returns),
 plus Array-API-style functions (`el.exp`, `el.concat`, `el.where`, ...).
 """
 
 import sys as _sys
 
-from emberlink import errors
+from emberlink import data, errors
 from emberlink.client import nn, optim
 from emberlink.client.autograd import no_grad
 from emberlink.client.device import Device
@@ -63,6 +64,7 @@ from emberlink.client.functions import (
     tanh,
     where,
 )
+from emberlink.client.future import ArrayFuture
 from emberlink.client.tensor import Tensor
 from emberlink.errors import (
     AuthError,
@@ -91,6 +93,7 @@ _sys.modules.setdefault("emberlink.nn.functional", nn.functional)
 _sys.modules.setdefault("emberlink.optim", optim)
 
 __all__ = [
+    "ArrayFuture",
     "AuthError",
     "ConfigError",
     "DTypeError",
@@ -118,6 +121,7 @@ __all__ = [
     "broadcast_to",
     "concat",
     "cos",
+    "data",
     "divide",
     "equal",
     "errors",

@@ -46,6 +46,9 @@ class _Ready:
         assert self._array is not None
         return self._array
 
+    def done(self) -> bool:
+        return True
+
 
 class LocalExecutor:
     """The Executor of `Device.cpu()` and `Device.cuda(n)` (docs/internals.md section 4)."""
@@ -59,6 +62,7 @@ class LocalExecutor:
         self._in_use = 0
         self._peak = 0
         self._replays = 0
+        self._uploaded = 0
         self._closed = False
 
     def _put(self, buf: int, array: Any) -> None:
@@ -70,6 +74,7 @@ class LocalExecutor:
         self._peak = max(self._peak, self._in_use)
 
     def upload(self, buf: int, array: np.ndarray) -> None:
+        self._uploaded += array.nbytes
         self._poisoned.pop(buf, None)
         self._put(buf, self._backend.from_numpy(array))
 
@@ -139,6 +144,9 @@ class LocalExecutor:
             else:
                 poisoned.pop(b, None)
 
+    def send(self) -> None:
+        pass  # every call ran when it was made: nothing waits to be sent
+
     def sync(self) -> None:
         self._backend.synchronize()
         failure, self._first_failure = self._first_failure, None
@@ -151,6 +159,7 @@ class LocalExecutor:
             "bytes_sent": 0,
             "bytes_received": 0,
             "round_trips": 0,
+            "bytes_uploaded": self._uploaded,
             "graphs_registered": len(self._plans),
             "graph_replays": self._replays,
             "tensors": len(self._store),
