@@ -6,10 +6,11 @@
     print((x @ x.T).sum().item())
 
 Public API: `Device`, `Tensor`, `nn`, `optim`, `no_grad`, `errors` (and its exception classes),
+`data.DataLoader`, `ArrayFuture` (what `Tensor.read_async()` returns),
 plus Array-API-style functions (`el.exp`, `el.concat`, `el.where`, ...).
 """
 
-from emberlink import errors, nn, optim
+from emberlink import data, errors, nn, optim
 from emberlink.checkpoint import load, save
 from emberlink.client.autograd import no_grad
 from emberlink.client.device import Device
@@ -73,6 +74,7 @@ from emberlink.client.functions import (
     trunc,
     where,
 )
+from emberlink.client.future import ArrayFuture
 from emberlink.client.tensor import Tensor
 from emberlink.errors import (
     AuthError,
@@ -96,6 +98,7 @@ from emberlink.errors import (
 )
 
 __all__ = [
+    "ArrayFuture",
     "AuthError",
     "CheckpointError",
     "ConfigError",
@@ -127,6 +130,7 @@ __all__ = [
     "concat",
     "cos",
     "cosh",
+    "data",
     "divide",
     "equal",
     "errors",

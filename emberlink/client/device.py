@@ -23,9 +23,10 @@ import numpy as np
 from emberlink.client import segment
 from emberlink.client.dtypes import DEFAULT_FLOAT, DEFAULT_INT, dtype_name, scalar_dtype
 from emberlink.client.executor import Call, Executor
+from emberlink.client.future import ArrayFuture
 from emberlink.client.tensor import Scalar, Tensor, TensorDevice, create, norm_shape, scalar
 from emberlink.client.value import Spec, Value
-from emberlink.errors import DeviceError, DTypeError, ShapeError
+from emberlink.errors import DeviceError, DTypeError, RemoteError, ShapeError
 from emberlink.graph_replay import canonical
 from emberlink.graph_replay.backends import DeviceSpec, create_backend, parse_device
 from emberlink.graph_replay.ir import Graph
@@ -263,6 +264,17 @@ class Device:
         if v.node is not None:
             self.flush()
         return self._executor.read(v.buf).result()  # type: ignore[arg-type]
+
+    def _read_async(self, v: Value) -> ArrayFuture:
+        """`_read` without the wait: the pending work and the read are sent before this returns. A
+        failure to send them (the session is over) is the future's to raise, as a read's would be."""
+        self._check_open()
+        try:
+            if v.node is not None:
+                self.flush()
+            return ArrayFuture(self._executor.read(v.buf), v.spec[1])  # type: ignore[arg-type]
+        except RemoteError as e:
+            return ArrayFuture.failed(e, v.spec[1])
 
     def sync(self) -> None:
         """Run everything recorded so far and wait; raises the first failure since the last sync."""

@@ -28,6 +28,8 @@ class Call:
 class ReadFuture(Protocol):
     def result(self, timeout: float | None = None) -> np.ndarray: ...
 
+    def done(self) -> bool: ...
+
 
 class Executor(Protocol):
     """Runs graphs on buffers it holds. Methods are called from the Device's thread, in order."""
@@ -47,6 +49,10 @@ class Executor(Protocol):
 
     def drop(self, bufs: Sequence[int]) -> None:
         """Forget these buffers (unknown ids are ignored)."""
+
+    def send(self) -> None:
+        """Start the work handed over so far on its way, without waiting (a remote executor sends its
+        pending batch now instead of with the next read or sync; a local one has nothing pending)."""
 
     def sync(self) -> None:
         """Wait for all work so far; raise the first failure since the previous sync."""

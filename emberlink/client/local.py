@@ -34,6 +34,9 @@ class _Ready:
         assert self._array is not None
         return self._array
 
+    def done(self) -> bool:
+        return True
+
 
 class LocalExecutor:
     """The Executor of `Device.cpu()` and `Device.cuda(n)` (docs/internals.md section 4)."""
@@ -47,6 +50,7 @@ class LocalExecutor:
         self._in_use = 0
         self._peak = 0
         self._replays = 0
+        self._uploaded = 0
         self._closed = False
         # Device.cuda: plans replayed as captured CUDA graphs where capture serves (None if not).
         self._captures = open_captures(backend)
@@ -60,6 +64,7 @@ class LocalExecutor:
         self._peak = max(self._peak, self._in_use)
 
     def upload(self, buf: int, array: np.ndarray) -> None:
+        self._uploaded += array.nbytes
         self._poisoned.pop(buf, None)
         # With captures, an upload stays in host memory until a plan uses it: a captured graph
         # copies it to the device itself (one node of the graph); `_on_device` uploads the rest.
@@ -146,6 +151,9 @@ class LocalExecutor:
             else:
                 poisoned.pop(b, None)
 
+    def send(self) -> None:
+        pass  # every call ran when it was made: nothing waits to be sent
+
     def sync(self) -> None:
         self._backend.synchronize()
         failure, self._first_failure = self._first_failure, None
@@ -158,6 +166,7 @@ class LocalExecutor:
             "bytes_sent": 0,
             "bytes_received": 0,
             "round_trips": 0,
+            "bytes_uploaded": self._uploaded,
             "graphs_registered": len(self._plans),
             "graph_replays": self._replays,
             "captured_replays": self._captures.replays if self._captures is not None else 0,

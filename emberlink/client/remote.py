@@ -314,6 +314,7 @@ class RemoteExecutor:
                 raise DTypeError(f"dtype {a.dtype} cannot be sent to a worker; allowed: {', '.join(DTYPES)}")
             a = a.astype(native)
         self._pending.append(m.Upload(buf, dtype, a.shape, a.nbytes))
+        self.counters.bytes_uploaded += a.nbytes
         if a.nbytes:
             self._pending_bulks.append(a)
             self._pending_bytes += a.nbytes
@@ -356,6 +357,10 @@ class RemoteExecutor:
         if self._dead is not None or self._closed or not bufs:
             return  # nothing is held for a dead session
         self._pending.append(m.Drop(tuple(sorted(bufs))))  # sorted ids make fewer runs on the wire
+
+    def send(self) -> None:
+        self._check()
+        self._flush()
 
     def sync(self) -> None:
         self._request(m.Sync).result()

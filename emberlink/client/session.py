@@ -59,6 +59,7 @@ class Counters:
     bytes_sent: int = 0
     bytes_received: int = 0
     round_trips: int = 0
+    bytes_uploaded: int = 0  # array bytes handed to upload() (written by the user's thread)
     batches_sent: int = 0
     batches_resent: int = 0
     batches_repeated: int = 0  # sent as a Repeat of the batch before

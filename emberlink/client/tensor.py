@@ -26,6 +26,7 @@ from emberlink.client.autograd import (
     GradNode,
 )
 from emberlink.client.dtypes import dtype_name
+from emberlink.client.future import ArrayFuture
 from emberlink.client.value import Spec, Value
 from emberlink.errors import DeviceError, DTypeError, ShapeError
 from emberlink.graph_replay import ops
@@ -260,7 +261,8 @@ class Tensor:
 
     Shapes and dtypes are known without running anything, and a bad shape raises at the line that
     recorded the op. Reading the data (`numpy()`, `float(t)`, `int(t)`, `bool(t)`, `item()`,
-    `np.asarray(t)`) runs everything recorded so far on the device.
+    `np.asarray(t)`) runs everything recorded so far on the device; `read_async()` starts a read
+    and returns a future without waiting.
     """
 
     __slots__ = ("__weakref__", "_ctx", "_rg", "_v", "grad")
@@ -343,6 +345,17 @@ class Tensor:
         """The data as a new NumPy array (runs pending work; one round trip on a remote device)."""
         array: np.ndarray = self._v.dev._read(self._v)
         return array
+
+    def read_async(self) -> ArrayFuture:
+        """Start reading the data and return at once, with a future of what `numpy()` returns.
+
+        Pending work and the read are sent before this returns; nothing waits for the device.
+        `fut.result(timeout)` gives the array, `fut.item()` the scalar, `fut.done()` says whether
+        it has arrived. A failure is raised there, with the type `numpy()` would raise. For logging
+        a loss while later steps run: `futs.append(loss.read_async())`, read the done ones later.
+        """
+        future: ArrayFuture = self._v.dev._read_async(self._v)
+        return future
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         if copy is False:

@@ -1,0 +1,171 @@
+"""DataLoader: a data set's batches as tensors on a device, sent ahead or gathered there; no ops of its own.
+
+PyTorch's `DataLoader` over a `TensorDataset`, with the device named, in one of two ways:
+
+- Host data (`resident=False`, the default): each batch is cut from the NumPy arrays here and
+  uploaded. The upload of batch k+1 is made, and sent on its way, when batch k is handed out, so
+  before the user's step k is even recorded (double buffering): on a remote device its bytes
+  cross the network while step k is recorded and while earlier steps run on the worker.
+- Resident data (`resident=True`): the arrays are uploaded once, when the loader is made, and a
+  batch is `data.take(idx, axis=0)` recorded on the device, so per batch only `idx` (batch_size
+  int32 indices; int64 past 2**31 rows) travels. The index is a tensor on purpose: a slice's
+  bounds are attributes of the op, so `data[start:stop]` would be a new graph every batch, while
+  an index tensor of one shape keeps every step the same graph.
+
+Each batch handed out also flushes what the device has recorded (a step boundary), so a loop
+that does not read every step still runs one graph a step, not a run of steps cut at random.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
+
+import numpy as np
+
+from emberlink.client.tensor import Tensor
+from emberlink.errors import ShapeError
+
+if TYPE_CHECKING:
+    from emberlink.client.device import Device
+
+Batch = TypeVar("Batch", Tensor, tuple[Tensor, ...])
+
+
+class DataLoader(Generic[Batch]):
+    """Batches of `arrays` as tensors on `device`.
+
+    `arrays` is one NumPy array (batches are Tensors) or a sequence of them with the same first
+    dimension (batches are tuples of Tensors, in that order), as with a `TensorDataset`. Batches
+    take `batch_size` rows along axis 0; the last one is smaller unless `drop_last`. With
+    `shuffle`, every epoch (every `iter()`) draws the next permutation from
+    `numpy.random.default_rng(seed)`: epoch e takes rows in the order of the e-th
+    `rng.permutation(len(arrays[0]))`, on every device, so a run can be reproduced exactly.
+    `resident=True` uploads the arrays once and gathers each batch on the device (see the module
+    docstring); `len(loader)` is the number of batches in an epoch.
+    """
+
+    @overload
+    def __init__(
+        self: DataLoader[Tensor],
+        arrays: np.ndarray,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        *,
+        device: Device,
+        resident: bool = False,
+        seed: int | None = None,
+        drop_last: bool = False,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: DataLoader[tuple[Tensor, ...]],
+        arrays: Sequence[np.ndarray],
+        batch_size: int = 1,
+        shuffle: bool = False,
+        *,
+        device: Device,
+        resident: bool = False,
+        seed: int | None = None,
+        drop_last: bool = False,
+    ) -> None: ...
+
+    def __init__(
+        self,
+        arrays: np.ndarray | Sequence[np.ndarray],
+        batch_size: int = 1,
+        shuffle: bool = False,
+        *,
+        device: Device,
+        resident: bool = False,
+        seed: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        self._single = isinstance(arrays, np.ndarray)
+        self.arrays = _check_arrays((arrays,) if isinstance(arrays, np.ndarray) else arrays)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        self.batch_size = int(batch_size)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.device = device
+        self.resident = bool(resident)
+        self._rng = np.random.default_rng(seed)
+        self._rows = len(self.arrays[0])
+        self._index_dtype = np.int32 if self._rows <= np.iinfo(np.int32).max else np.int64
+        # Uploaded once: every epoch gathers from these (they live as long as the loader).
+        self._data = tuple(device.tensor(a) for a in self.arrays) if self.resident else ()
+
+    def __len__(self) -> int:
+        full, rest = divmod(self._rows, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self) -> Iterator[Batch]:
+        order = self._rng.permutation(self._rows) if self.shuffle else None
+        bounds = [(k * self.batch_size, min((k + 1) * self.batch_size, self._rows)) for k in range(len(self))]
+        if self.resident:
+            return self._gathered(order, bounds)
+        return self._uploaded(order, bounds)
+
+    def _gathered(self, order: np.ndarray | None, bounds: list[tuple[int, int]]) -> Iterator[Batch]:
+        device = self.device
+        for start, stop in bounds:
+            rows = np.arange(start, stop) if order is None else order[start:stop]
+            device.flush()
+            idx = device.tensor(rows.astype(self._index_dtype))
+            yield self._pack(tuple(t.take(idx, axis=0) for t in self._data))
+
+    def _uploaded(self, order: np.ndarray | None, bounds: list[tuple[int, int]]) -> Iterator[Batch]:
+        if not bounds:
+            return
+        ahead = self._upload(order, bounds[0])
+        for following in bounds[1:]:
+            current = ahead
+            self.device.flush()
+            ahead = self._upload(order, following)
+            # Send batch k+1 now, not with step k's read: a private seam on purpose (the loader is
+            # the only caller that wants uploads on the wire before the step that uses them).
+            self.device._executor.send()
+            yield current
+        self.device.flush()
+        yield ahead
+
+    def _upload(self, order: np.ndarray | None, bound: tuple[int, int]) -> Batch:
+        start, stop = bound
+        if order is None:
+            parts = tuple(self.device.tensor(a[start:stop]) for a in self.arrays)
+        else:
+            rows = order[start:stop]
+            parts = tuple(self.device.tensor(a[rows]) for a in self.arrays)
+        return self._pack(parts)
+
+    def _pack(self, parts: tuple[Tensor, ...]) -> Batch:
+        packed: Any = parts[0] if self._single else parts
+        return cast(Batch, packed)
+
+    def __repr__(self) -> str:
+        kind = "resident" if self.resident else "host"
+        return (
+            f"DataLoader({len(self.arrays)} arrays of {self._rows} rows, batch_size={self.batch_size}, "
+            f"shuffle={self.shuffle}, {kind}, device={self.device})"
+        )
+
+
+def _check_arrays(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+    if isinstance(arrays, Tensor) or not isinstance(arrays, Sequence) or not arrays:
+        raise TypeError("DataLoader takes a NumPy array or a non-empty sequence of NumPy arrays")
+    out = []
+    for i, a in enumerate(arrays):
+        if not isinstance(a, np.ndarray):
+            raise TypeError(
+                f"DataLoader: array {i} is a {type(a).__name__}, not a NumPy array "
+                "(the loader uploads host data itself; pass resident=True to keep it on the device)"
+            )
+        if a.ndim == 0:
+            raise ShapeError(f"DataLoader: array {i} is 0-d; batches are taken along axis 0")
+        out.append(a)
+    rows = {len(a) for a in out}
+    if len(rows) != 1:
+        raise ShapeError(f"DataLoader: the arrays' first dimensions differ: {[len(a) for a in out]}")
+    return tuple(out)

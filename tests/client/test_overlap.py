@@ -1,0 +1,308 @@
+"""Overlap: reads that return a future at once, and a loader that sends batches ahead or keeps the
+data set on the device (gathering each batch there, so only its indices travel)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import emberlink as el
+from emberlink import Device, ExecutionError, ShapeError, WorkerLost
+from emberlink.client.remote import connect_link, connect_ticket
+from emberlink.data import DataLoader
+from emberlink.protocol.identity import Identity
+from emberlink.protocol.ticket import Ticket
+from emberlink.server.background import BackgroundWorker
+from emberlink.transport import memory
+from emberlink.transport.loop import io_loop
+
+from ..process_harness import Process
+
+F = el.nn.functional
+ROWS, FEATURES, CLASSES = 10, 3, 4
+
+
+@pytest.fixture
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return rng.standard_normal((ROWS, FEATURES), dtype=np.float32), rng.integers(0, CLASSES, ROWS)
+
+
+def uploaded(dev: Device) -> int:
+    return int(dev.stats()["bytes_uploaded"])
+
+
+# -- read_async ---------------------------------------------------------------------------------------
+
+
+def test_read_async_gives_what_the_blocking_reads_give(dev: Device) -> None:
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    x = dev.tensor(a)
+    futures = [(x * 2.0).read_async(), x.sum().read_async(), (x > 5.0).read_async()]
+    np.testing.assert_array_equal(futures[0].result(timeout=30), a * 2.0)
+    assert futures[1].item(timeout=30) == float(x.sum()) == 66.0
+    np.testing.assert_array_equal(futures[2].result(), a > 5.0)
+    assert all(f.done() for f in futures)
+    assert futures[0].result() is futures[0].result()  # one array, kept by the future
+
+
+def test_read_async_item_needs_one_element(dev: Device) -> None:
+    fut = dev.tensor(np.ones(3, np.float32)).read_async()
+    with pytest.raises(ValueError, match=r"one element.*\(3,\)"):
+        fut.item()
+
+
+def test_execution_failure_is_raised_by_result_with_the_type_of_a_blocking_read(dev: Device) -> None:
+    x = dev.tensor(np.arange(3, dtype=np.float32))
+    bad = x.take(dev.tensor(np.array([7])))  # only the run can see the index is out of range
+    fut = bad.read_async()  # nothing is raised here
+    with pytest.raises(ExecutionError):
+        fut.result(timeout=30)
+    with pytest.raises(ExecutionError):
+        bad.numpy()
+    assert float((x + 1.0).sum()) == 6.0  # the device goes on
+
+
+def test_a_parameter_not_yet_on_a_device_reads_async_too() -> None:
+    layer = el.nn.Linear(2, 3, seed=0)
+    fut = layer.weight.read_async()
+    assert fut.done()
+    np.testing.assert_array_equal(fut.result(), layer.weight.numpy())
+
+
+# A worker of our own whose device thread a test can hold: the read must come back as a future
+# while the worker cannot possibly have answered.
+
+
+@pytest.fixture(scope="module")
+def own_worker() -> Iterator[BackgroundWorker]:
+    worker = BackgroundWorker(grpc=True, memory=True, loop_thread=io_loop())
+    yield worker
+    worker.stop()
+
+
+def memory_device(worker: BackgroundWorker) -> Device:
+    executor = connect_link(
+        lambda: memory.connect(worker.memory_name, hub=worker.hub),  # type: ignore[arg-type]
+        worker.node_id,
+        Identity.generate(os.urandom),
+        path="memory",
+        loop_thread=worker.loop_thread,
+        timeout=10,
+    )
+    return Device(executor, "remote-memory")
+
+
+def grpc_device(worker: BackgroundWorker) -> Device:
+    executor = connect_ticket(Ticket.parse(worker.ticket), Identity.generate(os.urandom), timeout=10)
+    return Device(executor, "remote-grpc")
+
+
+@pytest.mark.parametrize("connect", [memory_device, grpc_device], ids=["memory", "grpc"])
+def test_read_async_returns_while_the_worker_is_busy(
+    own_worker: BackgroundWorker, connect: Callable[[BackgroundWorker], Device]
+) -> None:
+    with connect(own_worker) as dev:
+        x = dev.tensor(np.arange(4, dtype=np.float32))
+        dev.sync()
+        gate = threading.Event()
+        own_worker.worker.device.submit(gate.wait, 30)  # hold the worker's device thread
+        try:
+            fut = (x * 2.0).sum().read_async()
+            assert not fut.done()
+            with pytest.raises(TimeoutError):
+                fut.result(timeout=0.05)  # a timeout leaves the read in flight
+        finally:
+            gate.set()
+        assert fut.item(timeout=30) == 12.0
+        assert fut.done()
+
+
+def test_a_lost_worker_is_raised_by_result_as_by_a_blocking_read(tmp_path: Path) -> None:
+    worker_key, client_key = tmp_path / "worker.key", tmp_path / "client.key"
+    Identity.generate(os.urandom).save(worker_key)
+    Identity.generate(os.urandom).save(client_key)
+    argv = [sys.executable, "-m", "emberlink", "worker", "--listen", "127.0.0.1:0"]
+    worker = Process([*argv, "--key", str(worker_key), "--allow-any"], tmp_path / "worker.log")
+    try:
+        ticket = worker.next_line(60)
+        with Device.remote(ticket, key=str(client_key), timeout=30) as dev:
+            x = dev.tensor(np.arange(4, dtype=np.float32))
+            assert float(x.sum()) == 6.0
+            worker.signal(signal.SIGSTOP)  # a frozen worker: it cannot answer
+            fut = (x * 2.0).read_async()
+            assert not fut.done()
+            worker.kill()
+            with pytest.raises(WorkerLost):
+                fut.result(timeout=60)
+            with pytest.raises(WorkerLost):
+                (x * 3.0).numpy()
+            later = (x * 4.0).read_async()  # the session is over: the future says so, not the call
+            with pytest.raises(WorkerLost):
+                later.result(timeout=60)
+    finally:
+        worker.close()
+
+
+# -- the loader: batches ----------------------------------------------------------------------------
+
+
+def expected_batches(
+    data: tuple[np.ndarray, np.ndarray], batch: int, seed: int, epochs: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """What the loader documents: epoch e uses the e-th permutation of default_rng(seed)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(epochs):
+        order = rng.permutation(ROWS)
+        for start in range(0, ROWS, batch):
+            rows = order[start : start + batch]
+            out.append((data[0][rows], data[1][rows]))
+    return out
+
+
+@pytest.mark.parametrize("resident", [False, True], ids=["host", "resident"])
+def test_shuffled_batches_are_the_host_batches_in_the_seeds_order(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], resident: bool
+) -> None:
+    loader = DataLoader(data, batch_size=4, shuffle=True, seed=7, device=dev, resident=resident)
+    assert len(loader) == 3  # 4 + 4 + 2
+    got = [(x.numpy(), y.numpy()) for _ in range(2) for x, y in loader]
+    want = expected_batches(data, 4, 7, 2)
+    assert len(got) == len(want) == 6
+    for (gx, gy), (wx, wy) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(gx, wx)
+        np.testing.assert_array_equal(gy, wy)
+    assert not np.array_equal(got[0][0], got[3][0])  # each epoch is shuffled anew
+
+
+@pytest.mark.parametrize("resident", [False, True], ids=["host", "resident"])
+def test_unshuffled_batches_keep_the_order_and_drop_last_drops_the_short_one(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], resident: bool
+) -> None:
+    x = data[0]
+    loader = DataLoader(x, batch_size=4, device=dev, resident=resident, drop_last=True)
+    batches = [b.numpy() for b in loader]  # one array in: Tensors out, not tuples
+    assert len(loader) == len(batches) == 2
+    np.testing.assert_array_equal(np.concatenate(batches), x[:8])
+
+
+def test_loader_refuses_what_it_cannot_batch(dev: Device, data: tuple[np.ndarray, np.ndarray]) -> None:
+    x, y = data
+    with pytest.raises(ShapeError, match=r"first dimensions differ: \[10, 9\]"):
+        DataLoader((x, y[:9]), batch_size=2, device=dev)
+    with pytest.raises(ValueError, match="batch_size"):
+        DataLoader(x, batch_size=0, device=dev)
+    with pytest.raises(TypeError, match="array 1 is a list"):
+        DataLoader((x, [1, 2]), batch_size=2, device=dev)  # type: ignore[arg-type]
+    with pytest.raises(ShapeError, match="0-d"):
+        DataLoader(np.zeros(()), batch_size=1, device=dev)
+
+
+# -- the loader: what travels, and when ---------------------------------------------------------------
+
+
+def test_host_loader_sends_the_next_batch_before_the_step_that_uses_this_one(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    x, y = data
+    per_batch = 4 * x.itemsize * FEATURES + 4 * y.itemsize
+    start = uploaded(dev)
+    sent = int(dev.stats()["bytes_sent"])
+    it = iter(DataLoader(data, batch_size=4, device=dev))
+    next(it)  # batch 0 handed out: batch 1 is already on its way
+    assert uploaded(dev) - start == 2 * per_batch
+    if dev.name.startswith("remote"):  # and on the wire, though nothing has been read
+        deadline = time.monotonic() + 30
+        while int(dev.stats()["bytes_sent"]) - sent < 2 * per_batch and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert int(dev.stats()["bytes_sent"]) - sent >= 2 * per_batch
+    a = dev.tensor(np.ones(1, np.float32)) * 2.0  # the user's step, never read
+    next(it)  # batch 1 handed out: the step before it is flushed, batch 2 (2 rows) uploaded
+    assert dev.stats()["pending_nodes"] == 0
+    assert uploaded(dev) - start == 2 * per_batch + per_batch // 2 + 4  # a's 4 bytes
+    np.testing.assert_array_equal(a.numpy(), [2.0])
+
+
+def small_model(dev: Device, features: int = FEATURES) -> tuple[el.nn.Module, el.optim.SGD]:
+    nn = el.nn
+    model = nn.Sequential(nn.Linear(features, 8, seed=1), nn.ReLU(), nn.Linear(8, CLASSES, seed=2)).to(dev)
+    return model, el.optim.SGD(model.parameters(), lr=0.1)
+
+
+def train(model: el.nn.Module, opt: el.optim.SGD, x: el.Tensor, y: el.Tensor) -> el.Tensor:
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_resident_batches_upload_only_their_indices(dev: Device) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 256), dtype=np.float32)  # a batch of data: 16 KiB
+    y = rng.integers(0, CLASSES, 64)
+    model, opt = small_model(dev, 256)
+    dev.sync()
+    start = uploaded(dev)
+    loader = DataLoader((x, y), batch_size=16, shuffle=True, seed=1, device=dev, resident=True)
+    assert uploaded(dev) - start == x.nbytes + y.nbytes  # the data set, once
+    futures = []
+    for _ in range(2):
+        for xb, yb in loader:
+            before = uploaded(dev)
+            futures.append(train(model, opt, xb, yb).read_async())
+            assert uploaded(dev) - before == 0  # the step itself uploads nothing
+            if len(futures) == 1:  # the first step registers its graph: count from the second
+                futures[0].result(timeout=30)
+                dev.sync()
+                sent = int(dev.stats()["bytes_sent"])
+    dev.sync()
+    # Seven steps on the wire (each with its indices) and a sync: fewer bytes than one batch of data.
+    if dev.name.startswith("remote"):
+        assert int(dev.stats()["bytes_sent"]) - sent < x[:16].nbytes + y[:16].nbytes
+    # 8 batches: the indices, 16 int32 each, are all that was uploaded after the data set
+    assert uploaded(dev) - start == x.nbytes + y.nbytes + 8 * 16 * 4
+    assert all(np.isfinite(f.item(timeout=30)) for f in futures)
+
+
+def test_resident_steps_replay_one_graph_where_slices_would_make_one_per_batch(dev: Device) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, FEATURES), dtype=np.float32)
+    y = rng.integers(0, CLASSES, 40)
+    model, opt = small_model(dev)
+    loader = DataLoader((x, y), batch_size=8, shuffle=True, seed=2, device=dev, resident=True)
+    built = []
+    for xb, yb in loader:
+        float(train(model, opt, xb, yb))
+        built.append(int(dev.stats()["graphs_built"]))
+    assert built[1:] == [built[1]] * 4  # after the first step, no new graph
+    xs, ys = dev.tensor(x), dev.tensor(y)
+    sliced = []
+    for start in range(0, 40, 8):  # the same batches by slicing: the bounds are attrs
+        float(train(model, opt, xs[start : start + 8], ys[start : start + 8]))
+        sliced.append(int(dev.stats()["graphs_built"]))
+    assert sliced == list(range(sliced[0], sliced[0] + 5))  # one new graph per batch
+
+
+@pytest.mark.parametrize("resident", [False, True], ids=["host", "resident"])
+def test_training_through_the_loader_gives_the_losses_of_a_plain_loop(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], resident: bool
+) -> None:
+    model, opt = small_model(dev)
+    loader = DataLoader(data, 4, True, seed=5, device=dev, resident=resident)
+    futures = [train(model, opt, xb, yb).read_async() for _ in range(3) for xb, yb in loader]
+    got = [f.item(timeout=30) for f in futures]
+    with Device.cpu() as cpu:
+        model, opt = small_model(cpu)
+        batches = expected_batches(data, 4, 5, 3)
+        want = [float(train(model, opt, cpu.tensor(bx), cpu.tensor(by))) for bx, by in batches]
+    assert got == want
