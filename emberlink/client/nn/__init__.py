@@ -1,8 +1,10 @@
 """emberlink.nn: Module, Parameter, the stock layers and `functional`."""
 
 from emberlink.client.nn import functional
+from emberlink.client.nn.attention import MultiheadAttention
 from emberlink.client.nn.layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, Sequential
 from emberlink.client.nn.module import Module, Parameter
+from emberlink.client.nn.transformer import TransformerEncoderLayer
 
 __all__ = [
     "GELU",
@@ -11,8 +13,10 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "Module",
+    "MultiheadAttention",
     "Parameter",
     "ReLU",
     "Sequential",
+    "TransformerEncoderLayer",
     "functional",
 ]
