@@ -5,7 +5,7 @@
     x = dev.tensor([[1.0, 2.0], [3.0, 4.0]])
     print((x @ x.T).sum().item())
 
-Public API: `Device`, `Tensor`, `nn`, `optim`, `no_grad`, `errors` (and its exception classes),
+Public API: `Device`, `Tensor`, `nn`, `optim`, `no_grad`, `jit`, `errors` (and its exception classes),
 plus Array-API-style functions (`el.exp`, `el.concat`, `el.where`, ...).
 """
 
@@ -63,6 +63,7 @@ from emberlink.client.functions import (
     tanh,
     where,
 )
+from emberlink.client.jit import jit
 from emberlink.client.tensor import Tensor
 from emberlink.errors import (
     AuthError,
@@ -72,6 +73,7 @@ from emberlink.errors import (
     EmberlinkError,
     ExecutionError,
     GoingAway,
+    JitError,
     OutOfMemory,
     ProtocolError,
     QuotaExceeded,
@@ -99,6 +101,7 @@ __all__ = [
     "EmberlinkError",
     "ExecutionError",
     "GoingAway",
+    "JitError",
     "OutOfMemory",
     "ProtocolError",
     "QuotaExceeded",
@@ -125,6 +128,7 @@ __all__ = [
     "expand_dims",
     "greater",
     "greater_equal",
+    "jit",
     "less",
     "less_equal",
     "log",

@@ -27,6 +27,11 @@ class DeviceError(EmberlinkError):
     """A local device problem: no CUDA, unknown device, an op on a closed device."""
 
 
+class JitError(EmberlinkError, RuntimeError):
+    """A function compiled with `emberlink.jit` did something a replay cannot repeat: it read a
+    tensor's value, flushed or synced a device, or used tensors of several devices."""
+
+
 class ProtocolError(EmberlinkError):
     """A message is malformed, oversized, of the wrong version, or sent out of turn."""
 
@@ -118,6 +123,7 @@ __all__ = [
     "EmberlinkError",
     "ExecutionError",
     "GoingAway",
+    "JitError",
     "OutOfMemory",
     "ProtocolError",
     "QuotaExceeded",

@@ -32,6 +32,31 @@ Spec = tuple[str, tuple[int, ...]]
 _KIND = {bool: "bool", int: "int", float: "float"}
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
+# -- emberlink.jit hooks (client/jit.py); kept here in one place so they can move as a unit --------
+JIT_TRACE: Any = None
+"""The `emberlink.jit` call being traced (or run eagerly under its rules) now, else None. `apply`
+and `Tensor.__init__` check it once each; only while it is set do they report to it."""
+
+
+class TracedScalar:
+    """Base of emberlink.jit's scalar arguments (client/jit.py): a float or int subclass that,
+    while its trace runs, `scalar()` keeps as it is, so it is recorded as a binding jit can name;
+    outside its trace, `scalar()` turns it into a plain number."""
+
+    __slots__ = ()
+    kind: str
+
+    def binding(self) -> Scalar:
+        raise NotImplementedError
+
+
+def _kind(s: Scalar) -> str:
+    kind = _KIND.get(type(s))
+    return kind if kind is not None else s.kind  # type: ignore[union-attr]  # a TracedScalar
+
+
+# -- end of emberlink.jit hooks ---------------------------------------------------------------------
+
 
 class _GradMode(threading.local):
     """Whether ops record autograd history; `emberlink.no_grad()` turns it off in its own thread
@@ -124,6 +149,8 @@ def scalar(value: object) -> Scalar | None:
         if not _INT64_MIN <= value <= _INT64_MAX:  # type: ignore[operator]
             raise DTypeError(f"the int scalar {value} does not fit in int64")
         return value  # type: ignore[return-value]
+    if isinstance(value, TracedScalar):  # emberlink.jit: a scalar argument (a binding while traced)
+        return value.binding()
     if isinstance(value, np.generic):
         if isinstance(value, np.bool_):
             return bool(value)
@@ -168,11 +195,13 @@ def apply(op: str, args: Sequence[Tensor | Scalar], attrs: tuple[Any, ...] = ())
                 s = scalar(a)
                 if s is None:
                     raise TypeError(f"{op}: unsupported operand of type {type(a).__name__}")
-                a, kind = s, _KIND[type(s)]
+                a, kind = s, _kind(s)
             vals.append(a)
             specs.append(kind)
     if dev is None:
         raise TypeError(f"{op}: needs at least one tensor operand")
+    if JIT_TRACE is not None:  # emberlink.jit: the trace learns which buffers the step reads
+        JIT_TRACE.operands(dev, args)
     key = (op, attrs, *specs)
     spec = _INFER.get(key)
     if spec is None:
@@ -194,11 +223,13 @@ def apply(op: str, args: Sequence[Tensor | Scalar], attrs: tuple[Any, ...] = ())
 
 def create(dev: Device, op: str, bindings: Sequence[Scalar], attrs: tuple[Any, ...]) -> Tensor:
     """Record a creation op (no tensor operands) on `dev`."""
-    specs = [_KIND[type(b)] for b in bindings]
+    specs = [_kind(b) for b in bindings]
     key = (op, attrs, *specs)
     spec = _INFER.get(key)
     if spec is None:
         spec = _infer_miss(op, attrs, specs, key)
+    if JIT_TRACE is not None:  # emberlink.jit: the trace learns its device before the first node
+        JIT_TRACE.operands(dev, ())
     return Tensor(dev._record(op, list(bindings), attrs, spec))
 
 
@@ -294,6 +325,8 @@ class Tensor:
         self._rg = False
         self._ctx = None
         self.grad = None
+        if JIT_TRACE is not None:  # emberlink.jit: tensors made while tracing may hold its outputs
+            JIT_TRACE.created(self)
 
     # -- metadata (no device work) ----------------------------------------------------------------
 
