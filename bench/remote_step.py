@@ -7,8 +7,12 @@ Rows, each a median over interleaved repeats so machine noise hits both sides al
   bidirectional-stream ping-pong of 64 bytes (bench/bare.py), twice: client and server in this
   process on one event loop (the old floor), and the server in its own process (the topology of an
   `emberlink worker`: two processes, each with its own loop and gRPC poller). Goal: at most 1.5x.
+- jitted tiny step: the same step compiled with `emberlink.jit` (a replay: no recording, no
+  segment, one Execute sent as a Repeat of the step before), against the same bare ping-pong with
+  its server in another process. Goal: at most 1.5x.
 - MLP training step: batch 128, 784-512-512-10, SGD (bench/local_step.py's model), remote against
-  the same step on Device.cpu().
+  the same step on Device.cpu(); and the same step jitted (bench/local_step.py's JitMLP), remote
+  against jitted on Device.cpu().
 - 64 MiB upload (`dev.tensor(a)` then `sync()`) and download (`t.numpy()`), against bare
   grpc.aio streaming of the same bytes in 1 MiB messages, the server in this process and in
   another one. Goal: at least 0.7x the bare rate.
@@ -101,6 +105,16 @@ def tiny_step(dev: el.Device) -> Callable[[], float]:
     return step
 
 
+def jit_tiny_step(dev: el.Device) -> Callable[[], float]:
+    x = np.arange(16, dtype=np.float32)
+    total = el.jit(lambda t: t.sum())
+
+    def step() -> float:
+        return float(total(dev.tensor(x)))
+
+    return step
+
+
 def transfer_gbps(dev: el.Device, total: int) -> tuple[float, float]:
     a = np.random.default_rng(0).standard_normal(total // 4).astype(np.float32)
     t0 = time.perf_counter()
@@ -114,8 +128,8 @@ def transfer_gbps(dev: el.Device, total: int) -> tuple[float, float]:
     return up, down
 
 
-def mlp_ms(dev: el.Device, steps: int) -> float:
-    model = local_step.EmberlinkMLP(dev)
+def mlp_ms(dev: el.Device, steps: int, jitted: bool = False) -> float:
+    model = (local_step.JitMLP if jitted else local_step.EmberlinkMLP)(dev)
     batches = local_step._batches(4)
     times: list[float] = []
     local_step._time(model.step, batches, 5, [])  # warm-up: graphs built and registered
@@ -163,8 +177,11 @@ def main() -> None:
                     "floor_proto",
                     "floor_both",
                     "tiny",
+                    "tiny_jit",
                     "mlp_cpu",
                     "mlp",
+                    "mlp_jit_cpu",
+                    "mlp_jit",
                     "up",
                     "down",
                 )
@@ -183,8 +200,11 @@ def main() -> None:
                 for row, us in floor_rows(n, cpu).items():
                     rows[row].append(us)
                 rows["tiny"].append(median_us(tiny_step(dev), n))
+                rows["tiny_jit"].append(median_us(jit_tiny_step(dev), n))
                 rows["mlp_cpu"].append(mlp_ms(cpu, steps))
                 rows["mlp"].append(mlp_ms(dev, steps))
+                rows["mlp_jit_cpu"].append(mlp_ms(cpu, steps, jitted=True))
+                rows["mlp_jit"].append(mlp_ms(dev, steps, jitted=True))
                 up, down = loop.call(bare.grpc_bare_stream(total))
                 bare_up.append(up)
                 bare_down.append(down)
@@ -216,8 +236,17 @@ def main() -> None:
         f"| {med['tiny']:.0f} | {med['bare_pp_proc']:.0f} | {med['tiny'] / med['bare_pp_proc']:.2f}x | ≤ 1.5x |"
     )
     print(
+        f"| jitted tiny step vs bare grpc.aio 64 B ping-pong, server in another process, median µs "
+        f"| {med['tiny_jit']:.0f} | {med['bare_pp_proc']:.0f} | {med['tiny_jit'] / med['bare_pp_proc']:.2f}x "
+        "| ≤ 1.5x |"
+    )
+    print(
         f"| MLP step 128×784-512-512-10 SGD vs Device.cpu(), median ms "
         f"| {med['mlp']:.2f} | {med['mlp_cpu']:.2f} | {med['mlp'] / med['mlp_cpu']:.2f}x | – |"
+    )
+    print(
+        f"| MLP step jit vs the same jitted on Device.cpu(), median ms "
+        f"| {med['mlp_jit']:.2f} | {med['mlp_jit_cpu']:.2f} | {med['mlp_jit'] / med['mlp_jit_cpu']:.2f}x | – |"
     )
     for what, ours, one, two in (
         ("upload", med["up"], b_up, p_up),
@@ -255,6 +284,7 @@ def main() -> None:
         ),
         ("+ both: a floor for any design in Python on grpc.aio", "floor_both"),
         ("emberlink tiny step (sessions, store, quotas, flow control, replay)", "tiny"),
+        ("emberlink jitted tiny step (the same, without recording)", "tiny_jit"),
     ):
         print(f"| {what} | {med[row]:.0f} | {med[row] / bare_us:.2f}x |")
 

@@ -167,7 +167,7 @@ def _walk(x: Any, key: list[Any], leaves: list[Any], static: frozenset[int]) -> 
         leaves.append(x)
     elif isinstance(x, Tensor):
         v = x._v
-        key.append((v.dev, v.spec, x._rg))
+        key.append((v.dev, v.spec, x._rg and (1 if x.grad is None else 2)))
         leaves.append(x)
     elif t is tuple or t is list:
         key.append((t, len(x)))
@@ -198,7 +198,30 @@ def _signature(
     args: tuple[Any, ...], kwargs: dict[str, Any], static: frozenset[int]
 ) -> tuple[tuple[Any, ...], list[Any], Device | None]:
     """(signature key, leaves, the tensors' device) of one call."""
-    key: list[Any] = []
+    if not kwargs and not static:  # the common call, flat tensors and numbers: the same key, faster
+        key: list[Any] = [(tuple, len(args))]
+        dev = None
+        n_tensors = 0
+        for x in args:
+            t = type(x)
+            if t is Tensor:
+                v = x._v
+                if dev is None:
+                    dev = v.dev
+                elif v.dev is not dev:
+                    break
+                key.append((dev, v.spec, x._rg and (1 if x.grad is None else 2)))
+                n_tensors += 1
+            elif t is float:
+                key.append(_FLOAT)
+            elif t is int:
+                key.append(_INT)
+            else:
+                break
+        else:
+            if n_tensors < 2 and (dev is None or isinstance(dev, Device)):
+                return tuple(key), list(args), dev
+    key = []
     leaves: list[Any] = []
     _walk(args, key, leaves, static)
     if kwargs:
@@ -292,6 +315,7 @@ class _Trace:
         self.dev = dev
         self.arg_bufs: dict[int, int] = {}  # buffer -> tensor leaf index
         self.arg_ids: dict[int, int] = {}  # id(tensor) -> leaf index
+        self.arg_grads: dict[int, tuple[Tensor, Tensor | None]] = {}  # leaf -> (tensor, .grad before)
         self.seen: dict[int, tuple[Tensor, Value | None]] = {}  # pre-existing tensor -> first value
         self.bufs: dict[int, tuple[Tensor | None, Value]] = {}  # buffer read -> a pre-existing holder
         self.made_ids: set[int] = set()
@@ -368,6 +392,7 @@ class _Trace:
         self.made_ids.clear()
         self.arg_bufs.clear()
         self.arg_ids.clear()
+        self.arg_grads.clear()
         self.captured = None
 
     def capture(self, memo: _Memo, call: Call, values: list[Value]) -> Call:
@@ -413,7 +438,9 @@ class _Replay:
         self.bind_template: list[Scalar] = []
         self.bind_args: list[tuple[int, int]] = []  # (binding, scalar leaf)
         self.keep: list[bool] = []
+        self.kept: list[int] = []
         self.drop: list[int] = []
+        self.single_out: int | None = None  # the result is output `single_out` alone
         self.sinks_cap: list[tuple[Tensor, int]] = []  # (tensor, output)
         self.sinks_weak: list[tuple[weakref.ref[Tensor], int]] = []
         self.sinks_other: list[tuple[Source, Source]] = []  # (target, source) of the rare kinds
@@ -470,14 +497,18 @@ class _Replay:
         for s in self.returns:
             if s[0] == "out":
                 self.keep[s[1]] = True
+        self.kept = [j for j in range(self.n_out) if self.keep[j]]
         self.drop = [j for j in range(self.n_out) if not self.keep[j]]
+        only = self.returns[0] if len(self.returns) == 1 else None
+        self.single_out = only[1] if self.tree is None and only is not None and only[0] == "out" else None
 
     def run(self, leaves: list[Any]) -> Any:
         """One replay: bind this call's arguments, run the graph, rebind state, build the result."""
         dev = self.dev
         if dev is None:  # nothing on a device: the result is made of arguments and constants
             return self.result(leaves, [], None)
-        dev._check_open()
+        if dev._closed:
+            dev._check_open()
         if dev._entries:  # earlier work goes first (and pending arguments get their buffers)
             dev.flush()
         ins: list[Any] = self.in_template.copy()
@@ -485,7 +516,7 @@ class _Replay:
             ins[slot] = leaves[k]._v.buf
         for slot, t, spec in self.in_caps:
             v = t._v
-            if v.dev is not dev or v.spec != spec:
+            if v.dev is not dev or (v.spec is not spec and v.spec != spec):
                 raise JitError(
                     f"emberlink.jit: a tensor the function reads is now {v.spec[0]}{list(v.spec[1])} on "
                     f"{v.dev} but was {spec[0]}{list(spec[1])} on {dev} when traced; state moved to "
@@ -499,7 +530,7 @@ class _Replay:
                 binds[j] = scalar(leaves[k])
         # Values that come from arguments or captured state are read before anything is rebound.
         early = [_read_source(s, leaves) for s in self.returns] if self.early else None
-        other = [_read_source(s, leaves) for _, s in self.sinks_other]
+        other = [_read_source(s, leaves) for _, s in self.sinks_other] if self.sinks_other else None
         vals: list[Value | None] = []
         graph = self.graph
         if graph is not None:
@@ -509,8 +540,10 @@ class _Replay:
             dev._executor.execute(
                 graph, self.gid, Call(tuple(ins), tuple(binds), tuple(range(base, base + n)))
             )
-            keep, specs = self.keep, self.out_specs
-            vals = [Value(dev, base + j, None, specs[j]) if keep[j] else None for j in range(n)]
+            specs = self.out_specs
+            vals = [None] * n
+            for j in self.kept:
+                vals[j] = Value(dev, base + j, None, specs[j])
             for t, j in self.sinks_cap:
                 t._v = vals[j]  # type: ignore[assignment]
             for ref, j in self.sinks_weak:
@@ -518,11 +551,15 @@ class _Replay:
                 if w is not None:
                     w._v = vals[j]  # type: ignore[assignment]
             if self.drop:
-                dev._dropped.extend(base + j for j in self.drop)
-        for (target, s), read in zip(self.sinks_other, other, strict=True):
-            _assign(target, vals[s[1]] if read is None else read, leaves)
+                dev._dropped += [base + j for j in self.drop]
+        if other is not None:
+            for (target, s), read in zip(self.sinks_other, other, strict=True):
+                _assign(target, vals[s[1]] if read is None else read, leaves)
         dev._jit_replays += 1
-        dev._send_drops()
+        if dev._dropped:
+            dev._send_drops()
+        if self.single_out is not None:
+            return Tensor(vals[self.single_out])  # type: ignore[arg-type]
         return self.result(leaves, vals, early)
 
     def result(self, leaves: list[Any], vals: list[Value | None], early: list[Any] | None) -> Any:
@@ -559,6 +596,8 @@ def _assign(target: Source, v: Value | None, leaves: list[Any]) -> None:
     kind, x = target
     if kind == "arg":
         leaves[x]._v = v
+    elif kind == "arg_grad":  # the call's tensor argument gets a new .grad, as backward gives it
+        leaves[x].grad = Tensor(v)  # type: ignore[arg-type]
     elif kind == "cap":
         x._v = v
     else:
@@ -610,6 +649,7 @@ def _finish(trace: _Trace, result: Any, name: str) -> tuple[_Replay, Any]:
             now.append(x)
     replay.early = any(s[0] in ("arg", "cap", "const") for s in replay.returns)
     sunk: set[int] = set()
+    arg_grads = _sink_argument_grads(replay, trace, out_of, name)
     for t, first in trace.seen.values():  # state rebound in place during the call
         if t._v is not first:
             k = trace.arg_ids.get(id(t))
@@ -617,7 +657,7 @@ def _finish(trace: _Trace, result: Any, name: str) -> tuple[_Replay, Any]:
             sunk.add(id(t._v))
     for ref in trace.made:  # tensors made during the call that something still holds
         c = ref()
-        if c is not None and isinstance(c._v, Value) and c._v.dev is dev:
+        if c is not None and isinstance(c._v, Value) and c._v.dev is dev and id(c) not in arg_grads:
             src = trace.source(c._v, out_of)
             if src[0] != "const":
                 replay.add_sink(("weak", ref), src)
@@ -626,6 +666,25 @@ def _finish(trace: _Trace, result: Any, name: str) -> tuple[_Replay, Any]:
         _sink_unseen(replay, trace.captured[2], sunk | {id(x) for x in kept})
     replay.done()
     return replay, _build_result(tree, now, [0])
+
+
+def _sink_argument_grads(replay: _Replay, trace: _Trace, out_of: dict[int, int], name: str) -> set[int]:
+    """A tensor argument's new `.grad` goes to that argument of each call (not to the traced call's
+    tensor); accumulating into a `.grad` it had before cannot follow the argument, so it is refused.
+    Returns the ids of those gradient tensors."""
+    grads: set[int] = set()
+    for k, (x, before) in trace.arg_grads.items():
+        g = x.grad
+        if before is not None and id(before) in trace.seen:
+            raise JitError(
+                f"emberlink.jit({name}): backward() added into the .grad of tensor argument {k}, "
+                "which a replay cannot do for another call's tensor; set its .grad to None before "
+                "the call, or use the tensor from the enclosing scope instead of passing it in"
+            )
+        if g is not None and g is not before:
+            replay.add_sink(("arg_grad", k), trace.source(g._v, out_of))
+            grads.add(id(g))
+    return grads
 
 
 def _sink_unseen(replay: _Replay, values: list[Value], known: set[int]) -> None:
@@ -730,6 +789,8 @@ class Jitted(Generic[P, R]):
                     trace.arg_bufs.setdefault(x._v.buf, k)  # type: ignore[arg-type]
                     trace.arg_ids[id(x)] = k
                     trace.seen.setdefault(id(x), (x, x._v))
+                    if x._rg:
+                        trace.arg_grads[k] = (x, x.grad)
 
             def mark(x: Any) -> Any:
                 k = counter[0] - 1

@@ -440,3 +440,47 @@ def test_an_unhashable_argument_is_a_type_error_that_names_the_fix(dev: Device) 
         f(np.ones(3))
     with pytest.raises(TypeError, match="set"):
         f({1, 2})
+
+
+def test_a_tensor_argument_gets_its_own_gradient_at_every_call(dev: Device) -> None:
+    w = dev.tensor([[1.0, -2.0], [0.5, 3.0]])
+
+    def saliency(x: el.Tensor) -> el.Tensor:
+        loss = (x @ w).square().sum()
+        loss.backward()
+        return loss
+
+    step = el.jit(saliency)
+    for i in range(4):
+        x, ref = dev.tensor([[float(i), 1.0]]), dev.tensor([[float(i), 1.0]])
+        x.requires_grad = ref.requires_grad = True
+        step(x)
+        saliency(ref)
+        assert x.grad is not None and ref.grad is not None
+        np.testing.assert_array_equal(x.grad.numpy(), ref.grad.numpy())
+
+
+def test_accumulating_into_a_tensor_arguments_grad_is_refused(dev: Device) -> None:
+    @el.jit
+    def f(x: el.Tensor) -> el.Tensor:
+        loss = (x * x).sum()
+        loss.backward()
+        return loss
+
+    x = dev.tensor([1.0, 2.0])
+    x.requires_grad = True
+    f(x)  # .grad None: eager
+    f(x)  # .grad set: another signature, eager
+    with pytest.raises(el.JitError, match=r"\.grad of tensor argument 0"):
+        f(x)  # its trace would add into this tensor's .grad
+
+
+def test_keyword_arguments_are_part_of_the_signature(dev: Device) -> None:
+    @el.jit
+    def f(x: el.Tensor, *, scale: float = 1.0, bias: el.Tensor | None = None) -> el.Tensor:
+        return x * scale if bias is None else x * scale + bias
+
+    x, b = dev.tensor([1.0, 2.0]), dev.tensor([10.0, 20.0])
+    for i in range(3):
+        np.testing.assert_array_equal(f(x, scale=float(i)).numpy(), [1.0 * i, 2.0 * i])
+        np.testing.assert_array_equal(f(x, scale=float(i), bias=b).numpy(), [10.0 + i, 20.0 + 2 * i])
