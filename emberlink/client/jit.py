@@ -664,6 +664,7 @@ def _finish(trace: _Trace, result: Any, name: str) -> tuple[_Replay, Any]:
                 sunk.add(id(c._v))
     if trace.captured is not None:
         _sink_unseen(replay, trace.captured[2], sunk | {id(x) for x in kept})
+        _check_not_replaced(replay, trace, name)
     replay.done()
     return replay, _build_result(tree, now, [0])
 
@@ -685,6 +686,29 @@ def _sink_argument_grads(replay: _Replay, trace: _Trace, out_of: dict[int, int],
             replay.add_sink(("arg_grad", k), trace.source(g._v, out_of))
             grads.add(id(g))
     return grads
+
+
+def _check_not_replaced(replay: _Replay, trace: _Trace, name: str) -> None:
+    """Refuse a trace that reads a tensor nothing but the trace holds any more: the function replaced
+    it by a new Tensor object (`self.ema = self.ema * 0.9 + x`), and every replay would read the old one."""
+    caps = {id(t): t for _, t, _ in replay.in_caps}
+    if not caps:
+        return
+    ours = {id(x) for x in (*trace.seen.values(), *trace.bufs.values(), *replay.in_caps)}
+    ours |= {id(trace.seen), id(trace.bufs), id(replay.in_caps), id(caps)}
+    held: set[int] = set()
+    for r in gc.get_referrers(*caps.values()):
+        if id(r) not in ours:
+            held.update(id(x) for x in gc.get_referents(r) if id(x) in caps)
+    lost = [t for k, t in caps.items() if k not in held]
+    if lost:
+        t = lost[0]
+        raise JitError(
+            f"emberlink.jit({name}): the function reads a {t.dtype}{list(t.shape)} tensor that nothing "
+            "holds after the call: it was replaced by a new Tensor object (e.g. `self.ema = self.ema * "
+            "0.9 + x`), and every replay would read the old one. Update it in place, as the "
+            "optimizers do (`t._v = new._v`)"
+        )
 
 
 def _sink_unseen(replay: _Replay, values: list[Value], known: set[int]) -> None:

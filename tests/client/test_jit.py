@@ -484,3 +484,20 @@ def test_keyword_arguments_are_part_of_the_signature(dev: Device) -> None:
     for i in range(3):
         np.testing.assert_array_equal(f(x, scale=float(i)).numpy(), [1.0 * i, 2.0 * i])
         np.testing.assert_array_equal(f(x, scale=float(i), bias=b).numpy(), [10.0 + i, 20.0 + 2 * i])
+
+
+def test_state_replaced_by_a_new_tensor_object_is_refused(dev: Device) -> None:
+    class Average:
+        def __init__(self) -> None:
+            self.value = dev.zeros(2)
+
+    avg = Average()
+
+    @el.jit
+    def update(x: el.Tensor) -> el.Tensor:
+        avg.value = avg.value * 0.5 + x  # a new object: a replay would keep reading the old one
+        return avg.value
+
+    update(dev.ones(2))
+    with pytest.raises(el.JitError, match="replaced by a new Tensor object"):
+        update(dev.ones(2))
