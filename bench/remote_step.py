@@ -128,13 +128,25 @@ def transfer_gbps(dev: el.Device, total: int) -> tuple[float, float]:
     return up, down
 
 
-def mlp_ms(dev: el.Device, steps: int, jitted: bool = False) -> float:
-    model = (local_step.JitMLP if jitted else local_step.EmberlinkMLP)(dev)
+def mlp_ms(cpu: el.Device, dev: el.Device, dev_jit: el.Device, steps: int) -> dict[str, float]:
+    """Median ms of the MLP step, eager and jitted, on Device.cpu() and remote (eager and jit each
+    in its own session, so each step can go as a Repeat of its own previous one); the four sides
+    take turns every few steps, so the machine's load hits them alike."""
+    sides = {
+        "mlp_cpu": local_step.EmberlinkMLP(cpu),
+        "mlp": local_step.EmberlinkMLP(dev),
+        "mlp_jit_cpu": local_step.JitMLP(cpu),
+        "mlp_jit": local_step.JitMLP(dev_jit),
+    }
     batches = local_step._batches(4)
-    times: list[float] = []
-    local_step._time(model.step, batches, 5, [])  # warm-up: graphs built and registered
-    local_step._time(model.step, batches, steps, times)
-    return statistics.median(times) * 1e3
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for model in sides.values():  # warm-up: graphs built and registered, jit traced
+        local_step._time(model.step, batches, 5, [])
+    block = 5
+    for _ in range(max(1, steps // block)):
+        for k, model in sides.items():
+            local_step._time(model.step, batches, block, times[k])
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 # -- what bounds the tiny step ------------------------------------------------------------------------
@@ -167,6 +179,7 @@ def main() -> None:
         client.save(key)
         with (worker_process if args.worker == "process" else worker_thread)(client) as ticket:
             dev = el.Device.remote(ticket, key=str(key))
+            dev_jit = el.Device.remote(ticket, key=str(key))
             cpu = el.Device.cpu()
             rows: dict[str, list[float]] = {
                 k: []
@@ -201,10 +214,8 @@ def main() -> None:
                     rows[row].append(us)
                 rows["tiny"].append(median_us(tiny_step(dev), n))
                 rows["tiny_jit"].append(median_us(jit_tiny_step(dev), n))
-                rows["mlp_cpu"].append(mlp_ms(cpu, steps))
-                rows["mlp"].append(mlp_ms(dev, steps))
-                rows["mlp_jit_cpu"].append(mlp_ms(cpu, steps, jitted=True))
-                rows["mlp_jit"].append(mlp_ms(dev, steps, jitted=True))
+                for row, ms in mlp_ms(cpu, dev, dev_jit, steps).items():
+                    rows[row].append(ms)
                 up, down = loop.call(bare.grpc_bare_stream(total))
                 bare_up.append(up)
                 bare_down.append(down)
@@ -216,6 +227,7 @@ def main() -> None:
                 rows["down"].append(down)
             stats = dev.stats()
             dev.close()
+            dev_jit.close()
             cpu.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
     b_up, b_down = statistics.median(bare_up), statistics.median(bare_down)
@@ -247,6 +259,10 @@ def main() -> None:
     print(
         f"| MLP step jit vs the same jitted on Device.cpu(), median ms "
         f"| {med['mlp_jit']:.2f} | {med['mlp_jit_cpu']:.2f} | {med['mlp_jit'] / med['mlp_jit_cpu']:.2f}x | – |"
+    )
+    print(
+        f"| MLP step jit vs the same eager, both remote, median ms "
+        f"| {med['mlp_jit']:.2f} | {med['mlp']:.2f} | {med['mlp_jit'] / med['mlp']:.2f}x | – |"
     )
     for what, ours, one, two in (
         ("upload", med["up"], b_up, p_up),
