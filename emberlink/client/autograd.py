@@ -105,7 +105,7 @@ def backward(root: Tensor, gradient: Tensor | None = None) -> None:
 
 def _accumulate(leaf: Tensor, g: Tensor) -> None:
     # In place, as torch does: `.grad` keeps its Tensor object, so a step replayed by emberlink.jit
-    # that accumulates into it reads and rebinds the same object (client/jit.py). Each leaf gets
+    # that accumulates into it reads and rebinds the same object (client/trace.py). Each leaf gets
     # its own object, since a rule may hand one gradient to several inputs.
     if leaf.grad is None:
         leaf.grad = g.detach()

@@ -127,7 +127,7 @@ class Device:
         self._flushes = 0
         self._outputs_kept = 0
         self._nodes_recorded = 0
-        # emberlink.jit (client/jit.py): the trace that takes the next segment's graph, and replays.
+        # emberlink.jit (client/trace.py): the trace that takes the next segment's graph; replays.
         self._jit_sink: Callable[[_Memo, Call, list[Value]], Call] | None = None
         self._jit_replays = 0
         self._new_segment()
@@ -287,7 +287,7 @@ class Device:
         self._flushes += 1
         self._outputs_kept += len(values)
         call = Call(inputs, bindings, tuple(range(base, base + len(values))))
-        if self._jit_sink is not None:  # emberlink.jit's trace keeps this graph (client/jit.py)
+        if self._jit_sink is not None:  # emberlink.jit's trace keeps this graph (client/trace.py)
             call = self._jit_sink(memo, call, values)
         self._executor.execute(memo.graph, memo.gid, call)
 

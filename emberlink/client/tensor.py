@@ -32,14 +32,17 @@ Spec = tuple[str, tuple[int, ...]]
 _KIND = {bool: "bool", int: "int", float: "float"}
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
-# -- emberlink.jit hooks (client/jit.py); kept here in one place so they can move as a unit --------
+# -- emberlink.jit hooks (client/jit.py, client/trace.py); kept here in one place so they can move as a
+# unit. Besides these: one `JIT_TRACE` check each in `apply`, `create` and `Tensor.__init__`, one
+# TracedScalar case in `scalar()`, and `_kind` where a binding's kind is looked up.
 JIT_TRACE: Any = None
-"""The `emberlink.jit` call being traced (or run eagerly under its rules) now, else None. `apply`
-and `Tensor.__init__` check it once each; only while it is set do they report to it."""
+"""The `trace.Trace` of the `emberlink.jit` call being traced (or run eagerly under its rules) now,
+else None. `apply`, `create` and `Tensor.__init__` check it once each and report to it only while
+it is set."""
 
 
 class TracedScalar:
-    """Base of emberlink.jit's scalar arguments (client/jit.py): a float or int subclass that,
+    """Base of emberlink.jit's scalar arguments (client/trace.py): a float or int subclass that,
     while its trace runs, `scalar()` keeps as it is, so it is recorded as a binding jit can name;
     outside its trace, `scalar()` turns it into a plain number."""
 
