@@ -5,7 +5,7 @@
     x = dev.tensor([[1.0, 2.0], [3.0, 4.0]])
     print((x @ x.T).sum().item())
 
-Public API: `Device`, `Tensor`, `nn`, `optim`, `no_grad`, `errors` (and its exception classes),
+Public API: `Device`, `Tensor`, `nn`, `optim`, `no_grad`, `jit`, `errors` (and its exception classes),
 `data.DataLoader`, `ArrayFuture` (what `Tensor.read_async()` returns),
 plus Array-API-style functions (`el.exp`, `el.concat`, `el.where`, ...).
 """
@@ -75,6 +75,7 @@ from emberlink.client.functions import (
     where,
 )
 from emberlink.client.future import ArrayFuture
+from emberlink.client.jit import jit
 from emberlink.client.tensor import Tensor
 from emberlink.errors import (
     AuthError,
@@ -85,6 +86,7 @@ from emberlink.errors import (
     EmberlinkError,
     ExecutionError,
     GoingAway,
+    JitError,
     OutOfMemory,
     ProtocolError,
     QuotaExceeded,
@@ -108,6 +110,7 @@ __all__ = [
     "EmberlinkError",
     "ExecutionError",
     "GoingAway",
+    "JitError",
     "OutOfMemory",
     "ProtocolError",
     "QuotaExceeded",
@@ -143,6 +146,7 @@ __all__ = [
     "isfinite",
     "isinf",
     "isnan",
+    "jit",
     "less",
     "less_equal",
     "load",

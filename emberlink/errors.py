@@ -50,6 +50,11 @@ class DeviceError(EmberlinkError):
     """A local device problem: no CUDA, unknown device, an op on a closed device."""
 
 
+class JitError(EmberlinkError, RuntimeError):
+    """A function compiled with `emberlink.jit` did something a replay cannot repeat: it read a
+    tensor's value, flushed or synced a device, or used tensors of several devices."""
+
+
 class ProtocolError(EmberlinkError):
     """A message is malformed, oversized, of the wrong version, or sent out of turn."""
 
@@ -146,6 +151,7 @@ __all__ = [
     "ErrorCode",
     "ExecutionError",
     "GoingAway",
+    "JitError",
     "OutOfMemory",
     "ProtocolError",
     "QuotaExceeded",
