@@ -44,7 +44,10 @@ OperandFn = Callable[[Sequence[TensorSpec]], str]
 Elementwise = Callable[..., Any]
 """`(xp, *operands, out=None) -> array`: an elementwise op's meaning over array module `xp`
 (NumPy or CuPy), on operands already brought to the op's operand dtype."""
-Attrs = Mapping[str, AttrValue] | Iterable[tuple[str, AttrValue]]
+Attrs = Mapping[str, object] | Iterable[tuple[str, object]]
+"""Attrs as a caller gives them: any values, each checked at run time by `check_attrs` (a plain
+dict literal of mixed values is welcome; a value of the wrong type is a DTypeError, not a mypy
+error far from the op that explains it)."""
 
 MAX_VARIADIC = 64
 """Most inputs of `concat` and `stack`."""
