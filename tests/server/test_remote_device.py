@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 
 import emberlink as el
 from emberlink.client import remote
-from emberlink.client.executor import Call
+from emberlink.client.executor import Call, DeviceStats
 from emberlink.errors import AuthError, ExecutionError, GoingAway, QuotaExceeded, WorkerLost
 from emberlink.graph_replay.canonical import encode_graph, graph_id
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
@@ -109,6 +110,18 @@ def test_stats_report_the_path_and_the_worker_answers_memory_stats(worker: InPro
             "graph_cache_misses",
         ):
             assert key in stats
+
+
+def test_device_stats_hold_only_the_declared_keys_with_their_declared_types(
+    worker: InProcessWorker,
+) -> None:
+    declared = typing.get_type_hints(DeviceStats)
+    for dev in (el.Device.cpu(), memory_device(worker)):
+        with dev:
+            float(dev.tensor([1.0, 2.0]).sum())
+            stats = dev.stats()
+        assert DeviceStats.__required_keys__ <= stats.keys() <= declared.keys(), (dev, stats)
+        assert all(isinstance(v, declared[k]) for k, v in stats.items()), (dev, stats)
 
 
 @pytest.mark.parametrize("make_device", TRANSPORTS)
