@@ -12,7 +12,7 @@ it to a new value, which is how forward, backward and the update of a step becom
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import numpy as np
 
@@ -495,10 +495,20 @@ class Tensor:
     def __ror__(self, o: object) -> Tensor:
         return _binop("logical_or", o, self)
 
-    def __eq__(self, o: object) -> Tensor:  # type: ignore[override]
+    # Against a tensor or a scalar `==` and `!=` are ops; against anything else Python falls back
+    # to identity and gives a bool (so `t == None` is False and `t in [None]` works).
+    @overload  # type: ignore[override]
+    def __eq__(self, o: Tensor | Scalar | np.generic) -> Tensor: ...
+    @overload
+    def __eq__(self, o: object) -> Tensor | bool: ...
+    def __eq__(self, o: object) -> Tensor | bool:
         return _binop("equal", self, o)
 
-    def __ne__(self, o: object) -> Tensor:  # type: ignore[override]
+    @overload  # type: ignore[override]
+    def __ne__(self, o: Tensor | Scalar | np.generic) -> Tensor: ...
+    @overload
+    def __ne__(self, o: object) -> Tensor | bool: ...
+    def __ne__(self, o: object) -> Tensor | bool:
         return _binop("not_equal", self, o)
 
     def __lt__(self, o: object) -> Tensor:
