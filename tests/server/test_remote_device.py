@@ -32,6 +32,13 @@ DeviceMaker = Callable[[InProcessWorker], el.Device]
 TRANSPORTS = [pytest.param(memory_device, id="memory"), pytest.param(grpc_device, id="grpc")]
 
 
+def buffer_of(t: el.Tensor) -> int:
+    """The buffer id of a flushed tensor (a pending one has none yet)."""
+    buf = t._v.buf
+    assert buf is not None, "the tensor is not flushed"
+    return buf
+
+
 def mlp_losses(dev: el.Device, steps: int, seed: int = 0) -> list[float]:
     """A small MLP trained with Adam on fixed random data; the loss of every step."""
     nn = el.nn
@@ -161,7 +168,7 @@ def test_async_reads_overlap_and_resolve_in_any_order(worker: InProcessWorker) -
     with grpc_device(worker) as dev:
         xs = [dev.tensor(np.full(4, i, np.float32)) * 2.0 for i in range(10)]
         dev.flush()
-        futures = [executor_of(dev).read(x._v.buf) for x in xs]
+        futures = [executor_of(dev).read(buffer_of(x)) for x in xs]
         for i, f in reversed(list(enumerate(futures))):
             np.testing.assert_array_equal(f.result(timeout=10), np.full(4, 2 * i, np.float32))
 
@@ -295,7 +302,7 @@ def test_draining_finishes_queued_work_then_ends_sessions_going_away(worker: InP
         received = session.bytes_in
         y = x * 2.0
         dev.flush()
-        pending = executor_of(dev).read(y._v.buf)
+        pending = executor_of(dev).read(buffer_of(y))
         # The batch is queued behind the held device thread when the drain starts.
         deadline = time.monotonic() + 10
         while session.bytes_in == received and time.monotonic() < deadline:
