@@ -39,7 +39,8 @@ class _CommonStats(TypedDict):
 # Optional keys by totality, not NotRequired: under `from __future__ import annotations` Python
 # 3.11 counts a NotRequired key as required at run time.
 class ExecutorStats(_CommonStats, total=False):
-    """An executor's counters: the common ones and its kind's own (a test checks what each reports)."""
+    """An executor's counters: the common ones and its kind's own (tests/server/test_remote_device.py
+    checks that a local and a remote device report only these keys, each of its type)."""
 
     backend: str  # local: the backend's name
     captured_replays: int  # local: replays run as one captured CUDA graph

@@ -69,7 +69,7 @@ class Counters:
     graph_cache_misses: int = 0
 
     def as_dict(self) -> ExecutorStats:
-        # Each field is a key of ExecutorStats with its type (a test checks what dev.stats() holds).
+        # Each field is a key of ExecutorStats of its type (checked by a test, see ExecutorStats).
         return cast(ExecutorStats, {name: getattr(self, name) for name in self.__dataclass_fields__})
 
 

@@ -45,9 +45,8 @@ Elementwise = Callable[..., Any]
 """`(xp, *operands, out=None) -> array`: an elementwise op's meaning over array module `xp`
 (NumPy or CuPy), on operands already brought to the op's operand dtype."""
 Attrs = Mapping[str, object] | Iterable[tuple[str, object]]
-"""Attrs as a caller gives them: any values, each checked at run time by `check_attrs` (a plain
-dict literal of mixed values is welcome; a value of the wrong type is a DTypeError, not a mypy
-error far from the op that explains it)."""
+"""Attrs as a caller gives them, of any values: `check_attrs` checks each at run time (a DTypeError
+naming the op and the attr), so a plain dict literal of mixed values is accepted as it is."""
 
 MAX_VARIADIC = 64
 """Most inputs of `concat` and `stack`."""
