@@ -23,7 +23,7 @@ import numpy as np
 from emberlink.client import segment
 from emberlink.client import tensor as _tensor
 from emberlink.client.dtypes import DEFAULT_FLOAT, DEFAULT_INT, dtype_name, scalar_dtype
-from emberlink.client.executor import Call, Executor
+from emberlink.client.executor import Call, DeviceStats, Executor
 from emberlink.client.future import ArrayFuture
 from emberlink.client.tensor import Scalar, Tensor, TensorDevice, create, norm_shape, scalar
 from emberlink.client.value import Spec, Value
@@ -296,24 +296,23 @@ class Device:
         self.flush()
         self._executor.sync()
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> DeviceStats:
         """Counters: the executor's (bytes_sent, bytes_received, round_trips, graphs_registered,
         graph_replays, ...) and this client's: graphs_built (segments whose graph was new),
         graph_memo_hits (segments that reused one), flushes (graphs sent), outputs_kept (values
         materialized by flushes), nodes_recorded (flushed so far), pending_nodes, and jit_replays
         (calls of `emberlink.jit` functions that replayed a trace: no recording, no flush).
         """
-        out = dict(self._executor.stats())
-        out.update(
-            graphs_built=self._graphs_built,
-            graph_memo_hits=self._memo_hits,
-            flushes=self._flushes,
-            outputs_kept=self._outputs_kept,
-            nodes_recorded=self._nodes_recorded,
-            pending_nodes=len(self._entries),
-            jit_replays=self._jit_replays,
-        )
-        return out
+        return {
+            **self._executor.stats(),
+            "graphs_built": self._graphs_built,
+            "graph_memo_hits": self._memo_hits,
+            "flushes": self._flushes,
+            "outputs_kept": self._outputs_kept,
+            "nodes_recorded": self._nodes_recorded,
+            "pending_nodes": len(self._entries),
+            "jit_replays": self._jit_replays,
+        }
 
     def memory_stats(self) -> dict[str, int]:
         """in_use_bytes, peak_bytes and pool_bytes of the memory holding this device's tensors, with

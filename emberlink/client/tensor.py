@@ -12,7 +12,7 @@ it to a new value, which is how forward, backward and the update of a step becom
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from emberlink.client.autograd import (
     GradNode,
 )
 from emberlink.client.dtypes import dtype_name
+from emberlink.client.executor import DeviceStats
 from emberlink.client.future import ArrayFuture
 from emberlink.client.value import Spec, Value
 from emberlink.errors import DeviceError, DTypeError, ShapeError
@@ -84,7 +85,7 @@ class TensorDevice(Protocol):
     def flush(self) -> None: ...
     def sync(self) -> None: ...
     def close(self) -> None: ...
-    def stats(self) -> dict[str, int | str]: ...
+    def stats(self) -> DeviceStats: ...
     def memory_stats(self) -> dict[str, int]: ...
     def tensor(self, data: Any, dtype: Any = None) -> Tensor: ...
     def zeros(self, shape: Any, dtype: Any = ...) -> Tensor: ...
@@ -530,10 +531,20 @@ class Tensor:
     def __ror__(self, o: object) -> Tensor:
         return _binop("logical_or", o, self)
 
-    def __eq__(self, o: object) -> Tensor:  # type: ignore[override]
+    # Against a tensor or a scalar `==` and `!=` are ops; against anything else Python falls back
+    # to identity and gives a bool (so `t == None` is False and `t in [None]` works).
+    @overload  # type: ignore[override]
+    def __eq__(self, o: Tensor | Scalar | np.generic) -> Tensor: ...
+    @overload
+    def __eq__(self, o: object) -> Tensor | bool: ...
+    def __eq__(self, o: object) -> Tensor | bool:
         return _binop("equal", self, o)
 
-    def __ne__(self, o: object) -> Tensor:  # type: ignore[override]
+    @overload  # type: ignore[override]
+    def __ne__(self, o: Tensor | Scalar | np.generic) -> Tensor: ...
+    @overload
+    def __ne__(self, o: object) -> Tensor | bool: ...
+    def __ne__(self, o: object) -> Tensor | bool:
         return _binop("not_equal", self, o)
 
     def __lt__(self, o: object) -> Tensor:

@@ -25,7 +25,7 @@ Array = np.ndarray[Any, Any]
 
 def np_softmax(s: Array) -> Array:
     e = np.exp(s - s.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
+    return np.asarray(e / e.sum(-1, keepdims=True))
 
 
 def np_masked(s: Array, mask: Array | None, masked_if: bool) -> Array:
@@ -85,11 +85,11 @@ def np_mha(
 def np_layer_norm(x: Array, w: Array, b: Array, eps: float) -> Array:
     mu = x.mean(-1, keepdims=True)
     y = (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps)
-    return y * w + b
+    return np.asarray(y * w + b)
 
 
 def np_gelu(x: Array) -> Array:
-    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    return np.asarray(0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))))
 
 
 def np_encoder_layer(
@@ -133,6 +133,7 @@ def param_gradcheck(
     module.zero_grad()
     loss().backward()
     for name, p in module.named_parameters():
+        assert p.grad is not None, name
         base, analytic = p.numpy(), p.grad.numpy()
         numeric = np.zeros_like(base)
         with el.no_grad():
@@ -252,6 +253,7 @@ def test_mha_parameter_names_and_shapes_follow_torch_with_x_at_weight_layout() -
         "v_proj_weight": (5, 8),
         "out_proj.weight": (8, 8),
     }
+    assert mha.in_proj_bias is not None and mha.in_proj_weight is not None
     np.testing.assert_array_equal(mha.in_proj_bias.numpy(), 0)  # torch's initial values
     bound = math.sqrt(6 / 32)
     assert 0.5 * bound < np.abs(mha.in_proj_weight.numpy()).max() <= bound
@@ -340,7 +342,9 @@ def test_mha_gradients_match_finite_differences(dev: Device, rng: np.random.Gene
 
     def loss() -> el.Tensor:
         out, w = mha(*args, **kw)
-        return (out * wo).sum() + (w * ww).sum()
+        assert w is not None  # need_weights defaults to True
+        total: el.Tensor = (out * wo).sum() + (w * ww).sum()
+        return total
 
     param_gradcheck(mha, loss)
     gradcheck(dev, lambda q, k, v: mha(q, k, v, **kw)[0], *(a.numpy() for a in args))
@@ -528,8 +532,10 @@ def test_encoder_layer_matches_torch_values_and_gradients(norm_first: bool) -> N
             got = layer(ex, src_key_padding_mask=dev.tensor(kpm), is_causal=True)
             got.square().sum().backward()
             np.testing.assert_allclose(got.numpy(), want.detach().numpy(), rtol=1e-9, atol=1e-10)
+            assert ex.grad is not None and tx.grad is not None
             np.testing.assert_allclose(ex.grad.numpy(), tx.grad.numpy(), rtol=1e-8, atol=1e-9)
             for name, p in layer.named_parameters():
+                assert p.grad is not None, name
                 np.testing.assert_allclose(p.grad.numpy(), grads[name], rtol=1e-8, atol=1e-9, err_msg=name)
 
 
