@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from emberlink.client.autograd import no_grad
 from emberlink.client.dtypes import dtype_name
 from emberlink.client.tensor import Tensor, apply, norm_axis
-from emberlink.errors import ShapeError
+from emberlink.errors import DTypeError, ShapeError
+from emberlink.nn.spatial import avg_pool2d, conv2d, fold, max_pool2d, unfold
+from emberlink.protocol.dtypes import FLOAT_DTYPES
 
 _GELU_C = math.sqrt(2.0 / math.pi)
 
@@ -73,3 +76,90 @@ def dropout(x: Tensor, p: float = 0.5, *, seed: int, training: bool = True) -> T
         return x * 0.0
     keep = x.device.rand(x.shape, seed=seed, dtype=x.dtype if x.dtype != "float16" else "float32") >= p
     return apply("where", (keep, x * (1.0 / (1.0 - p)), 0))
+
+
+def batch_norm(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float | Tensor = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    """Normalize each channel (axis 1) of `input` (N, C, ...) by its statistics over every other
+    axis, then scale by `weight` and shift by `bias` (each (C,), optional), as torch's batch_norm.
+
+    training=True: the batch's mean and biased variance normalize; `running_mean` and
+    `running_var` (if given) are then updated in place, `r = r + momentum * (batch - r)`, with the
+    unbiased variance (n / (n - 1)), as torch does; the update records no gradient.
+    training=False: the running statistics normalize.
+    """
+    x = input
+    if not isinstance(x, Tensor) or x.ndim < 2:
+        raise ShapeError(f"batch_norm: needs an input (N, C, ...), got {_describe(x)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise DTypeError(f"batch_norm: needs a float input, got {x.dtype}")
+    c = x.shape[1]
+    for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight),
+                    ("bias", bias)):  # fmt: skip
+        if t is not None and (not isinstance(t, Tensor) or t.shape != (c,)):
+            raise ShapeError(f"batch_norm: {name} must be a Tensor of shape ({c},), got {_describe(t)}")
+    channel = (c,) + (1,) * (x.ndim - 2)  # broadcasts against (N, C, ...)
+    if training:
+        axes = (0, *range(2, x.ndim))
+        n = x.size // c if c else 0
+        if n <= 1:
+            raise ShapeError(
+                f"batch_norm: expected more than 1 value per channel when training, got input {x.shape}"
+            )
+        mean = x.mean(axes, keepdims=True)
+        centered = x - mean
+        var = centered.square().mean(axes, keepdims=True)
+        with no_grad():
+            if running_mean is not None:
+                _update_running(running_mean, mean.reshape(c), momentum)
+            if running_var is not None:
+                _update_running(running_var, var.reshape(c) * (n / (n - 1)), momentum)
+        scale = 1.0 / (var.reshape(channel) + eps).sqrt()
+        y = centered * (scale if weight is None else scale * weight.reshape(channel))
+        return y if bias is None else y + bias.reshape(channel)
+    if running_mean is None or running_var is None:
+        raise ShapeError("batch_norm: running_mean and running_var are needed when not training")
+    # Per-channel scale and shift first, so the full-size work is one multiply and one add.
+    scale = 1.0 / (running_var + eps).sqrt()
+    if weight is not None:
+        scale = scale * weight
+    shift = -running_mean * scale
+    if bias is not None:
+        shift = shift + bias
+    return x * scale.reshape(channel) + shift.reshape(channel)
+
+
+def _update_running(stat: Tensor, batch: Tensor, momentum: float | Tensor) -> None:
+    """`stat` (a buffer) rebound in place to its moving average with `batch` (see Module)."""
+    new = stat + (batch.astype(stat.dtype) - stat) * momentum
+    stat._v = new.astype(stat.dtype)._v
+
+
+def _describe(v: object) -> str:
+    return f"shape {v.shape}" if isinstance(v, Tensor) else f"a {type(v).__name__}"
+
+
+__all__ = [
+    "avg_pool2d",
+    "batch_norm",
+    "conv2d",
+    "cross_entropy",
+    "dropout",
+    "fold",
+    "gelu",
+    "log_softmax",
+    "max_pool2d",
+    "mse_loss",
+    "one_hot",
+    "relu",
+    "softmax",
+    "unfold",
+]
