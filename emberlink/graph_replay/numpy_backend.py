@@ -278,7 +278,8 @@ def _fold(xp: Any, args: Sequence[Any], step: Step) -> Array:
     blocks = cols.reshape(n, c, kh, kw, oh, ow).astype(acc, copy=False)
     out = xp.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=acc)
     for i, j, window in _offsets(step, (h, w)):
-        out[window] += blocks[:, :, i, j]
+        view = out[window]
+        xp.add(view, blocks[:, :, i, j], out=view)  # not `+=`: that copies the view onto itself
     if ph or pw:
         out = xp.ascontiguousarray(out[:, :, ph : ph + h, pw : pw + w])
     return out.astype(step.out_spec.dtype, copy=False)

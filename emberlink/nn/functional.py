@@ -94,7 +94,8 @@ def batch_norm(
     training=True: the batch's mean and biased variance normalize; `running_mean` and
     `running_var` (if given) are then updated in place, `r = r + momentum * (batch - r)`, with the
     unbiased variance (n / (n - 1)), as torch does; the update records no gradient.
-    training=False: the running statistics normalize.
+    training=False: the running statistics normalize. The result has the input's dtype (float16
+    activations with float32 statistics and affine parameters stay float16).
     """
     x = input
     if not isinstance(x, Tensor) or x.ndim < 2:
@@ -123,8 +124,10 @@ def batch_norm(
             if running_var is not None:
                 _update_running(running_var, var.reshape(c) * (n / (n - 1)), momentum)
         scale = 1.0 / (var.reshape(channel) + eps).sqrt()
-        y = centered * (scale if weight is None else scale * weight.reshape(channel))
-        return y if bias is None else y + bias.reshape(channel)
+        if weight is not None:
+            scale = scale * weight.reshape(channel)
+        y = centered * scale.astype(x.dtype)
+        return y if bias is None else y + bias.reshape(channel).astype(x.dtype)
     if running_mean is None or running_var is None:
         raise ShapeError("batch_norm: running_mean and running_var are needed when not training")
     # Per-channel scale and shift first, so the full-size work is one multiply and one add.
@@ -134,7 +137,7 @@ def batch_norm(
     shift = -running_mean * scale
     if bias is not None:
         shift = shift + bias
-    return x * scale.reshape(channel) + shift.reshape(channel)
+    return x * scale.reshape(channel).astype(x.dtype) + shift.reshape(channel).astype(x.dtype)
 
 
 def _update_running(stat: Tensor, batch: Tensor, momentum: float | Tensor) -> None:

@@ -638,3 +638,17 @@ def test_batch_norm_matches_torch_on_cuda() -> None:
         torch.nn.functional.batch_norm(torch.tensor(x, device="cuda"), tm, tv, training=True, momentum=0.3)
         np.testing.assert_allclose(ours_m.numpy(), tm.cpu().numpy(), rtol=1e-12)
         np.testing.assert_allclose(ours_v.numpy(), tv.cpu().numpy(), rtol=1e-12)
+
+
+def test_batch_norm_keeps_the_input_dtype_with_float32_statistics(dev: Device, rng) -> None:
+    x = rng.standard_normal((4, 2, 3, 3)).astype("float16")
+    bn = nn.BatchNorm2d(2).to(dev)  # float32 parameters and buffers
+    for mode in ("train", "eval"):
+        getattr(bn, mode)()
+        y = bn(dev.tensor(x))
+        assert y.dtype == "float16", mode
+    x64 = x.astype(np.float64)  # eval: the statistics one training step left
+    mean, var = 0.1 * x64.mean((0, 2, 3)), 0.9 + 0.1 * x64.var((0, 2, 3), ddof=1)
+    np.testing.assert_allclose(
+        y.numpy(), batch_norm_ref(x64, mean, var, None, None, 1e-5), rtol=1e-2, atol=1e-2
+    )
