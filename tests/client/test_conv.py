@@ -652,3 +652,14 @@ def test_batch_norm_keeps_the_input_dtype_with_float32_statistics(dev: Device, r
     np.testing.assert_allclose(
         y.numpy(), batch_norm_ref(x64, mean, var, None, None, 1e-5), rtol=1e-2, atol=1e-2
     )
+
+
+def test_a_checkpoint_carries_the_running_statistics(dev: Device, rng, tmp_path) -> None:
+    src = Net().to(dev)
+    x = dev.tensor(rng.standard_normal((4, 1, 8, 8)).astype("float32"))
+    src(x)  # one training step's statistics
+    el.save(src.state_dict(), tmp_path / "cnn.safetensors")
+    dst = Net().to(dev)
+    dst.load_state_dict(el.load(tmp_path / "cnn.safetensors", device=dev))
+    assert int(dst.state_dict()["bn.num_batches_tracked"]) == 1
+    np.testing.assert_array_equal(src.eval()(x).numpy(), dst.eval()(x).numpy())
