@@ -209,11 +209,8 @@ class _Pool:
         self.s = self.k if stride is None or stride == [] else pair(op, "stride", stride, 1)
         self.p = pair(op, "padding", padding, 0)
         self.d = pair(op, "dilation", dilation, 1)
-        for i in range(2):
-            if 2 * self.p[i] > self.d[i] * (self.k[i] - 1) + 1:
-                raise ShapeError(
-                    f"{op}: padding {self.p} must be at most half the (dilated) kernel size {self.k}"
-                )
+        if any(2 * self.p[i] > self.k[i] for i in range(2)):  # torch's rule, dilation aside
+            raise ShapeError(f"{op}: padding {self.p} must be at most half the kernel size {self.k}")
         h, w = x.shape[2:]
         self.out = tuple(
             _pool_size(op, size, self.k[i], self.s[i], self.p[i], self.d[i], ceil_mode)
