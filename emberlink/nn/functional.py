@@ -8,9 +8,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from emberlink.client.autograd import no_grad
 from emberlink.client.dtypes import dtype_name
 from emberlink.client.tensor import Tensor, apply, norm_axis
 from emberlink.errors import DTypeError, ShapeError
+from emberlink.nn.spatial import avg_pool2d, conv2d, fold, max_pool2d, unfold
 from emberlink.protocol.dtypes import FLOAT_DTYPES
 
 if TYPE_CHECKING:
@@ -197,3 +199,94 @@ def scaled_dot_product_attention(
         masks.append((_causal_mask(cast("Device", query.device), query.shape[-2], key.shape[-2]), True))
     weights = _attention_weights(query, key, masks, dropout_p, scale, seed, op=op)
     return weights @ value
+
+
+def batch_norm(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float | Tensor = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    """Normalize each channel (axis 1) of `input` (N, C, ...) by its statistics over every other
+    axis, then scale by `weight` and shift by `bias` (each (C,), optional), as torch's batch_norm.
+
+    training=True: the batch's mean and biased variance normalize; `running_mean` and
+    `running_var` (if given) are then updated in place, `r = r + momentum * (batch - r)`, with the
+    unbiased variance (n / (n - 1)), as torch does; the update records no gradient.
+    training=False: the running statistics normalize. The result has the input's dtype (float16
+    activations with float32 statistics and affine parameters stay float16).
+    """
+    x = input
+    if not isinstance(x, Tensor) or x.ndim < 2:
+        raise ShapeError(f"batch_norm: needs an input (N, C, ...), got {_describe(x)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise DTypeError(f"batch_norm: needs a float input, got {x.dtype}")
+    c = x.shape[1]
+    for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight),
+                    ("bias", bias)):  # fmt: skip
+        if t is not None and (not isinstance(t, Tensor) or t.shape != (c,)):
+            raise ShapeError(f"batch_norm: {name} must be a Tensor of shape ({c},), got {_describe(t)}")
+    channel = (c,) + (1,) * (x.ndim - 2)  # broadcasts against (N, C, ...)
+    if training:
+        axes = (0, *range(2, x.ndim))
+        n = x.size // c if c else 0
+        if n <= 1:
+            raise ShapeError(
+                f"batch_norm: expected more than 1 value per channel when training, got input {x.shape}"
+            )
+        mean = x.mean(axes, keepdims=True)
+        centered = x - mean
+        var = centered.square().mean(axes, keepdims=True)
+        with no_grad():
+            if running_mean is not None:
+                _update_running(running_mean, mean.reshape(c), momentum)
+            if running_var is not None:
+                _update_running(running_var, var.reshape(c) * (n / (n - 1)), momentum)
+        scale = 1.0 / (var.reshape(channel) + eps).sqrt()
+        if weight is not None:
+            scale = scale * weight.reshape(channel)
+        y = centered * scale.astype(x.dtype)
+        return y if bias is None else y + bias.reshape(channel).astype(x.dtype)
+    if running_mean is None or running_var is None:
+        raise ShapeError("batch_norm: running_mean and running_var are needed when not training")
+    # Per-channel scale and shift first, so the full-size work is one multiply and one add.
+    scale = 1.0 / (running_var + eps).sqrt()
+    if weight is not None:
+        scale = scale * weight
+    shift = -running_mean * scale
+    if bias is not None:
+        shift = shift + bias
+    return x * scale.reshape(channel).astype(x.dtype) + shift.reshape(channel).astype(x.dtype)
+
+
+def _update_running(stat: Tensor, batch: Tensor, momentum: float | Tensor) -> None:
+    """`stat` (a buffer) rebound in place to its moving average with `batch` (see Module)."""
+    new = stat + (batch.astype(stat.dtype) - stat) * momentum
+    stat._v = new.astype(stat.dtype)._v
+
+
+def _describe(v: object) -> str:
+    return f"shape {v.shape}" if isinstance(v, Tensor) else f"a {type(v).__name__}"
+
+
+__all__ = [
+    "avg_pool2d",
+    "batch_norm",
+    "conv2d",
+    "cross_entropy",
+    "dropout",
+    "fold",
+    "gelu",
+    "log_softmax",
+    "max_pool2d",
+    "mse_loss",
+    "one_hot",
+    "relu",
+    "scaled_dot_product_attention",
+    "softmax",
+    "unfold",
+]

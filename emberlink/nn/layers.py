@@ -1,4 +1,4 @@
-"""The stock layers: Linear, ReLU, GELU, Sequential, Dropout, Embedding, LayerNorm.
+"""The stock layers: Linear, ReLU, GELU, Sequential, Dropout, Embedding, LayerNorm, Flatten.
 
 Initial values are drawn on the host from a NumPy generator seeded by `seed` (default: the next
 number of a per-process counter, so one program builds the same model every run), and reach a
@@ -16,7 +16,8 @@ import numpy as np
 
 from emberlink.client.device import Device
 from emberlink.client.dtypes import dtype_name
-from emberlink.client.tensor import Tensor
+from emberlink.client.tensor import Tensor, norm_axis
+from emberlink.errors import ShapeError
 from emberlink.nn import functional as F
 from emberlink.nn.module import Module, Parameter
 
@@ -110,6 +111,27 @@ class Sequential(Module):
 
     def __iter__(self) -> Iterator[Module]:
         return iter(list(self.__dict__["_modules"].values()))
+
+
+class Flatten(Module):
+    """Axes `start_dim` to `end_dim` (inclusive, negative from the end) merged into one (torch's
+    Flatten: by default everything but the batch axis)."""
+
+    def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
+        super().__init__()
+        self.start_dim, self.end_dim = start_dim, end_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        start = norm_axis("Flatten", self.start_dim, max(x.ndim, 1))
+        end = norm_axis("Flatten", self.end_dim, max(x.ndim, 1))
+        if x.ndim == 0:
+            return x.reshape(1)
+        if start > end:
+            raise ShapeError(f"Flatten: start_dim {self.start_dim} comes after end_dim {self.end_dim}")
+        return x.reshape(*x.shape[:start], math.prod(x.shape[start : end + 1]), *x.shape[end + 1 :])
+
+    def __repr__(self) -> str:
+        return f"Flatten(start_dim={self.start_dim}, end_dim={self.end_dim})"
 
 
 class Dropout(Module):
