@@ -6,11 +6,12 @@
     print((x @ x.T).sum().item())
 
 Public API: `Device`, `Tensor`, `nn`, `optim`, `no_grad`, `errors` (and its exception classes),
-`data.DataLoader`, `ArrayFuture` (what `Tensor.read_async()` returns),
+`data.DataLoader`, `ArrayFuture` (what `Tensor.read_async()` returns), `save`/`load`,
+`onnx.export` (needs the `onnx` package on first use only),
 plus Array-API-style functions (`el.exp`, `el.concat`, `el.where`, ...).
 """
 
-from emberlink import data, errors, nn, optim
+from emberlink import data, errors, nn, onnx, optim
 from emberlink.checkpoint import load, save
 from emberlink.client.autograd import no_grad
 from emberlink.client.device import Device
@@ -84,6 +85,7 @@ from emberlink.errors import (
     DTypeError,
     EmberlinkError,
     ExecutionError,
+    ExportError,
     GoingAway,
     OutOfMemory,
     ProtocolError,
@@ -107,6 +109,7 @@ __all__ = [
     "DeviceError",
     "EmberlinkError",
     "ExecutionError",
+    "ExportError",
     "GoingAway",
     "OutOfMemory",
     "ProtocolError",
@@ -162,6 +165,7 @@ __all__ = [
     "nn",
     "no_grad",
     "not_equal",
+    "onnx",
     "optim",
     "permute_dims",
     "pow",
