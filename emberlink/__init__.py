@@ -5,7 +5,7 @@
     x = dev.tensor([[1.0, 2.0], [3.0, 4.0]])
     print((x @ x.T).sum().item())
 
-Public API: `Device`, `Tensor`, `nn`, `optim`, `no_grad`, `errors` (and its exception classes),
+Public API: `Device`, `Tensor`, `nn`, `optim`, `no_grad`, `jit`, `errors` (and its exception classes),
 `data.DataLoader`, `ArrayFuture` (what `Tensor.read_async()` returns), `save`/`load`,
 `onnx.export` (needs the `onnx` package on first use only),
 plus Array-API-style functions (`el.exp`, `el.concat`, `el.where`, ...).
@@ -76,6 +76,7 @@ from emberlink.client.functions import (
     where,
 )
 from emberlink.client.future import ArrayFuture
+from emberlink.client.jit import jit
 from emberlink.client.tensor import Tensor
 from emberlink.errors import (
     AuthError,
@@ -87,6 +88,7 @@ from emberlink.errors import (
     ExecutionError,
     ExportError,
     GoingAway,
+    JitError,
     OutOfMemory,
     ProtocolError,
     QuotaExceeded,
@@ -111,6 +113,7 @@ __all__ = [
     "ExecutionError",
     "ExportError",
     "GoingAway",
+    "JitError",
     "OutOfMemory",
     "ProtocolError",
     "QuotaExceeded",
@@ -146,6 +149,7 @@ __all__ = [
     "isfinite",
     "isinf",
     "isnan",
+    "jit",
     "less",
     "less_equal",
     "load",

@@ -56,6 +56,11 @@ class DeviceError(EmberlinkError):
     """A local device problem: no CUDA, unknown device, an op on a closed device."""
 
 
+class JitError(EmberlinkError, RuntimeError):
+    """A function compiled with `emberlink.jit` did something a replay cannot repeat: it read a
+    tensor's value, flushed or synced a device, or used tensors of several devices."""
+
+
 class ProtocolError(EmberlinkError):
     """A message is malformed, oversized, of the wrong version, or sent out of turn."""
 
@@ -153,6 +158,7 @@ __all__ = [
     "ExecutionError",
     "ExportError",
     "GoingAway",
+    "JitError",
     "OutOfMemory",
     "ProtocolError",
     "QuotaExceeded",

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from emberlink.client import paths
-from emberlink.client.executor import Call
+from emberlink.client.executor import Call, ExecutorStats
 from emberlink.client.session import ClientSession, Counters, Flow
 from emberlink.errors import (
     AuthError,
@@ -365,7 +365,7 @@ class RemoteExecutor:
     def sync(self) -> None:
         self._request(m.Sync).result()
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> ExecutorStats:
         out = self.counters.as_dict()
         out["worker"] = self.worker_node_id
         return out

@@ -44,7 +44,9 @@ OperandFn = Callable[[Sequence[TensorSpec]], str]
 Elementwise = Callable[..., Any]
 """`(xp, *operands, out=None) -> array`: an elementwise op's meaning over array module `xp`
 (NumPy or CuPy), on operands already brought to the op's operand dtype."""
-Attrs = Mapping[str, AttrValue] | Iterable[tuple[str, AttrValue]]
+Attrs = Mapping[str, object] | Iterable[tuple[str, object]]
+"""Attrs as a caller gives them, of any values: `check_attrs` checks each at run time (a DTypeError
+naming the op and the attr), so a plain dict literal of mixed values is accepted as it is."""
 
 MAX_VARIADIC = 64
 """Most inputs of `concat` and `stack`."""

@@ -27,6 +27,17 @@ def _rng(seed: int | None) -> np.random.Generator:
     return np.random.default_rng(next(_SEEDS) if seed is None else seed)
 
 
+def module_seed(seed: int | None) -> int:
+    """A dropout-bearing module's base seed: `seed`, or the next number of the per-process counter."""
+    return (next(_SEEDS) if seed is None else seed) % (1 << 30)
+
+
+def call_seed(base: int, call: int) -> int:
+    """The dropout seed of call number `call` of the module with base seed `base` (a binding, so
+    the graph is the same every step; distinct across modules and calls)."""
+    return (base << 32) + call
+
+
 def _place(module: Module, device: Device | None) -> None:
     if device is not None:
         module.to(device)
@@ -104,7 +115,7 @@ class Sequential(Module):
 class Dropout(Module):
     """Zeroes each element with probability `p` while training (identity in eval mode).
 
-    Call `k` uses seed `seed * 2**32 + k` as a binding, so the graph is the same every step.
+    Call `k` uses seed `call_seed(seed, k)` as a binding, so the graph is the same every step.
     """
 
     def __init__(self, p: float = 0.5, *, seed: int | None = None) -> None:
@@ -112,14 +123,14 @@ class Dropout(Module):
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"Dropout: p must be in [0, 1], got {p}")
         self.p = p
-        self.seed = (next(_SEEDS) if seed is None else seed) % (1 << 30)
+        self.seed = module_seed(seed)
         self.calls = 0
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0.0:
             return x
         self.calls += 1
-        return F.dropout(x, self.p, seed=(self.seed << 32) + self.calls, training=True)
+        return F.dropout(x, self.p, seed=call_seed(self.seed, self.calls), training=True)
 
 
 class Embedding(Module):
@@ -146,13 +157,17 @@ class Embedding(Module):
 
 
 class LayerNorm(Module):
-    """Normalize over the last axes (`normalized_shape`), then scale and shift (starting 1 and 0)."""
+    """Normalize over the last axes (`normalized_shape`), then scale and shift (starting 1 and 0).
+
+    `bias=False` keeps the scale and drops the shift (torch's `bias` argument).
+    """
 
     def __init__(
         self,
         normalized_shape: int | Sequence[int],
         eps: float = 1e-5,
         elementwise_affine: bool = True,
+        bias: bool = True,
         *,
         dtype: Any = "float32",
         device: Device | None = None,
@@ -162,7 +177,7 @@ class LayerNorm(Module):
         self.normalized_shape, self.eps = shape, eps
         name = dtype_name(dtype)
         self.weight = Parameter(np.ones(shape, name)) if elementwise_affine else None
-        self.bias = Parameter(np.zeros(shape, name)) if elementwise_affine else None
+        self.bias = Parameter(np.zeros(shape, name)) if elementwise_affine and bias else None
         _place(self, device)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -170,6 +185,8 @@ class LayerNorm(Module):
         centered = x - x.mean(axes, keepdims=True)
         var = centered.square().mean(axes, keepdims=True)
         y = centered / (var + self.eps).sqrt()
-        if self.weight is not None and self.bias is not None:
-            y = y * self.weight + self.bias
+        if self.weight is not None:
+            y = y * self.weight
+        if self.bias is not None:
+            y = y + self.bias
         return y

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -124,18 +124,18 @@ class Module:
     def parameters(self) -> list[Parameter]:
         return [p for _, p in self.named_parameters()]
 
-    def to(self, device: Device) -> Module:
+    def to(self, device: Device) -> Self:
         """Move every parameter to `device` (in place: optimizers keep their references)."""
         for p in self.parameters():
             p.to_(device)
         return self
 
-    def train(self, mode: bool = True) -> Module:
+    def train(self, mode: bool = True) -> Self:
         for _, m in self.named_modules():
             object.__setattr__(m, "training", mode)
         return self
 
-    def eval(self) -> Module:
+    def eval(self) -> Self:
         return self.train(False)
 
     def zero_grad(self) -> None:
