@@ -17,8 +17,8 @@ import numpy as np
 from emberlink.client.future import ArrayFuture
 from emberlink.client.tensor import Tensor
 from emberlink.errors import EmberlinkError, ExportError
-from emberlink.onnx.batch import compare, static
-from emberlink.onnx.trace import Traced, trace
+from emberlink.onnx.batch import RECORDINGS, compare, static
+from emberlink.onnx.trace import Program, trace
 
 DEFAULT_OPSET = 18
 """The ONNX opset written (18: reductions take their axes as an input)."""
@@ -68,11 +68,11 @@ def export(
     named = _named_tensors(model)
     traced = trace(model, named, inputs)
     check_program(traced.program)
-    sym = (
-        compare(traced.program, _trace_doubled(model, named, inputs).program, inputs[0].shape[0])
-        if dynamic_batch
-        else static(traced.program)
-    )
+    if dynamic_batch:
+        programs, batches = _trace_batches(model, named, inputs)
+        sym = compare([traced.program, *programs], [inputs[0].shape[0], *batches])
+    else:
+        sym = static(traced.program)
     proto = build_model(
         traced,
         sym,
@@ -87,23 +87,30 @@ def export(
     onnx.save_model(proto, target, save_as_external_data=big, location=f"{target.name}.data")
 
 
-def _trace_doubled(
+def _trace_batches(
     model: Callable[..., Any], named: Sequence[tuple[str, Tensor, np.ndarray]], inputs: Sequence[np.ndarray]
-) -> Traced:
-    """The forward pass recorded again at twice the batch, to see which sizes follow it."""
-    batch = {x.shape[0] if x.ndim else None for x in inputs}
-    if len(batch) != 1 or None in batch or 0 in batch:
+) -> tuple[list[Program], list[int]]:
+    """The forward pass recorded at the example's batch and at its multiples, to see which sizes
+    follow it (batch.py)."""
+    sizes = {x.shape[0] if x.ndim else None for x in inputs}
+    if len(sizes) != 1 or None in sizes or 0 in sizes:
         shapes = ", ".join(str(x.shape) for x in inputs)
         raise ExportError(
             f"dynamic_batch needs inputs of one batch size > 0 along axis 0, got shapes {shapes}; "
             "export with dynamic_batch=False"
         )
-    try:
-        return trace(model, named, [np.concatenate([x, x]) for x in inputs])
-    except EmberlinkError as e:
-        raise ExportError(
-            f"the forward pass fails at twice the example's batch size ({e}); export with dynamic_batch=False"
-        ) from e
+    batch = inputs[0].shape[0]
+    programs, batches = [], []
+    for k in range(2, RECORDINGS + 1):
+        try:
+            programs.append(trace(model, named, [np.concatenate([x] * k) for x in inputs]).program)
+        except EmberlinkError as e:
+            raise ExportError(
+                f"the forward pass fails at {k} times the example's batch size ({e}); "
+                "export with dynamic_batch=False"
+            ) from e
+        batches.append(k * batch)
+    return programs, batches
 
 
 def _host_inputs(example_input: Any) -> list[np.ndarray]:

@@ -189,6 +189,55 @@ def test_language_model_on_token_ids_exports(tmp_path, dev, rng):
     check_model_export(tmp_path, dev, TinyLM(), example, other)
 
 
+class CausalEncoder(nn.Module):
+    """Two nn.TransformerEncoderLayers (post-norm ReLU, pre-norm GELU), causal, batch first."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.post = nn.TransformerEncoderLayer(dim, 4, dim_feedforward=32, batch_first=True, seed=31)
+        self.pre = nn.TransformerEncoderLayer(
+            dim, 2, dim_feedforward=24, activation="gelu", batch_first=True, norm_first=True, seed=32
+        )
+
+    def forward(self, x: el.Tensor) -> el.Tensor:
+        y: el.Tensor = self.pre(self.post(x, is_causal=True), is_causal=True)
+        return y
+
+
+class PaddedAttention(nn.Module):
+    """nn.MultiheadAttention over a padded batch: the output and the head-averaged weights."""
+
+    def __init__(self, dim: int = 12) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(dim, 3, batch_first=True, seed=41)
+
+    def forward(self, x: el.Tensor, padding: el.Tensor) -> tuple[el.Tensor, el.Tensor]:
+        out, weights = self.attention(x, x, x, key_padding_mask=padding)
+        return out, weights
+
+
+def test_transformer_encoder_layers_export(tmp_path, dev, rng):
+    example = rng.standard_normal((2, 6, 16)).astype(np.float32)
+    other = rng.standard_normal((7, 6, 16)).astype(np.float32)
+    check_model_export(tmp_path, dev, CausalEncoder(), example, other)
+
+
+def test_multihead_attention_with_a_padding_mask_exports_both_outputs(tmp_path, cpu, rng):
+    model = PaddedAttention().to(cpu).eval()
+
+    def batch(n: int) -> tuple[np.ndarray, np.ndarray]:
+        padding = np.zeros((n, 5), bool)
+        padding[:, 3:] = rng.random((n, 2)) < 0.5  # some keys of some rows are padding
+        return rng.standard_normal((n, 5, 12)).astype(np.float32), padding
+
+    export_and_check(tmp_path, model, batch(3), output_names=["out", "weights"])
+    for x, padding in (batch(3), batch(8)):
+        got = run_onnx(tmp_path / "model.onnx", x, padding)
+        want = model(cpu.tensor(x), cpu.tensor(padding))
+        for g, w in zip(got, want, strict=True):
+            assert_matches(g, w.numpy())
+
+
 def test_export_leaves_the_models_parameters_on_their_device(tmp_path, dev, rng):
     model = mlp().to(dev).eval()
     x = dev.tensor(rng.standard_normal((3, 12)).astype(np.float32))
@@ -284,11 +333,22 @@ def test_a_graph_that_changes_with_the_batch_size_needs_a_fixed_batch(tmp_path, 
     assert_matches(run_onnx(tmp_path / "model.onnx", x)[0], first_half(cpu.tensor(x)).numpy())
 
 
+def test_a_size_that_grows_faster_than_the_batch_needs_a_fixed_batch(tmp_path, cpu, rng):
+    def pairs(x: el.Tensor) -> el.Tensor:
+        return (x @ x.mT).reshape(-1)  # batch * batch values
+
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    with pytest.raises(ExportError, match="9, 36, 81 at batches 3, 6, 9: not scale"):
+        el.onnx.export(pairs, x, tmp_path / "m.onnx")
+    export_and_check(tmp_path, pairs, [x], dynamic_batch=False)
+    assert_matches(run_onnx(tmp_path / "model.onnx", x)[0], pairs(cpu.tensor(x)).numpy())
+
+
 def test_a_model_that_fails_at_another_batch_size_needs_a_fixed_batch(tmp_path, rng):
     def fixed_size(x: el.Tensor) -> el.Tensor:
         return x.reshape(3, 4).sum(axis=1)
 
-    with pytest.raises(ExportError, match="twice the example's batch size.*dynamic_batch=False"):
+    with pytest.raises(ExportError, match="fails at 2 times the example's batch size.*dynamic_batch=False"):
         el.onnx.export(fixed_size, rng.standard_normal((6, 2)).astype(np.float32), tmp_path / "m.onnx")
 
 
