@@ -21,7 +21,7 @@ from emberlink.client.autograd import no_grad
 from emberlink.client.device import Device
 from emberlink.client.executor import Call, ExecutorStats
 from emberlink.client.tensor import Tensor
-from emberlink.errors import ExportError
+from emberlink.errors import DeviceError, ExportError
 from emberlink.graph_replay import ops
 from emberlink.graph_replay.ir import AttrValue, Graph, Scalar, TensorSpec, binding_spec
 
@@ -159,7 +159,13 @@ def trace(
         xs = [dev.tensor(a) for a in inputs]
         recorder.program.inputs = tuple(recorder.value_of(x._v.buf) for x in xs)  # type: ignore[arg-type]
         with no_grad():
-            result = fn(*xs)
+            try:
+                result = fn(*xs)
+            except DeviceError as e:
+                raise ExportError(
+                    f"the forward pass uses a tensor that is not the example input, a parameter "
+                    f"(named_parameters()) or a buffer (named_buffers()) of the model: {e}"
+                ) from e
         outs = _output_tensors(result)
         dev.flush()
         for i, t in enumerate(outs):

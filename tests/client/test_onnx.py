@@ -256,6 +256,37 @@ def test_parameters_of_a_model_never_placed_on_a_device_export(tmp_path, rng):
     assert_matches(run_onnx(tmp_path / "model.onnx", x)[0], want)
 
 
+class Shifted(nn.Module):
+    """A Linear plus a fixed table that is no parameter: a buffer if `named_buffers` lists it."""
+
+    def __init__(self, table: el.Tensor, listed: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 3, seed=51)
+        self.table = table
+        self.listed = listed
+
+    def named_buffers(self) -> list[tuple[str, el.Tensor]]:
+        return [("table", self.table)] if self.listed else []
+
+    def forward(self, x: el.Tensor) -> el.Tensor:
+        y: el.Tensor = self.linear(x) + self.table
+        return y
+
+
+def test_buffers_export_as_initializers_by_name(tmp_path, dev, rng):
+    model = Shifted(dev.tensor(rng.standard_normal(3).astype(np.float32)), listed=True).to(dev)
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    proto = export_and_check(tmp_path, model, [x])
+    assert {"table", "linear.weight", "linear.bias"} <= {i.name for i in proto.graph.initializer}
+    assert_matches(run_onnx(tmp_path / "model.onnx", x)[0], model(dev.tensor(x)).numpy())
+
+
+def test_a_tensor_the_model_does_not_list_is_refused(tmp_path, cpu, rng):
+    model = Shifted(cpu.tensor(rng.standard_normal(3).astype(np.float32)), listed=False).to(cpu)
+    with pytest.raises(ExportError, match=r"not the example input, a parameter .* or a buffer"):
+        el.onnx.export(model, rng.standard_normal((5, 4)).astype(np.float32), tmp_path / "m.onnx")
+
+
 def test_a_forward_pass_longer_than_one_segment_exports(tmp_path, cpu, rng, monkeypatch):
     monkeypatch.setattr(emberlink.client.device, "MAX_PENDING", 5)  # flushes mid-forward
     model = Block().to(cpu).eval()
