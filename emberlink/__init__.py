@@ -6,11 +6,12 @@
     print((x @ x.T).sum().item())
 
 Public API: `Device`, `Tensor`, `nn`, `optim`, `no_grad`, `jit`, `errors` (and its exception classes),
-`data.DataLoader`, `ArrayFuture` (what `Tensor.read_async()` returns),
+`data.DataLoader`, `ArrayFuture` (what `Tensor.read_async()` returns), `save`/`load`,
+`onnx.export` (needs the `onnx` package on first use only),
 plus Array-API-style functions (`el.exp`, `el.concat`, `el.where`, ...).
 """
 
-from emberlink import data, errors, nn, optim
+from emberlink import data, errors, nn, onnx, optim
 from emberlink.checkpoint import load, save
 from emberlink.client.autograd import no_grad
 from emberlink.client.device import Device
@@ -85,6 +86,7 @@ from emberlink.errors import (
     DTypeError,
     EmberlinkError,
     ExecutionError,
+    ExportError,
     GoingAway,
     JitError,
     OutOfMemory,
@@ -109,6 +111,7 @@ __all__ = [
     "DeviceError",
     "EmberlinkError",
     "ExecutionError",
+    "ExportError",
     "GoingAway",
     "JitError",
     "OutOfMemory",
@@ -166,6 +169,7 @@ __all__ = [
     "nn",
     "no_grad",
     "not_equal",
+    "onnx",
     "optim",
     "permute_dims",
     "pow",

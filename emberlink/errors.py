@@ -46,6 +46,12 @@ class CheckpointError(EmberlinkError):
     entry that is not a tensor."""
 
 
+class ExportError(EmberlinkError):
+    """A model cannot be exported (emberlink.onnx.export): an op with no ONNX form, random numbers in
+    the forward pass (dropout in training mode), a value read in Python during it, or the `onnx`
+    package missing."""
+
+
 class DeviceError(EmberlinkError):
     """A local device problem: no CUDA, unknown device, an op on a closed device."""
 
@@ -150,6 +156,7 @@ __all__ = [
     "EmberlinkError",
     "ErrorCode",
     "ExecutionError",
+    "ExportError",
     "GoingAway",
     "JitError",
     "OutOfMemory",
