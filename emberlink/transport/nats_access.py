@@ -15,6 +15,7 @@ paths); a worker's from its flags (`--nats-creds`, `--nats-ca`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -47,6 +48,7 @@ _MAX_OUTSTANDING_PINGS = 2
 _JWT_MARK = "-----BEGIN NATS USER JWT-----"
 _SEED_BLOCK = re.compile(r"-----BEGIN USER NKEY SEED-----\s*(\S+)\s*------END USER NKEY SEED------")
 _MAX_CREDS = 64 * 1024
+_CLOSE_AFTER_FAILURE_S = 1.0
 
 
 def redact(url: str) -> str:
@@ -214,7 +216,11 @@ async def open_connection(
     except (OSError, TimeoutError, nats.errors.Error) as e:
         # nats-py reports "no servers" after its attempts; the last attempt's error says why.
         cause = errors_seen[0] if isinstance(e, nats.errors.NoServersError) and errors_seen else e
-        await nc.close()
+        try:
+            # nats-py's close never returns after a failed TLS handshake (2.16): do not wait forever.
+            await asyncio.wait_for(nc.close(), _CLOSE_AFTER_FAILURE_S)
+        except TimeoutError:
+            pass
         what = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
         raise TransportError(f"cannot reach NATS relay at {redact(url)}: {what}") from e
     return nc

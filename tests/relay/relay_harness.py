@@ -123,8 +123,9 @@ class Eavesdropper:
     """Everything published on a NATS server (`>`), subjects, reply subjects and payloads, captured
     by a plain nats-py client on its own thread."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, creds: Path | None = None) -> None:
         self.url = url
+        self.creds = creds
         self.messages: list[tuple[str, str, bytes]] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -132,7 +133,8 @@ class Eavesdropper:
         self._nc = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
 
     async def _start(self) -> Client:
-        nc = await nats.connect(self.url, allow_reconnect=False)
+        seed = str(self.creds) if self.creds is not None else None
+        nc = await nats.connect(self.url, allow_reconnect=False, nkeys_seed=seed)
 
         async def keep(msg: Msg) -> None:
             self.messages.append((msg.subject, msg.reply, bytes(msg.data)))
