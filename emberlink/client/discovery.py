@@ -167,7 +167,8 @@ def untrusted_message(address: str, seen: list[Seen], trust: Trust, now: float) 
     else:
         head = f"none of the {len(seen)} worker(s) seen on relay {address} is trusted ({trust.source})"
     return (
-        f"{head}. Seen: {listing}. To trust a worker, add its NodeId to {default_known_workers_path()} "
+        f"{head}. Seen: {listing}. To trust a worker, add its NodeId to "
+        f"{trust.path or default_known_workers_path()} "
         f"(one a line); to trust every worker a cluster signs, add `{CLUSTER_MARKER} <cluster-id>` "
         f"there or set {CLUSTER_ENV}=<cluster-id>"
     )

@@ -46,11 +46,13 @@ def _checked(node_id: str, what: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Trust:
-    """Trusted worker NodeIds and cluster ids; `source` says where they came from, for messages."""
+    """Trusted worker NodeIds and cluster ids; `source` says where they came from and `path` is the
+    known-workers file read (if one was), for messages."""
 
     workers: frozenset[str] = frozenset()
     clusters: frozenset[str] = frozenset()
     source: str = "no trust configured"
+    path: Path | None = None
 
     @classmethod
     def of(cls, workers: Iterable[str] = (), clusters: Iterable[str] = ()) -> Trust:
@@ -70,7 +72,7 @@ class Trust:
         }
         if from_env:
             source += f" and ${CLUSTER_ENV} ({len(from_env)} cluster(s))"
-        return cls(frozenset(workers), frozenset(clusters | from_env), source)
+        return cls(frozenset(workers), frozenset(clusters | from_env), source, path)
 
     @property
     def empty(self) -> bool:
