@@ -10,6 +10,7 @@ import pytest
 
 import emberlink as el
 from emberlink.protocol.ticket import Ticket
+from emberlink.transport.nats_link import NatsLink
 
 from . import relay_training
 from .relay_harness import Attacker, relay_worker, wait_until
@@ -40,6 +41,7 @@ def _train_under(mode: str, url: str, cpu_losses: list[float]) -> None:
                 attacker.mode = None
                 assert float(dev.tensor(np.ones(4, np.float32)).sum()) == 4.0  # the session lives on
                 (session,) = worker.worker.sessions
+                assert isinstance(session._link, NatsLink)
                 dropped = session._link.dropped  # the forgeries reached the worker's end, and did nothing
     finally:
         attacker.close()
