@@ -42,7 +42,7 @@ from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity, default_key_path, load_or_create
 from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 from emberlink.protocol.ticket import Ticket
-from emberlink.transport.base import Link
+from emberlink.transport.base import Link, bind
 from emberlink.transport.loop import LoopThread, io_loop
 
 log = logging.getLogger("emberlink.client")
@@ -167,6 +167,7 @@ async def _handshake(
                 f"worker at {link.peer} did not answer the handshake within {timeout} s"
             ) from e
         auth, channel, limits = hs.receive_welcome(welcome)
+        await bind(link, hs.link_secret)  # before Auth: see transport/nats.py's rules
         await link.send(auth)
     except BaseException:
         await link.close()
