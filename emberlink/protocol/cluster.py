@@ -32,6 +32,7 @@ from emberlink.protocol.identity import (
     Identity,
     node_id_from_public,
     public_from_node_id,
+    read_config_text,
     verify,
 )
 from emberlink.protocol.signed import open_signed, pack_signed, unpack_bounded
@@ -88,10 +89,7 @@ class Certificate:
     def load(cls, path: str | os.PathLike[str]) -> Certificate:
         """Read a certificate file; ConfigError naming the file if it is unreadable or not a certificate."""
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read certificate {path}: {e}") from e
+        text = read_config_text(path, "certificate")
         try:
             return parse_certificate(text)
         except ProtocolError as e:
