@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import time
 
+import digits
 import numpy as np
+from devices import add_device_argument, open_device
 
 import emberlink as el
 from emberlink import nn
@@ -24,27 +26,10 @@ from emberlink import nn
 F = nn.functional
 
 
-def open_device(spec: str) -> el.Device:
-    """`cpu`, `cuda` or `cuda:N`, or a worker's ticket / a `nats://` relay address."""
-    if spec == "cpu":
-        return el.Device.cpu()
-    if spec.startswith("cuda"):
-        return el.Device.cuda(int(spec.partition(":")[2] or 0))
-    return el.Device.remote(spec)
-
-
-def load_digits() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def load_data() -> digits.Split:
     """Train and test images (N, 1, 8, 8) as uint8 in 0..16, and their labels."""
-    try:
-        from sklearn.datasets import load_digits as sk_digits
-    except ImportError:
-        raise SystemExit("this example needs scikit-learn: pip install scikit-learn") from None
-    data = sk_digits()
-    x, y = data.images.astype(np.uint8)[:, None], data.target.astype(np.int64)
-    order = np.random.default_rng(1).permutation(len(x))
-    x, y = x[order], y[order]
-    split = int(0.8 * len(x))
-    return x[:split], y[:split], x[split:], y[split:]
+    x, y = digits.load_digits()
+    return digits.split(x[:, None], y)
 
 
 def make_model(width: int) -> nn.Module:
@@ -68,14 +53,14 @@ def pixels(x: el.Tensor) -> el.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Train a CNN on digits with emberlink.")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda:N, or a worker ticket (default: cpu)")
+    add_device_argument(parser)
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--width", type=int, default=16, help="channels of the first conv layer")
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()
 
-    x_train, y_train, x_test, y_test = load_digits()
+    x_train, y_train, x_test, y_test = load_data()
     with open_device(args.device) as dev:
         model = make_model(args.width).to(dev)
         opt = el.optim.Adam(model.parameters(), lr=args.lr)

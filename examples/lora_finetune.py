@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import time
 
+import digits
 import numpy as np
+from devices import add_device_argument, open_device
 
 import emberlink as el
 from emberlink import nn
@@ -27,33 +29,15 @@ F = nn.functional
 HIDDEN = 512
 
 
-def open_device(spec: str) -> el.Device:
-    """`cpu`, `cuda` or `cuda:N`, or a worker's ticket / a `nats://` relay address."""
-    if spec == "cpu":
-        return el.Device.cpu()
-    if spec.startswith("cuda"):
-        return el.Device.cuda(int(spec.partition(":")[2] or 0))
-    return el.Device.remote(spec)
-
-
-Split = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-
-
-def load_tasks() -> tuple[Split, Split]:
+def load_tasks() -> tuple[digits.Split, digits.Split]:
     """Digits 0-4 and digits 5-9, both labelled 0-4 (one 5-way head serves both tasks):
     (x_train, y_train, x_test, y_test) each, pixels as uint8 0..16."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x, y = data.data.astype(np.uint8), data.target.astype(np.int64)
-    order = np.random.default_rng(1).permutation(len(x))
-    x, y = x[order], y[order]
+    x, y = digits.load_digits()
+    x = x.reshape(len(x), -1)
     tasks = []
-    for digits in (range(5), range(5, 10)):
-        keep = np.isin(y, digits)
-        xs, ys = x[keep], y[keep] - digits[0]
-        split = int(0.75 * len(xs))
-        tasks.append((xs[:split], ys[:split], xs[split:], ys[split:]))
+    for labels in (range(5), range(5, 10)):
+        keep = np.isin(y, labels)
+        tasks.append(digits.split(x[keep], y[keep] - labels[0], 0.75))
     return tasks[0], tasks[1]
 
 
@@ -92,7 +76,7 @@ def train(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="LoRA fine-tuning of a digits MLP with emberlink.")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda:N, or a worker ticket (default: cpu)")
+    add_device_argument(parser)
     parser.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: QLoRA")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=15)

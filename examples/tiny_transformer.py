@@ -22,20 +22,12 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+from devices import add_device_argument, open_device
 
 import emberlink as el
 from emberlink import nn
 
 F = nn.functional
-
-
-def open_device(spec: str) -> el.Device:
-    """`cpu`, `cuda` or `cuda:N`, or a worker's ticket / a `nats://` relay address."""
-    if spec == "cpu":
-        return el.Device.cpu()
-    if spec.startswith("cuda"):
-        return el.Device.cuda(int(spec.partition(":")[2] or 0))
-    return el.Device.remote(spec)
 
 
 def load_text() -> tuple[str, str]:
@@ -171,7 +163,7 @@ def generate(
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Train a character-level transformer with emberlink.")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda:N, or a worker ticket (default: cpu)")
+    add_device_argument(parser)
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=64)

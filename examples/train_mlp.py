@@ -12,9 +12,12 @@ and `float(loss)` is the one read (the one round trip on a remote device).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 
+import digits
 import numpy as np
+from devices import add_device_argument, open_device
 
 import emberlink as el
 from emberlink import nn
@@ -22,43 +25,29 @@ from emberlink import nn
 F = nn.functional
 
 
-def open_device(spec: str) -> el.Device:
-    """`cpu`, `cuda` or `cuda:N`, or a worker's ticket / a `nats://` relay address."""
-    if spec == "cpu":
-        return el.Device.cpu()
-    if spec.startswith("cuda"):
-        return el.Device.cuda(int(spec.partition(":")[2] or 0))
-    return el.Device.remote(spec)
-
-
-def load_digits() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """scikit-learn's 8x8 digits (1797 images, 10 classes), scaled to [0, 1]; synthetic if missing."""
-    try:
-        from sklearn.datasets import load_digits as sk_digits
-    except ImportError:
+def load_data() -> digits.Split:
+    """scikit-learn's 8x8 digits (1797 images, 10 classes), flattened and scaled to [0, 1]; synthetic
+    (random, so in no particular order) if scikit-learn is missing."""
+    if importlib.util.find_spec("sklearn") is not None:
+        images, y = digits.load_digits()
+        x = images.reshape(len(images), -1) / 16.0
+    else:
         rng = np.random.default_rng(0)
         centers = rng.uniform(0, 1, (10, 64))
         y = rng.integers(0, 10, 1800)
         x = np.clip(centers[y] + rng.normal(0, 0.15, (1800, 64)), 0, 1)
-    else:
-        data = sk_digits()
-        x, y = data.data / 16.0, data.target
-    x, y = x.astype("float32"), y.astype("int64")
-    order = np.random.default_rng(1).permutation(len(x))
-    x, y = x[order], y[order]
-    split = int(0.8 * len(x))
-    return x[:split], y[:split], x[split:], y[split:]
+    return digits.split(x.astype("float32"), y.astype("int64"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Train an MLP on digits with emberlink.")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda:N, or a worker ticket (default: cpu)")
+    add_device_argument(parser)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()
 
-    x_train, y_train, x_test, y_test = load_digits()
+    x_train, y_train, x_test, y_test = load_data()
     with open_device(args.device) as dev:
         model = nn.Sequential(
             nn.Linear(64, 128, seed=0),

@@ -7,7 +7,6 @@ Initial values follow torch's and are drawn on the host from a NumPy generator s
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,7 @@ from emberlink.client.dtypes import dtype_name
 from emberlink.client.tensor import Tensor
 from emberlink.errors import ShapeError
 from emberlink.nn import functional as F
-from emberlink.nn.layers import _place, _rng
+from emberlink.nn.layers import _kaiming_uniform, _place, _rng
 from emberlink.nn.module import Module, Parameter
 from emberlink.nn.spatial import IntPair, pair
 
@@ -59,10 +58,9 @@ class Conv2d(Module):
         self.dilation = pair("Conv2d", "dilation", dilation, 1)
         rng, name = _rng(seed), dtype_name(dtype)
         fan_in = in_channels // groups * kh * kw
-        bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
         shape = (out_channels, in_channels // groups, kh, kw)
-        self.weight = Parameter(rng.uniform(-bound, bound, shape).astype(name))
-        self.bias = Parameter(rng.uniform(-bound, bound, (out_channels,)).astype(name)) if bias else None
+        self.weight = Parameter(_kaiming_uniform(rng, fan_in, shape, name))
+        self.bias = Parameter(_kaiming_uniform(rng, fan_in, (out_channels,), name)) if bias else None
         _place(self, device)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -39,6 +39,12 @@ def call_seed(base: int, call: int) -> int:
     return (base << 32) + call
 
 
+def _kaiming_uniform(rng: np.random.Generator, fan_in: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Uniform in +-1/sqrt(fan_in): torch's default for the weights and biases of Linear and Conv."""
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    return rng.uniform(-bound, bound, shape).astype(dtype)
+
+
 def _place(module: Module, device: Device | None) -> None:
     if device is not None:
         module.to(device)
@@ -62,10 +68,9 @@ class Linear(Module):
     ) -> None:
         super().__init__()
         rng, name = _rng(seed), dtype_name(dtype)
-        bound = 1.0 / math.sqrt(in_features) if in_features > 0 else 0.0
         self.in_features, self.out_features = in_features, out_features
-        self.weight = Parameter(rng.uniform(-bound, bound, (in_features, out_features)).astype(name))
-        self.bias = Parameter(rng.uniform(-bound, bound, (out_features,)).astype(name)) if bias else None
+        self.weight = Parameter(_kaiming_uniform(rng, in_features, (in_features, out_features), name))
+        self.bias = Parameter(_kaiming_uniform(rng, in_features, (out_features,), name)) if bias else None
         _place(self, device)
 
     def forward(self, x: Tensor) -> Tensor:

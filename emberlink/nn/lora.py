@@ -24,7 +24,6 @@ backward); it wants a dequantize primitive on the backends, added when a measure
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -37,7 +36,7 @@ from emberlink.client.functions import where
 from emberlink.client.tensor import Tensor
 from emberlink.client.value import HostValue
 from emberlink.errors import DTypeError
-from emberlink.nn.layers import Linear
+from emberlink.nn.layers import Linear, _kaiming_uniform
 from emberlink.nn.module import Module, Parameter
 
 QUANTIZE = (None, "int8")
@@ -81,8 +80,7 @@ class LoRALinear(Module):
             base.bias.requires_grad = False
         self.bias = base.bias
         rng = np.random.default_rng(seed)
-        bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
-        lora_a = rng.uniform(-bound, bound, (self.in_features, rank)).astype(dtype)
+        lora_a = _kaiming_uniform(rng, self.in_features, (self.in_features, rank), dtype)
         lora_b = np.zeros((rank, self.out_features), dtype)
         device = weight._v.dev
         if isinstance(device, Device):

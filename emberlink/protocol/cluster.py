@@ -32,8 +32,10 @@ from emberlink.protocol.identity import (
     Identity,
     node_id_from_public,
     public_from_node_id,
+    read_config_text,
     verify,
 )
+from emberlink.protocol.signed import open_signed, pack_signed, unpack_bounded
 
 VERSION = 1
 LABEL = b"emberlink cluster certificate v1\x00"
@@ -61,8 +63,7 @@ class Certificate:
         return data
 
     def encode(self) -> bytes:
-        data: bytes = msgpack.packb([VERSION, self.body, self.signature], use_bin_type=True)
-        return data
+        return pack_signed(VERSION, self.body, self.signature)
 
     def text(self) -> str:
         """The certificate file's line."""
@@ -88,10 +89,7 @@ class Certificate:
     def load(cls, path: str | os.PathLike[str]) -> Certificate:
         """Read a certificate file; ConfigError naming the file if it is unreadable or not a certificate."""
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read certificate {path}: {e}") from e
+        text = read_config_text(path, "certificate")
         try:
             return parse_certificate(text)
         except ProtocolError as e:
@@ -108,17 +106,8 @@ def issue(cluster: Identity, worker_id: str, not_after: int = 0) -> Certificate:
 
 def decode_certificate(data: bytes) -> Certificate:
     """The certificate in `data`: ProtocolError if malformed, AuthError if its signature does not verify."""
-    if len(data) > MAX_CERTIFICATE:
-        raise ProtocolError(f"certificate of {len(data)} bytes exceeds {MAX_CERTIFICATE}")
-    outer = _unpack(data, "certificate")
-    if not (isinstance(outer, list) and len(outer) == 3):
-        raise ProtocolError("certificate must be [version, body, signature]")
-    version, body, signature = outer
-    if type(version) is not int or version != VERSION:
-        raise ProtocolError(f"certificate version {version!r} is not {VERSION}")
-    if type(body) is not bytes or type(signature) is not bytes:
-        raise ProtocolError("certificate body and signature must be bytes")
-    fields = _unpack(body, "certificate body")
+    body, signature = open_signed(data, what="certificate", version=VERSION, max_size=MAX_CERTIFICATE)
+    fields = unpack_bounded(body, "certificate body", max_str=0, max_bin=MAX_CERTIFICATE, max_array=3)
     if not (isinstance(fields, list) and len(fields) == 3):
         raise ProtocolError("certificate body must be [cluster key, worker key, not_after]")
     cluster_key, worker_key, not_after = fields
@@ -149,23 +138,6 @@ def parse_certificate(text: str) -> Certificate:
     except (binascii.Error, ValueError) as e:
         raise ProtocolError("certificate is not valid base64url") from e
     return decode_certificate(data)
-
-
-def _unpack(data: bytes, what: str) -> object:
-    n = len(data)
-    try:
-        return msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=0,
-            max_bin_len=min(MAX_CERTIFICATE, n),
-            max_array_len=3,
-            max_map_len=0,
-            max_ext_len=0,
-        )
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise ProtocolError(f"{what} is not valid msgpack: {e}") from e
 
 
 __all__ = [

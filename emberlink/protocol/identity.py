@@ -159,6 +159,15 @@ def verify(public: bytes, signature: bytes, data: bytes) -> bool:
     return True
 
 
+def read_config_text(path: Path, what: str) -> str:
+    """The UTF-8 text of the `what` file at `path` (an allow list, a certificate); ConfigError naming
+    it if it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {what} {path}: {e}") from e
+
+
 def default_key_path(env: Mapping[str, str] = os.environ) -> Path:
     """$EMBERLINK_KEY, else ~/.config/emberlink/client.key."""
     configured = env.get("EMBERLINK_KEY")
@@ -211,10 +220,7 @@ class AllowPolicy:
     def from_file(cls, path: str | os.PathLike[str]) -> AllowPolicy:
         """One NodeId a line; blank lines and `#` comments ignored; ConfigError names file and line."""
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read allow file {path}: {e}") from e
+        text = read_config_text(path, "allow file")
         ids: set[str] = set()
         for lineno, line in enumerate(text.splitlines(), start=1):
             entry = line.split("#", 1)[0].strip()

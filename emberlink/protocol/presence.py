@@ -29,6 +29,7 @@ import msgpack
 from emberlink.errors import AuthError, ProtocolError
 from emberlink.protocol.cluster import Certificate, decode_certificate
 from emberlink.protocol.identity import Identity, public_from_node_id, verify
+from emberlink.protocol.signed import open_signed, pack_signed, unpack_bounded
 from emberlink.protocol.ticket import Ticket
 
 VERSION = 3
@@ -88,7 +89,7 @@ def encode_presence(presence: Presence, identity: Identity) -> bytes:
         ],
         use_bin_type=True,
     )
-    data: bytes = msgpack.packb([VERSION, body, identity.sign(LABEL + body)], use_bin_type=True)
+    data = pack_signed(VERSION, body, identity.sign(LABEL + body))
     if len(data) > MAX_PRESENCE:
         raise ProtocolError(f"presence message of {len(data)} bytes exceeds {MAX_PRESENCE}")
     return data
@@ -96,17 +97,10 @@ def encode_presence(presence: Presence, identity: Identity) -> bytes:
 
 def decode_presence(data: bytes) -> Presence:
     """The presence in `data`: ProtocolError if malformed, AuthError if the signature does not verify."""
-    if len(data) > MAX_PRESENCE:
-        raise ProtocolError(f"presence message of {len(data)} bytes exceeds {MAX_PRESENCE}")
-    outer = _unpack(data, "presence message")
-    if not (isinstance(outer, list) and len(outer) == 3):
-        raise ProtocolError("presence message must be [version, body, signature]")
-    version, body, signature = outer
-    if type(version) is not int or version != VERSION:
-        raise ProtocolError(f"presence version {version!r} is not {VERSION}")
-    if type(body) is not bytes or type(signature) is not bytes:
-        raise ProtocolError("presence body and signature must be bytes")
-    fields = _unpack(body, "presence body")
+    body, signature = open_signed(data, what="presence message", version=VERSION, max_size=MAX_PRESENCE)
+    fields = unpack_bounded(
+        body, "presence body", max_str=_MAX_TICKET, max_bin=MAX_PRESENCE, max_array=_FIELDS
+    )
     if not (isinstance(fields, list) and len(fields) == _FIELDS):
         raise ProtocolError(f"presence body must be an array of {_FIELDS} fields")
     ticket_text, device, free_bytes, sessions, queued, admits_anyone, draining, seq, nonce, cert = fields
@@ -123,23 +117,6 @@ def decode_presence(data: bytes) -> Presence:
     )
     _check_fields(presence)
     return presence
-
-
-def _unpack(data: bytes, what: str) -> object:
-    n = len(data)
-    try:
-        return msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=min(_MAX_TICKET, n),
-            max_bin_len=min(MAX_PRESENCE, n),
-            max_array_len=min(_FIELDS, n),
-            max_map_len=0,
-            max_ext_len=0,
-        )
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
-        raise ProtocolError(f"{what} is not valid msgpack: {e}") from e
 
 
 def _check_fields(p: Presence) -> None:

@@ -26,6 +26,7 @@ from emberlink.graph_replay.numpy_backend import NumpyBackend
 from emberlink.graph_replay.plan import Plan
 from emberlink.server.presence import free_memory
 
+from ..training import mlp_losses
 from .cases import CASE_IDS, CASES, Case, assert_close, run_case
 
 
@@ -71,24 +72,6 @@ def reference() -> Iterator[str]:
         yield "reference"
     finally:
         unregister("reference")
-
-
-def mlp_losses(dev: Device, steps: int) -> list[float]:
-    import emberlink as el
-
-    nn = el.nn
-    model = nn.Sequential(nn.Linear(8, 16, seed=0), nn.ReLU(), nn.Linear(16, 3, seed=1)).to(dev)
-    opt = el.optim.Adam(model.parameters(), lr=1e-2)
-    rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((32, 8), dtype=np.float32), rng.integers(0, 3, 32)
-    losses = []
-    for _ in range(steps):
-        loss = nn.functional.cross_entropy(model(dev.tensor(x)), dev.tensor(y))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses
 
 
 # -- device strings ------------------------------------------------------------------------------------

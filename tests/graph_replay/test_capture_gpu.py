@@ -22,6 +22,7 @@ from emberlink.graph_replay.nvmath_matmul import WORKSPACE_BYTES
 from emberlink.graph_replay.ops import check_attrs
 from emberlink.graph_replay.plan import Plan, compile_plan
 
+from ..training import train_steps
 from .cases import CASE_IDS, CASES, Case, assert_close
 from .graphs import mlp_inputs, mlp_step
 
@@ -175,13 +176,7 @@ def _dropout_training(steps: int) -> tuple[list[float], int]:
         opt = el.optim.SGD(model.parameters(), lr=0.1)
         rng = np.random.default_rng(0)
         x, y = rng.standard_normal((32, 64), dtype=np.float32), rng.integers(0, 10, 32)
-        losses = []
-        for _ in range(steps):
-            loss = nn.functional.cross_entropy(model(dev.tensor(x)), dev.tensor(y))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(float(loss))
+        losses = train_steps(dev, model, opt, x, y, steps)
         return losses, int(dev.stats()["captured_replays"])
 
 

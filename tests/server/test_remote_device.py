@@ -26,6 +26,7 @@ from emberlink.protocol.ticket import Ticket
 from emberlink.testing import InProcessWorker
 from emberlink.transport.base import Blob, Link
 
+from ..training import mlp_losses
 from .server_harness import executor_of, grpc_device, memory_device, new_identity
 
 DeviceMaker = Callable[[InProcessWorker], el.Device]
@@ -37,24 +38,6 @@ def buffer_of(t: el.Tensor) -> int:
     buf = t._v.buf
     assert buf is not None, "the tensor is not flushed"
     return buf
-
-
-def mlp_losses(dev: el.Device, steps: int, seed: int = 0) -> list[float]:
-    """A small MLP trained with Adam on fixed random data; the loss of every step."""
-    nn = el.nn
-    model = nn.Sequential(nn.Linear(20, 32, seed=seed), nn.ReLU(), nn.Linear(32, 5, seed=seed + 1)).to(dev)
-    opt = el.optim.Adam(model.parameters(), lr=1e-2)
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((64, 20), dtype=np.float32)
-    y = rng.integers(0, 5, 64)
-    losses = []
-    for _ in range(steps):
-        loss = nn.functional.cross_entropy(model(dev.tensor(x)), dev.tensor(y))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses
 
 
 @pytest.mark.parametrize("make_device", TRANSPORTS)
@@ -221,7 +204,7 @@ def test_flow_control_bounds_unacknowledged_batches(
 CLIENT_SCRIPT = """
 import json, sys
 import emberlink as el
-from tests.server.test_remote_device import mlp_losses
+from tests.training import mlp_losses
 with el.Device.remote(sys.argv[1], timeout=30) as dev:
     print(json.dumps(mlp_losses(dev, int(sys.argv[2]), seed=int(sys.argv[3]))))
 """
