@@ -32,6 +32,7 @@ import contextlib
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,21 +54,21 @@ LOSS_RTOL = 2e-4  # float32, different summation orders over up to 4M terms
 
 @dataclass
 class Case:
-    """One step in both frameworks: `make(dev)` builds emberlink's side and returns its step (a
-    function of no arguments returning the loss tensor, optionally jitted); `torch_step(state)`
-    builds PyTorch's from emberlink's initial state; `grads()` reads the gradients compared."""
+    """One step in both frameworks: `make(dev, jit)` builds emberlink's side (its step: no
+    arguments, returns the loss tensor; jitted or not); `torch_make(state, device)` builds
+    PyTorch's from `state()`, emberlink's initial weights (the same seeds) in torch's layout."""
 
     name: str
     label: str
     make: Callable[[el.Device, bool], EmberSide]
     torch_make: Callable[[dict[str, np.ndarray], str], TorchSide]
+    state: Callable[[], dict[str, np.ndarray]] = dict  # emberlink's initial weights, torch's names
     reference_columns: bool = False
 
 
 @dataclass
 class EmberSide:
     step: Callable[[], el.Tensor]
-    state: dict[str, np.ndarray]  # the initial weights, by torch's names and layouts
     grads: Callable[[], dict[str, np.ndarray]] = dict
     scale: float = 0.0  # for a loss that sums many outputs: the sum of their magnitudes
 
@@ -134,7 +135,7 @@ def conv_case(sizes: Sizes) -> Case:
 
         with el.no_grad():
             scale = float(conv(xd).abs().sum())
-        return EmberSide(lambda: run(xd), _torch_state(conv), grads, scale)
+        return EmberSide(lambda: run(xd), grads, scale)
 
     def torch_make(state: dict[str, np.ndarray], device: str) -> TorchSide:
         import torch
@@ -152,7 +153,8 @@ def conv_case(sizes: Sizes) -> Case:
         return TorchSide(step, lambda: {"weight": _np(conv.weight.grad), "bias": _np(conv.bias.grad)})
 
     label = f"(a) Conv2d 64->64 3x3, {sizes.conv_batch}x64x32x32, fwd+bwd"
-    return Case("conv", label, make, torch_make, reference_columns=True)
+    state = lambda: _torch_state(nn.Conv2d(64, 64, 3, padding=1, seed=0))
+    return Case("conv", label, make, torch_make, state, reference_columns=True)
 
 
 # -- (b) a small CNN training step -----------------------------------------------------------------
@@ -184,7 +186,6 @@ def cnn_case(sizes: Sizes) -> Case:
 
     def make(dev: el.Device, jit: bool) -> EmberSide:
         model = _cnn().to(dev)
-        state = _torch_state(model)
         opt = el.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
         data = [(dev.tensor(x), dev.tensor(y)) for x, y in batches]
 
@@ -196,7 +197,7 @@ def cnn_case(sizes: Sizes) -> Case:
             return loss
 
         run = el.jit(step) if jit else step
-        return EmberSide(_cycle(run, data), state)
+        return EmberSide(_cycle(run, data))
 
     def torch_make(state: dict[str, np.ndarray], device: str) -> TorchSide:
         import torch
@@ -227,7 +228,7 @@ def cnn_case(sizes: Sizes) -> Case:
         return TorchSide(_cycle(step, data))
 
     label = f"(b) small CNN training step, {sizes.cnn_batch}x3x32x32, SGD"
-    return Case("cnn", label, make, torch_make)
+    return Case("cnn", label, make, torch_make, lambda: _torch_state(_cnn()))
 
 
 # -- (c) scaled dot-product attention --------------------------------------------------------------
@@ -259,7 +260,7 @@ def attention_case(sizes: Sizes) -> Case:
 
         with el.no_grad():
             scale = float(F.scaled_dot_product_attention(q, k, v, is_causal=True).abs().sum())
-        return EmberSide(call, {}, grads, scale)
+        return EmberSide(call, grads, scale)
 
     def torch_make(state: dict[str, np.ndarray], device: str) -> TorchSide:
         import torch
@@ -281,14 +282,17 @@ def attention_case(sizes: Sizes) -> Case:
 # -- (d) a transformer encoder layer ---------------------------------------------------------------
 
 
+def _encoder_layer() -> nn.Module:
+    return nn.TransformerEncoderLayer(256, 8, dropout=0.0, batch_first=True, seed=0)
+
+
 def transformer_case(sizes: Sizes) -> Case:
     rng = _rng(4)
     x = rng.standard_normal((sizes.tf_batch, 128, 256), dtype=np.float32)
     target = rng.standard_normal((sizes.tf_batch, 128, 256), dtype=np.float32)
 
     def make(dev: el.Device, jit: bool) -> EmberSide:
-        layer = nn.TransformerEncoderLayer(256, 8, dropout=0.0, batch_first=True, seed=0).to(dev)
-        state = _torch_state(layer)
+        layer = _encoder_layer().to(dev)
         opt = el.optim.SGD(layer.parameters(), lr=0.01)
         xd, yd = dev.tensor(x), dev.tensor(target)
 
@@ -300,7 +304,7 @@ def transformer_case(sizes: Sizes) -> Case:
             return loss
 
         run = el.jit(step) if jit else step
-        return EmberSide(lambda: run(xd, yd), state)
+        return EmberSide(lambda: run(xd, yd))
 
     def torch_make(state: dict[str, np.ndarray], device: str) -> TorchSide:
         import torch
@@ -320,7 +324,7 @@ def transformer_case(sizes: Sizes) -> Case:
         return TorchSide(step)
 
     label = f"(d) TransformerEncoderLayer(256, 8) training step, {sizes.tf_batch}x128x256, SGD"
-    return Case("transformer", label, make, torch_make)
+    return Case("transformer", label, make, torch_make, lambda: _torch_state(_encoder_layer()))
 
 
 # -- running ---------------------------------------------------------------------------------------
@@ -348,7 +352,8 @@ def _load(module: Any, state: dict[str, np.ndarray]) -> None:
     missing = set(own) - set(state)
     if missing:
         raise SystemExit(f"no emberlink value for torch's {sorted(missing)}")
-    module.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(state[k])) for k in own})
+    # np.array, not np.ascontiguousarray: that makes a 0-d buffer (num_batches_tracked) 1-d.
+    module.load_state_dict({k: torch.from_numpy(np.array(state[k], order="C")) for k in own})
 
 
 def _time(step: Callable[[], float], steps: int, budget_s: float) -> tuple[float, list[float]]:
@@ -386,13 +391,24 @@ def run_torch(case: Case, device: str, steps: int, budget_s: float) -> Result | 
     dev = "cpu" if device == "cpu" else device
     if dev != "cpu" and not torch.cuda.is_available():
         return "torch sees no CUDA device"
+    how = _float32_without_tf32(torch)
+    side = case.torch_make(case.state(), dev)
+    ms, losses = _time(lambda: float(side.step().item()), steps, budget_s)
+    return Result(ms, losses, side.grads(), f"torch {torch.__version__}, TF32 off ({how})")
+
+
+def _float32_without_tf32(torch: Any) -> str:
+    """float32 convolutions and matmuls in full float32, as emberlink computes them (cuDNN uses
+    TF32 for convolutions by default), by the newer switches where this torch has them (mixing
+    them with the older ones is an error there); returns which were set."""
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if hasattr(conv, "fp32_precision") and hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        conv.fp32_precision = "ieee"  # type: ignore[union-attr]
+        return "fp32_precision = 'ieee'"
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    with el.Device.cpu() as cpu:
-        state = case.make(cpu, False).state  # emberlink's initial weights: the same seeds
-    side = case.torch_make(state, dev)
-    ms, losses = _time(lambda: float(side.step().item()), steps, budget_s)
-    return Result(ms, losses, side.grads())
+    return "allow_tf32 = False"
 
 
 @contextlib.contextmanager
@@ -457,6 +473,8 @@ def main() -> None:
     start = time.perf_counter()
     kind = "Device.cuda" if gpu else "Device.cpu"
 
+    print(f"# {_versions(args.device)}", flush=True)
+
     def late() -> bool:
         return bool(args.deadline) and time.perf_counter() - start > args.deadline
 
@@ -488,6 +506,7 @@ def main() -> None:
                     cells[col] = run_emberlink(case, args.device, bool(jit), args.steps, args.budget)
             except Exception as e:  # noqa: BLE001 - a column that fails is reported, the others still run
                 cells[col] = f"failed: {type(e).__name__}: {e}"
+                traceback.print_exc(limit=-6, file=sys.stdout)
             cell = cells[col]
             shown = f"{cell.ms:.3f} ms" if isinstance(cell, Result) else cell
             print(f"# {case.name} {col}: {shown} ({time.perf_counter() - t0:.1f} s)", flush=True)
@@ -506,6 +525,26 @@ def main() -> None:
     for note in notes:
         print(note)
     print(f"total {time.perf_counter() - start:.1f} s")
+
+
+def _versions(device: str) -> str:
+    """What the numbers were measured with."""
+    found = [f"numpy {np.__version__}"]
+    if device != "cpu":
+        try:
+            import cupy
+
+            props = cupy.cuda.runtime.getDeviceProperties(int(device.partition(":")[2] or 0))
+            found += [props["name"].decode(), f"cupy {cupy.__version__}"]
+        except Exception as e:  # noqa: BLE001 - a description, not a requirement
+            found.append(f"cupy: {type(e).__name__}: {e}")
+        try:
+            import nvmath
+
+            found.append(f"nvmath-python {nvmath.__version__}")
+        except ImportError:
+            found.append("no nvmath-python: the jit columns run eagerly")
+    return ", ".join(found)
 
 
 def _row(case: Case, cells: dict[str, Result | str]) -> str:

@@ -186,15 +186,16 @@ class CupyBackend:
         self.fuse = fuse
         self.reuse = reuse
         self.fast = fast
+        self._compile_error = _compile_error_type()
+        self.kernels = Kernels(cupy, self._compile_error)
         self._table: dict[str, OpFn] = {**OP_TABLE, "scatter_add": _scatter_add, FUSED: _fused}
         if fast:
-            self._table.update(Kernels(cupy).table())
+            self._table.update(self.kernels.table())
             self._table["matmul"] = _EagerMatmul(cupy)
         self._into: dict[str, IntoFn] = {**INTO_TABLE, FUSED: _fused_into}
         self._oom: tuple[type[BaseException], ...] = (MemoryError, cupy.cuda.memory.OutOfMemoryError)
         self._variants: weakref.WeakKeyDictionary[Plan, Plan] = weakref.WeakKeyDictionary()
         self._kernels: dict[tuple[str, str, str], Any] = {}
-        self._compile_error = _compile_error_type()
 
     # -- fusion -------------------------------------------------------------------------------------
 

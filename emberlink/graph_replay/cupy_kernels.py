@@ -22,6 +22,7 @@ All are plain launches on the current stream, so a CUDA graph captures them (cap
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -30,6 +31,8 @@ import numpy as np
 from emberlink.graph_replay.backend import Array, OpFn
 from emberlink.graph_replay.numpy_backend import OP_TABLE, window
 from emberlink.graph_replay.plan import Step
+
+log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 template<typename T>
@@ -90,9 +93,13 @@ __global__ void emberlink_softmax(const T* __restrict__ x, T* __restrict__ y,
     const int lane = threadIdx.x % 32;
     const T* xr = x + row * cols;
     T* yr = y + row * cols;
+    // The max by comparisons: a NaN anywhere in the row makes every result NaN all the same.
     T m = xr[lane < cols ? lane : 0];
-    for (int k = lane + 32; k < cols; k += 32) m = fmax(m, xr[k]);
-    for (int o = 16; o > 0; o /= 2) m = fmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+    for (int k = lane + 32; k < cols; k += 32) m = xr[k] > m ? xr[k] : m;
+    for (int o = 16; o > 0; o /= 2) {
+        const T other = __shfl_xor_sync(0xffffffffu, m, o);
+        m = other > m ? other : m;
+    }
     T s = T(0);
     for (int k = lane; k < cols; k += 32) s += exp(xr[k] - m);
     for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -118,18 +125,33 @@ _SOFTMAX_ROWS_PER_BLOCK = 8
 class Kernels:
     """The three kernels of `_SOURCE` for one array module, compiled together on first use.
 
-    `table()` gives the op-table entries (`unfold`, `fold`, `softmax`, `log_softmax`).
+    `table()` gives the op-table entries (`unfold`, `fold`, `softmax`, `log_softmax`). Should
+    CUDA refuse to compile them (`compile_error`, CuPy's exception for that), every entry runs
+    the reference from then on, a warning is logged, and `broken` holds the error (the GPU tests
+    check that it stays None).
     """
 
-    def __init__(self, xp: Any) -> None:
+    def __init__(self, xp: Any, compile_error: type[BaseException]) -> None:
         self._xp = xp
+        self._compile_error = compile_error
         self._module: Any = None
+        self.broken: BaseException | None = None
 
     def _function(self, name: str, dtype: str) -> Any:
-        if self._module is None:
-            expressions = [f"{n}<{t}>" for n in _NAMES for t in _C_TYPES.values()]
-            self._module = self._xp.RawModule(code=_SOURCE, name_expressions=expressions)
-        return self._module.get_function(f"{name}<{_C_TYPES[dtype]}>")
+        """The compiled kernel `name` for `dtype`, or None if the module does not compile."""
+        if self.broken is not None:
+            return None
+        try:
+            if self._module is None:
+                expressions = [f"{n}<{t}>" for n in _NAMES for t in _C_TYPES.values()]
+                self._module = self._xp.RawModule(code=_SOURCE, name_expressions=expressions)
+            return self._module.get_function(f"{name}<{_C_TYPES[dtype]}>")
+        except self._compile_error as e:
+            self.broken = e
+            log.warning(
+                "CUDA did not compile emberlink's window and softmax kernels; running the reference: %s", e
+            )
+            return None
 
     def table(self) -> dict[str, OpFn]:
         return {
@@ -146,10 +168,13 @@ class Kernels:
         rows = n * c * kernel[0] * kernel[1]
         if str(x.dtype) not in _C_TYPES or not _fits(rows, h * w, counts[0] * counts[1]):
             return OP_TABLE["unfold"](xp, args, step)
+        launch = self._function("emberlink_unfold", str(x.dtype))
+        if launch is None:
+            return OP_TABLE["unfold"](xp, args, step)
         x = xp.ascontiguousarray(x)
         out = xp.empty(step.out_spec.shape, dtype=x.dtype)
         dims = (h, w, *kernel, *dilation, *padding, *stride, *counts)
-        self._function("emberlink_unfold", str(x.dtype))((rows,), _WINDOW_BLOCK, (x, out, *_int32(dims)))
+        launch((rows,), _WINDOW_BLOCK, (x, out, *_int32(dims)))
         return out
 
     def fold(self, xp: Any, args: Sequence[Any], step: Step) -> Array:
@@ -160,10 +185,13 @@ class Kernels:
         per_plane = kernel[0] * kernel[1] * counts[0] * counts[1]
         if dtype not in _C_TYPES or str(cols.dtype) != dtype or not _fits(n * c, h * w, per_plane):
             return OP_TABLE["fold"](xp, args, step)
+        launch = self._function("emberlink_fold", dtype)
+        if launch is None:
+            return OP_TABLE["fold"](xp, args, step)
         cols = xp.ascontiguousarray(cols)
         out = xp.empty(step.out_spec.shape, dtype=dtype)
         dims = (h, w, *kernel, *dilation, *padding, *stride, *counts)
-        self._function("emberlink_fold", dtype)((n * c,), _WINDOW_BLOCK, (cols, out, *_int32(dims)))
+        launch((n * c,), _WINDOW_BLOCK, (cols, out, *_int32(dims)))
         return out
 
     def softmax(self, xp: Any, args: Sequence[Any], step: Step) -> Array:
@@ -179,14 +207,15 @@ class Kernels:
             or not 0 < length <= MAX_ROW
         ):
             return OP_TABLE[step.op](xp, args, step)
-        x = xp.ascontiguousarray(x)
-        out = xp.empty(x.shape, dtype=dtype)
         rows = x.size // length
         blocks = -(-rows // _SOFTMAX_ROWS_PER_BLOCK)
-        if blocks > INT32_MAX:
+        launch = self._function("emberlink_softmax", dtype) if blocks <= INT32_MAX else None
+        if launch is None:
             return OP_TABLE[step.op](xp, args, step)
-        args_ = (x, out, np.int64(rows), np.int32(length), np.int32(step.op == "log_softmax"))
-        self._function("emberlink_softmax", dtype)((blocks,), (32 * _SOFTMAX_ROWS_PER_BLOCK,), args_)
+        x = xp.ascontiguousarray(x)
+        out = xp.empty(x.shape, dtype=dtype)
+        launch((blocks,), (32 * _SOFTMAX_ROWS_PER_BLOCK,), (x, out, np.int64(rows), np.int32(length),
+               np.int32(step.op == "log_softmax")))  # fmt: skip
         return out
 
 
