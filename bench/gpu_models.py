@@ -1,6 +1,6 @@
 """Conv and attention on a GPU: PyTorch eager against emberlink's Device.cuda, eager and jitted.
 
-    python3 bench/gpu_models.py [--device cuda:0] [--steps 30] [--only conv,cnn,attention,transformer]
+    python3 bench/gpu_models.py [--device cuda:0] [--steps 30] [--only conv,attention,cnn,transformer]
     .venv/bin/python bench/gpu_models.py --device cpu --quick      # try it without a GPU
 
 Four steps, each timed as the median of its steps (after warm-up) with the loss read every step
@@ -456,7 +456,7 @@ def main() -> None:
         "--budget", type=float, default=2.0, help="seconds of timed steps per column (at least 5 steps)"
     )
     parser.add_argument("--quick", action="store_true", help="small batches (to check the script on a CPU)")
-    parser.add_argument("--only", default="conv,cnn,attention,transformer")
+    parser.add_argument("--only", default="conv,attention,cnn,transformer")
     parser.add_argument(
         "--deadline",
         type=float,
