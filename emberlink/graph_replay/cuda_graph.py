@@ -89,7 +89,7 @@ class Capturer:
         self.device_id: int = backend.device_id
         with self.xp.cuda.Device(self.device_id):
             self.stream = self.xp.cuda.Stream(non_blocking=True)
-            self.gemm = nvmath_matmul.Gemm(self.xp, cublas)
+            self.gemm = nvmath_matmul.Gemm(self.xp, cublas, strided=getattr(backend, "fast", True))
             self.copy_kernel = self.xp.RawKernel(_COPY_KERNEL, "emberlink_copy_table")
 
     @property

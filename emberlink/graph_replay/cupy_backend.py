@@ -1,8 +1,13 @@
 """The CuPy backend: the reference op table run on a CUDA GPU; imports CuPy only when constructed.
 
 It reuses numpy_backend's definitions with `xp = cupy` and replaces only what CuPy lacks
-(`scatter_add` works around the dtypes CUDA atomics lack). The CuPy tests compare it op by op with the NumPy
-reference on the same case table.
+(`scatter_add` works around the dtypes CUDA atomics lack) and, with `fast=True` (the default),
+what a measurement asked for: `unfold`, `fold`, `softmax` and `log_softmax` run as one kernel
+each (cupy_kernels.py), and float `matmul` goes through cuBLAS from nvmath-python when it is
+installed, as captured plans do (nvmath_matmul.py), reading transposed and strided operands in
+place where CuPy's matmul copies every batched operand that is not contiguous. `fast=False`
+runs the reference for all of them, e.g. to compare against. The CuPy tests compare it op by op
+with the NumPy reference on the same case table.
 
 Each plan is run as a variant compiled once, the first time the backend sees it, and kept beside
 it for as long as it lives: runs of elementwise steps whose inner values die inside the run become
@@ -21,8 +26,9 @@ from typing import Any
 import numpy as np
 
 from emberlink.errors import DeviceError, DTypeError
-from emberlink.graph_replay import fusion
+from emberlink.graph_replay import fusion, nvmath_matmul
 from emberlink.graph_replay.backend import Array, IntoFn, OpFn, run_plan
+from emberlink.graph_replay.cupy_kernels import Kernels
 from emberlink.graph_replay.ir import KIND_OF_DTYPE, Scalar
 from emberlink.graph_replay.numpy_backend import (
     INTO_TABLE,
@@ -63,6 +69,36 @@ def _scatter_add(xp: Any, args: Sequence[Any], step: Step) -> Array:
     out = xp.zeros(step.out_spec.shape, dtype=acc)
     xp.add.at(out, index, g.astype(acc, copy=False))
     return out.astype(dtype, copy=False)
+
+
+class _EagerMatmul:
+    """Float matmuls of eager runs through nvmath-python's cuBLAS (bound to the current stream at
+    each call), integer ones and all of them without nvmath-python through the reference. The
+    handle and workspace are made on the first float matmul; a failure to make them is logged
+    once and the reference serves from then on."""
+
+    def __init__(self, xp: Any) -> None:
+        self._xp = xp
+        self._gemm: Any = None
+        self._failed = False
+
+    def __call__(self, xp: Any, args: Sequence[Any], step: Step) -> Array:
+        dtype = step.out_spec.dtype
+        gemm = self._gemm if dtype in nvmath_matmul.FLOAT_DTYPES else None
+        if gemm is None and dtype in nvmath_matmul.FLOAT_DTYPES and not self._failed:
+            gemm = self._make()
+        if gemm is None:
+            return OP_TABLE["matmul"](xp, args, step)
+        gemm.bind(xp.cuda.get_current_stream().ptr)
+        return gemm.matmul(args[0], args[1], dtype)
+
+    def _make(self) -> Any:
+        try:
+            self._gemm = nvmath_matmul.Gemm(self._xp, nvmath_matmul.load())
+        except Exception as e:  # noqa: BLE001 - ImportError without nvmath-python, or CUDA's, making the handle
+            self._failed = True
+            log.info("eager float matmuls run through CuPy's own matmul: %s: %s", type(e).__name__, e)
+        return self._gemm
 
 
 def _compile_error_type() -> type[BaseException]:
@@ -133,7 +169,7 @@ class CupyBackend:
     name = "cupy"
     runs_inline = False
 
-    def __init__(self, device: int = 0, *, fuse: bool = True, reuse: bool = True) -> None:
+    def __init__(self, device: int = 0, *, fuse: bool = True, reuse: bool = True, fast: bool = True) -> None:
         cupy = _import_cupy()
         try:
             count = cupy.cuda.runtime.getDeviceCount()
@@ -149,12 +185,17 @@ class CupyBackend:
         self._peak = 0
         self.fuse = fuse
         self.reuse = reuse
+        self.fast = fast
+        self._compile_error = _compile_error_type()
+        self.kernels = Kernels(cupy, self._compile_error)
         self._table: dict[str, OpFn] = {**OP_TABLE, "scatter_add": _scatter_add, FUSED: _fused}
+        if fast:
+            self._table.update(self.kernels.table())
+            self._table["matmul"] = _EagerMatmul(cupy)
         self._into: dict[str, IntoFn] = {**INTO_TABLE, FUSED: _fused_into}
         self._oom: tuple[type[BaseException], ...] = (MemoryError, cupy.cuda.memory.OutOfMemoryError)
         self._variants: weakref.WeakKeyDictionary[Plan, Plan] = weakref.WeakKeyDictionary()
         self._kernels: dict[tuple[str, str, str], Any] = {}
-        self._compile_error = _compile_error_type()
 
     # -- fusion -------------------------------------------------------------------------------------
 

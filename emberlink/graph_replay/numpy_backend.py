@@ -239,8 +239,9 @@ def _scatter_add(xp: Any, args: Sequence[Any], step: Step) -> Array:
 # NumPy and CuPy run the same few large array operations (and CuPy's capture sees plain kernels).
 
 
-def _window(step: Step, spatial: tuple[int, int]) -> tuple[tuple[int, int], ...]:
-    """kernel_size, dilation, padding, stride and the window counts (oh, ow)."""
+def window(step: Step, spatial: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """An unfold or fold step's kernel_size, dilation, padding, stride and window counts (oh, ow)
+    for an image of `spatial` (H, W)."""
     a = step.attrs
     names = ("kernel_size", "dilation", "padding", "stride")
     return (*(cast(tuple[int, int], a[n]) for n in names), window_counts(step.op, spatial, a))
@@ -248,7 +249,7 @@ def _window(step: Step, spatial: tuple[int, int]) -> tuple[tuple[int, int], ...]
 
 def _offsets(step: Step, spatial: tuple[int, int]) -> Any:
     """For each kernel offset (i, j): its index and the strided slices of the padded image it reads."""
-    (kh, kw), (dh, dw), _, (sh, sw), (oh, ow) = _window(step, spatial)
+    (kh, kw), (dh, dw), _, (sh, sw), (oh, ow) = window(step, spatial)
     for i in range(kh):
         for j in range(kw):
             rows = slice(i * dh, i * dh + sh * (oh - 1) + 1, sh)
@@ -259,26 +260,26 @@ def _offsets(step: Step, spatial: tuple[int, int]) -> Any:
 def _unfold(xp: Any, args: Sequence[Any], step: Step) -> Array:
     x = args[0]
     n, c, h, w = x.shape
-    (kh, kw), _, (ph, pw), _, (oh, ow) = _window(step, (h, w))
+    (kh, kw), _, (ph, pw), _, (oh, ow) = window(step, (h, w))
     if ph or pw:
         padded = xp.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=x.dtype)
         padded[:, :, ph : ph + h, pw : pw + w] = x
         x = padded
     out = xp.empty((n, c, kh, kw, oh, ow), dtype=x.dtype)
-    for i, j, window in _offsets(step, (h, w)):
-        out[:, :, i, j] = x[window]
+    for i, j, where in _offsets(step, (h, w)):
+        out[:, :, i, j] = x[where]
     return out.reshape(step.out_spec.shape)
 
 
 def _fold(xp: Any, args: Sequence[Any], step: Step) -> Array:
     cols = args[0]
     n, c, h, w = step.out_spec.shape
-    (kh, kw), _, (ph, pw), _, (oh, ow) = _window(step, (h, w))
+    (kh, kw), _, (ph, pw), _, (oh, ow) = window(step, (h, w))
     acc = _wide(step.out_spec.dtype)
     blocks = cols.reshape(n, c, kh, kw, oh, ow).astype(acc, copy=False)
     out = xp.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=acc)
-    for i, j, window in _offsets(step, (h, w)):
-        view = out[window]
+    for i, j, where in _offsets(step, (h, w)):
+        view = out[where]
         xp.add(view, blocks[:, :, i, j], out=view)  # not `+=`: that copies the view onto itself
     if ph or pw:
         out = xp.ascontiguousarray(out[:, :, ph : ph + h, pw : pw + w])
@@ -453,4 +454,5 @@ __all__ = [
     "index_tuple",
     "scatter_index",
     "wide_indices",
+    "window",
 ]

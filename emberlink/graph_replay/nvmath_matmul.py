@@ -9,14 +9,20 @@ broadcast batch dims), the result cast back. It calls `cublasGemmEx` and
 `cublasGemmStridedBatchedEx` with the compute type and algorithm CuPy's own matmul picks
 (`CUBLAS_COMPUTE_32F`/`64F`, no TF32), so results agree with the eager path to cuBLAS's rounding.
 
-Row-major arrays are column-major transposes, so `C = A @ B` is computed as `C^T = B^T A^T`. A
-2-D operand that is a transposed contiguous array (as the backward pass makes them) is read
-through cuBLAS's transpose flag, without a copy; anything else not contiguous is copied first.
+Row-major arrays are column-major transposes, so `C = A @ B` is computed as `C^T = B^T A^T`. An
+operand is read where it lies whenever cuBLAS can address it: each matrix row-major or
+column-major (a transposed view, as the backward pass makes them: `x.mT` of a contiguous `x`)
+with a leading dimension of at least its width, and, for a batch, one stride from matrix to
+matrix. So the backward pass of a convolution (`g @ cols.mT`), of attention (`q.mT @ g`) and of
+a Linear layer on 3-D input read their big operands in place, where a copy would move them
+twice more. Anything else (a batch broadcast along some axes only, matrices of one row or column,
+negative strides) is copied into a contiguous array first, as `strided=False` does for all.
 Integer matmuls are not cuBLAS's: the caller runs them with CuPy's own kernels.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from typing import Any
@@ -39,10 +45,11 @@ def load() -> Any:
 class Gemm:
     """cuBLAS matmuls for one device: a handle and a workspace, bound to a stream per run."""
 
-    def __init__(self, xp: Any, cublas: Any) -> None:
+    def __init__(self, xp: Any, cublas: Any, *, strided: bool = True) -> None:
         from nvmath import CudaDataType
 
         self._xp = xp
+        self._strided = strided
         self._cublas = cublas
         self._handle = cublas.create()
         # Destroyed with this object, not at interpreter exit (the CUDA context may be gone by then).
@@ -120,23 +127,65 @@ class Gemm:
             )  # fmt: skip
 
     def _operand(self, x: Any, batch: tuple[int, ...]) -> tuple[int, int, int, Any]:
-        """`(op, leading dim, batch stride, array)` of a `(..., rows, cols)` row-major operand.
+        """`(op, leading dim, batch stride, array)` of a `(..., rows, cols)` operand.
 
-        One matrix for the whole batch (its batch dims all 1) has batch stride 0; a batched one is
-        broadcast to `batch` and made contiguous, with stride rows*cols.
+        One matrix for the whole batch (its batch dims all 1) has batch stride 0. An operand
+        cuBLAS can address where it lies (`addressing`) is passed as it is; any other is broadcast
+        to `batch` and made contiguous, with stride rows*cols.
         """
         xp = self._xp
         rows, cols = x.shape[-2:]
-        if math.prod(x.shape[:-2]) == 1:
-            mat = x.reshape(rows, cols)
-            item = mat.itemsize
-            if mat.flags.c_contiguous:
-                return self._n, max(1, cols), 0, mat
-            if mat.strides[0] == item and mat.strides[1] == rows * item:  # a transposed contiguous array
-                return self._t, max(1, rows), 0, mat
-            return self._n, max(1, cols), 0, xp.ascontiguousarray(mat)
+        single = math.prod(x.shape[:-2]) == 1
+        if single:
+            x = x.reshape(rows, cols)
+        if self._strided:
+            found = addressing(x.shape, x.strides, x.itemsize, () if single else batch)
+            if found is not None:
+                transposed, ld, stride = found
+                return (self._t if transposed else self._n), ld, stride, x
+        if single:
+            return self._n, max(1, cols), 0, xp.ascontiguousarray(x)
         full = xp.ascontiguousarray(xp.broadcast_to(x, batch + (rows, cols)))
         return self._n, max(1, cols), rows * cols, full
 
 
-__all__ = ["FLOAT_DTYPES", "WORKSPACE_BYTES", "Gemm", "load"]
+def addressing(
+    shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, batch: tuple[int, ...]
+) -> tuple[bool, int, int] | None:
+    """How cuBLAS reads an operand of `shape` and byte `strides` in place, for a batch of shape
+    `batch` (`()`: one matrix, `shape` 2-D): `(transposed, leading dim, batch stride)` in
+    elements, or None when it cannot (then the operand is copied).
+
+    A matrix is row-major (unit column stride; op N, leading dim = row stride) or column-major
+    (unit row stride; op T, leading dim = column stride), the leading dim at least its width
+    (cols, or rows if transposed). Matrices of one row or one column are left to the copy (their
+    unit stride is ambiguous). A batch must have the operand's own batch shape and collapse to one
+    positive stride; a lone matrix gets stride 0.
+    """
+    rows, cols = shape[-2:]
+    row_stride, col_stride = strides[-2:]
+    if rows < 2 or cols < 2 or row_stride % itemsize or col_stride % itemsize:
+        return None
+    if col_stride == itemsize and row_stride >= cols * itemsize:
+        transposed, ld = False, row_stride // itemsize
+    elif row_stride == itemsize and col_stride >= rows * itemsize:
+        transposed, ld = True, col_stride // itemsize
+    else:
+        return None
+    if not batch:
+        return transposed, ld, 0
+    if tuple(shape[:-2]) != batch:
+        return None
+    dims = [(d, s) for d, s in zip(shape[:-2], strides[:-2]) if d != 1]
+    if not dims:
+        return transposed, ld, 0
+    for (_, outer), (inner_dim, inner) in itertools.pairwise(dims):
+        if outer != inner * inner_dim:
+            return None
+    stride = dims[-1][1]
+    if stride <= 0 or stride % itemsize:
+        return None
+    return transposed, ld, stride // itemsize
+
+
+__all__ = ["FLOAT_DTYPES", "WORKSPACE_BYTES", "Gemm", "addressing", "load"]

@@ -728,6 +728,30 @@ def _cases() -> list[Case]:
             lambda x: np.exp(_log_softmax(x, -1)),
         )
     )
+    masked = f(5, 70)  # rows longer than a warp (CuPy's kernel loops), some keys masked
+    masked[:, 40:] = -np.inf
+    masked[3] = -np.inf  # a row that may attend to nothing: NaN, as in torch
+    masked[4, 7] = np.nan
+    add(
+        Case(
+            "softmax-long-rows-masked",
+            "softmax",
+            (masked,),
+            {},
+            expect_ignoring_errors(lambda x: np.exp(_log_softmax(x, -1))),
+        )
+    )
+    add(Case("log_softmax-long-rows-masked", "log_softmax", (masked,), {},
+             expect_ignoring_errors(lambda x: _log_softmax(x, -1))))  # fmt: skip
+    add(
+        Case(
+            "log_softmax-f64-3d",
+            "log_softmax",
+            (f(2, 3, 45, dtype=F64, lo=-40, hi=40),),
+            {"axis": 2},
+            lambda x: _log_softmax(x, 2),
+        )
+    )
     add(
         Case(
             "log_softmax-f16",

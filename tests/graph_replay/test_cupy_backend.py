@@ -86,3 +86,51 @@ def test_take_out_of_range_is_an_execution_error_as_on_numpy(cupy_backend: Any, 
     i = cupy_backend.from_numpy(np.array([index]))
     with pytest.raises(ExecutionError, match=r"take \(node 0\) failed: IndexError"):
         cupy_backend.run(compile_plan(g), [x, i], [])
+
+
+# -- fast paths (cupy_kernels.py, cuBLAS through nvmath-python) against the entries they replace --
+
+FAST_OPS = ("unfold", "fold", "softmax", "log_softmax", "matmul")
+FAST_CASES = [c for c in CASES if c.op in FAST_OPS]
+
+
+@pytest.fixture(scope="module")
+def reference_backend() -> Any:
+    from emberlink.graph_replay.cupy_backend import CupyBackend
+
+    return CupyBackend(fast=False)
+
+
+@pytest.mark.parametrize("case", FAST_CASES, ids=[c.id for c in FAST_CASES])
+def test_fast_paths_give_the_values_of_the_reference_entries(
+    cupy_backend: Any, reference_backend: Any, case: Case
+) -> None:
+    got = run_case(cupy_backend, case)
+    want = run_case(reference_backend, case)
+    assert cupy_backend.kernels.broken is None  # the kernels compiled, so they ran
+    if case.op in ("unfold", "fold"):  # copies, and sums in the reference's order: the same bits
+        np.testing.assert_array_equal(got, want, err_msg=case.id)
+    else:
+        assert_close(got, want, case.id)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_matmul_with_a_transposed_batched_operand_matches_numpy(fast: bool) -> None:
+    """The weight gradient of a convolution: g (N, O, L) @ cols.mT, cols (N, K, L)."""
+    from emberlink.graph_replay.cupy_backend import CupyBackend
+
+    g = Graph(
+        (TensorSpec("float32", (3, 4, 20)), TensorSpec("float32", (3, 6, 20))),
+        (),
+        (
+            Node("permute_dims", (1,), check_attrs("permute_dims", {"axes": (0, 2, 1)})),
+            Node("matmul", (0, 2)),
+        ),
+        (3,),
+    )
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal(s.shape).astype(np.float32) for s in g.inputs]
+    backend = CupyBackend(fast=fast)
+    (out,) = backend.run(compile_plan(g), [backend.from_numpy(a) for a in inputs], [])
+    want = inputs[0] @ inputs[1].transpose(0, 2, 1)
+    np.testing.assert_allclose(backend.to_numpy(out), want, rtol=1e-5, atol=1e-5)
