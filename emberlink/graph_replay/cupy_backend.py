@@ -127,6 +127,9 @@ def _fused_into(xp: Any, args: Sequence[Any], step: Step, out: Any) -> Array:
     return step.kernel(xp, step, args, out)
 
 
+PINNED_UNIT = 64 << 10
+
+
 class CupyBackend:
     """Runs plans on one CUDA GPU. Memory figures come from CuPy's default memory pool."""
 
@@ -263,6 +266,15 @@ class CupyBackend:
 
     def bind_thread(self) -> None:
         self._device.use()
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """Page-locked memory from CuPy's pinned pool, which the DMA engine reads in place. Sizes
+        are rounded up to PINNED_UNIT so that a step's buffers, whose sizes vary by a few bytes,
+        come back from the pool rather than from new (slow) page-locked allocations."""
+        size = -(-max(nbytes, 1) // PINNED_UNIT) * PINNED_UNIT
+        with self._device:
+            memory = self._cp.cuda.alloc_pinned_memory(size)
+        return np.frombuffer(memory, np.uint8, nbytes)
 
     def free_bytes(self) -> int:
         with self._device:

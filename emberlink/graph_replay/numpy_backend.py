@@ -389,6 +389,9 @@ class NumpyBackend:
     def free_bytes(self) -> int | None:
         return None  # host memory: the worker reads the host's available memory itself
 
+    def host_buffer(self, nbytes: int) -> None:
+        return None  # the arrays live in ordinary memory already
+
 
 __all__ = [
     "INTO_TABLE",

@@ -35,7 +35,8 @@ values in total, and no non-contiguous read exceeds this many bytes..."""
 INLINE_STEPS = 64
 """...no graph has more steps than this..."""
 INLINE_MESSAGES = 64
-"""...the batch has at most this many messages, and registers no graph (compiling is not tiny)."""
+"""...the batch has at most this many messages, and registers no graph (compiling is not tiny).
+Where plans replay as captured CUDA graphs the rule is `light_captured`'s instead."""
 
 _DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}
 """dtype -> wire name; `ndarray.dtype.name` is a slow Python property on the per-step path."""
@@ -98,6 +99,7 @@ class BatchRunner:
         self.closed = False
         self.counters = Counters()
         self._light: dict[bytes, bool] = {}  # gid -> whether its plan is light (see `light`)
+        self._captured: set[bytes] = set()  # gids whose plan ran as a captured graph last time
         # Plans replayed as captured CUDA graphs (cuda workers), charged to this session's quota
         # and to the client's cache entry of the plan; None where capture cannot serve.
         self._captures = open_captures(backend, admit=self._admit_capture, release=self._release_capture)
@@ -151,6 +153,24 @@ class BatchRunner:
         self.applied = batch.seq
         self.counters.batches += 1
         return out
+
+    @property
+    def replays_captured(self) -> bool:
+        """Whether plans here replay as captured CUDA graphs (a cuda worker with nvmath-python)."""
+        return self._captures is not None
+
+    def light_captured(self, batch: m.Batch) -> bool:
+        """Whether applying `batch` takes little CPU where plans replay as captured graphs: it
+        registers nothing and every Execute names a plan that ran captured last time (a replay is
+        one launch; uploads stay in host memory until staged, reads wait for the GPU)."""
+        if len(batch.messages) > INLINE_MESSAGES:
+            return False
+        captured = self._captured
+        for msg in batch.messages:
+            t = type(msg)
+            if (t is m.Execute and msg.gid not in captured) or t is m.Register:  # type: ignore[union-attr]
+                return False
+        return True
 
     def light(self, batch: m.Batch) -> bool:
         """Whether applying `batch` is bounded tiny work (INLINE_*): a few small arrays and small
@@ -254,6 +274,10 @@ class BatchRunner:
                     inputs = self._on_device(msg.inputs, inputs)
                 results = self._captures.run(plan, inputs, msg.bindings, msg.gid)
                 self.counters.captured_replays = self._captures.replays
+                if self._captures.captured(plan):
+                    self._captured.add(msg.gid)
+                else:
+                    self._captured.discard(msg.gid)
             else:
                 results = self._backend.run(plan, inputs, msg.bindings)
         except ExecutionError as e:
