@@ -72,6 +72,7 @@ class Counters:
     graph_unknown: int = 0
     discarded_batches: int = 0
     captured_replays: int = 0  # executes run as one launch of a captured CUDA graph
+    applied_on_loop: int = 0  # batches applied on the event loop (no thread hand-off)
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)

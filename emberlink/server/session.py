@@ -387,6 +387,8 @@ class Session:
         """On the loop, the device idle and locked: apply a light batch now; False if it is not light."""
         if not light(incoming.batch):
             return False
+        assert self._runner is not None
+        self._runner.counters.applied_on_loop += 1
         # call_soon, not a direct call: replies the device thread handed over with
         # call_soon_threadsafe before it went idle are already queued, and go out first.
         self._settle(incoming, self._loop.call_soon)
