@@ -101,6 +101,7 @@ class BatchRunner:
         self.counters = Counters()
         self._light: dict[bytes, bool] = {}  # gid -> whether its plan is light (see `light`)
         self._captured: set[bytes] = set()  # gids whose plan ran as a captured graph last time
+        self._need: dict[bytes, int] = {}  # gid -> bytes its outputs take (the quota check)
         # Plans replayed as captured CUDA graphs (cuda workers), charged to this session's quota
         # and to the client's cache entry of the plan; None where capture cannot serve.
         self._captures = open_captures(backend, admit=self._admit_capture, release=self._release_capture)
@@ -138,8 +139,7 @@ class BatchRunner:
                 case m.Upload():
                     self._upload(msg, next(uploads))
                 case m.Drop():
-                    for tid in msg.ids:
-                        self._store.drop(tid)
+                    self._store.drop_many(msg.ids)
                 case m.Read():
                     self._read(msg, out)
                 case m.Sync():
@@ -264,7 +264,11 @@ class BatchRunner:
             except LookupError as e:
                 self._fail(outs, e.args[0])
                 return
-        need = sum(plan.specs[v].nbytes for v in plan.outputs)
+        need = self._need.get(msg.gid)
+        if need is None:
+            if len(self._need) >= 4096:
+                self._need.clear()
+            need = self._need[msg.gid] = sum(plan.specs[v].nbytes for v in plan.outputs)
         quota = self._store.quota
         if not quota.reserve(need):
             self._fail(outs, Failure(ErrorCode.QUOTA, quota.describe_refusal(need)))
@@ -281,24 +285,27 @@ class BatchRunner:
                     self._captured.discard(msg.gid)
             else:
                 results = self._backend.run(plan, inputs, msg.bindings)
-        except ExecutionError as e:
-            self._fail(outs, Failure(e.code, e.message))
-            return
-        except EmberlinkError as e:
-            self._fail(outs, Failure(ErrorCode.EXECUTION, str(e)))
-            return
-        except MemoryError as e:
-            self._fail(outs, Failure(ErrorCode.OUT_OF_MEMORY, f"out of memory: {e}"))
-            return
-        except Exception as e:  # a backend bug is the computation's failure, not the session's
-            log.exception("backend failed running a graph")
-            self._fail(outs, Failure(ErrorCode.EXECUTION, f"{type(e).__name__}: {e}"))
-            return
-        finally:
+        except BaseException as e:  # noqa: BLE001 - sorted by _fail_run, which re-raises the rest
             quota.release(need)
+            self._fail_run(outs, e)
+            return
         nbytes = self._backend.nbytes
-        for tid, value in zip(outs, results, strict=True):
-            self._store.put(tid, value, nbytes(value), charged=False)
+        # The reservation becomes the outputs' charge: one quota update for the whole Execute.
+        self._store.put_many(outs, results, [nbytes(value) for value in results], reserved=need)
+
+    def _fail_run(self, outs: range, error: BaseException) -> None:
+        """Poison an Execute's outputs with why its run failed (re-raising what is no run failure)."""
+        if isinstance(error, ExecutionError):
+            self._fail(outs, Failure(error.code, error.message))
+        elif isinstance(error, EmberlinkError):
+            self._fail(outs, Failure(ErrorCode.EXECUTION, str(error)))
+        elif isinstance(error, MemoryError):
+            self._fail(outs, Failure(ErrorCode.OUT_OF_MEMORY, f"out of memory: {error}"))
+        elif isinstance(error, Exception):  # a backend bug is the computation's failure, not the session's
+            log.error("backend failed running a graph", exc_info=error)
+            self._fail(outs, Failure(ErrorCode.EXECUTION, f"{type(error).__name__}: {error}"))
+        else:
+            raise error
 
     def _on_device(self, tids: Sequence[int], inputs: list[Any]) -> list[Any]:
         """An eager run's inputs, with uploads still in host memory moved to the device for good."""
