@@ -1,12 +1,14 @@
 """One client session on the worker: handshake, frames in and out, bulk buffers; the asyncio half.
 
-The event loop only moves bytes: it opens frames, decrypts uploads straight into preallocated
-arrays, and seals replies. Applying batches (and every backend call) happens on the device
-thread through `BatchRunner`, in arrival order, with one bounded exception: on a backend that
-`runs_inline` (the NumPy one), a light batch (`BatchRunner.light`: small arrays, small compiled
-graphs) that finds the device thread idle is applied right here on the loop, which saves two
-thread hand-offs. A frame that does not open or decode ends this session alone, with
-`Error(0, "refused", ...)`; every other session carries on.
+The event loop moves bytes: it opens frames, decrypts uploads straight into preallocated arrays
+(the backend's pinned host buffers on a GPU), and seals replies. Applying batches (and every
+backend call) happens on the device thread through `BatchRunner`, in arrival order, with two
+exceptions, both for a batch that finds the device thread idle and both saving its two thread
+hand-offs: on a backend that `runs_inline` (the NumPy one), a light batch (`BatchRunner.light`:
+small arrays, small compiled graphs); and, where plans replay as captured CUDA graphs and this
+is the worker's only session, a batch of captured replays (`BatchRunner.light_captured`), whose
+read of the result then waits for the GPU on the loop (see `_submit`). A frame that does not open
+or decode ends this session alone, with `Error(0, "refused", ...)`; every other session carries on.
 """
 
 from __future__ import annotations
@@ -368,6 +370,15 @@ class Session:
                 self._submit(incoming)
 
     def _submit(self, incoming: Incoming) -> None:
+        # The hand-off to the device thread and back, measured on the H200 (bench/gpu_step.py,
+        # small MLP step jitted, EMBERLINK_INLINE=0 against the default): 1.709 against 1.577 ms
+        # a step with resident data, 2.048 against 1.999 ms with host batches, so a single
+        # session's captured replays skip it. It stays where work is not bounded by a launch (an
+        # eager plan on a GPU: milliseconds of CPU) and where several sessions share the loop (a
+        # read waiting on the loop for one session's GPU work would stall the others' frames);
+        # those cases were not measured. Not measured either: a client reading each loss a step
+        # late on a GPU-bound step, where the device thread would let the loop decode the next
+        # batch while the GPU works.
         device = self._worker.device
         runner = self._runner
         assert runner is not None

@@ -34,7 +34,8 @@ def default_graph_cache_bytes(backend: Backend) -> int:
 
     On a GPU a cache entry is also charged its captured graph (arena, fixed input buffers, pinned
     staging), which for a real model is far more than 64 MiB (the 4096-wide MLP step of
-    bench/gpu_step.py holds about 0.5 GB): the budget then bounds how much device memory the
+    bench/gpu_step.py holds several hundred MiB: two 64 MiB weights in fixed buffers, their
+    gradients and new values in its arena): the budget then bounds how much device memory the
     captures of a client's least recently used graphs may keep before they are evicted and freed,
     and an eighth of the device leaves the rest to tensors. The session quota still bounds all a
     session holds, captures included."""

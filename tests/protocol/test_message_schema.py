@@ -80,7 +80,9 @@ client_messages = st.one_of(
     st.builds(Close, text),
 )
 worker_messages = st.one_of(
-    st.builds(lambda rid, d, inline: Result(rid, *d, inline), rids, tensor_desc(), st.booleans()),
+    st.builds(
+        lambda rid, d, inline: Result(rid, d[0], d[1], d[2], inline), rids, tensor_desc(), st.booleans()
+    ),
     st.builds(Done, rids),
     st.builds(
         StatsReply,

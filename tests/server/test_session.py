@@ -71,7 +71,7 @@ def test_results_that_fit_in_a_chunk_travel_in_the_reply_frame_and_larger_ones_i
         return out
 
     reply, arrays = run(worker, go())
-    assert [msg.inline for msg in reply.messages] == [True, False, True]  # type: ignore[union-attr]
+    assert [msg.inline for msg in reply.messages] == [True, False, True]
     for got, want in zip(arrays, [X, big, X], strict=True):
         np.testing.assert_array_equal(got, want)
 
