@@ -38,8 +38,9 @@ EMBERLINK_KEY="$tmp/client.key" python3 examples/train_mlp.py --device "$ticket"
     | tee "$OUT/example_remote_cuda.log" | tail -5
 kill -TERM $worker; wait $worker; echo "worker exit $?"; tail -3 "$OUT/worker.log"
 
-echo "== 4. MLP step: PyTorch, Device.cuda(0) and a cuda:0 worker on loopback, eager and captured, and the CPU"
-python3 bench/gpu_step.py --steps 200 2>/dev/null | tee "$OUT/gpu_step.md"
+echo "== 4. MLP steps: PyTorch, CuPy, Device.cuda(0) and a cuda:0 worker on loopback; where a remote step's time goes"
+python3 bench/gpu_step.py 2>"$OUT/gpu_step.err" | tee "$OUT/gpu_step.md"
+python3 bench/step_trace.py 2>"$OUT/step_trace.err" | tee "$OUT/step_trace.md"
 
 # EMBERLINK_HOST_BENCHES=1 runs them all; a list of names (e.g. "remote_step local_step") runs those.
 benches=${EMBERLINK_HOST_BENCHES:-0}

@@ -1,68 +1,414 @@
-"""The MLP training step on a GPU: Device.cuda(0) and a `--device cuda:0` worker, eager and captured.
+"""MLP training steps on a GPU: PyTorch, hand-written CuPy, and emberlink in process and remote.
 
-Run on a CUDA machine (it needs CuPy; nvmath-python for the captured rows):
+Run on a CUDA machine (CuPy; nvmath-python for captured graphs; PyTorch for its rows):
 
-    python bench/gpu_step.py [--steps 200]
+    python bench/gpu_step.py [--quick] [--only small|big] [--profile]
 
-Rows (medians over the timed steps, after warm-up): the step of bench/local_step.py (batch 128,
-784-512-512-10, float32, SGD, the loss read every step, the batch from host memory) in PyTorch
-eager when `torch` imports; on Device.cuda(0) in this process with every plan run eagerly
-(`EMBERLINK_CAPTURE=0`) and with plans replayed as captured CUDA graphs; the same two on
-Device.remote() against an `emberlink worker --device cuda:0` process on 127.0.0.1 (handshake,
-sealing, gRPC and the worker's device thread included); and Device.cpu(). The losses of every row
-are checked to agree with the first emberlink row, so the table compares the same math.
+Two models, float32, softmax cross-entropy (mean), SGD lr=0.01, the same starting weights and
+batches on every row: the small MLP (batch 128, 784-512-512-10) and a big one (batch 1024,
+4096-4096-4096-10). Every step reads its loss as a Python float, except the rows marked
+"read_async", which read each loss one step later (`loss.read_async()`, resolved after the next
+step is on its way). "host" rows give each step a batch from host memory (`dev.tensor(x)`);
+"resident" rows keep the data set on the device (emberlink: `DataLoader(..., resident=True)`,
+a `take` with an index tensor per batch; PyTorch and CuPy: batches uploaded beforehand).
+
+Rows: PyTorch eager; PyTorch with the whole step captured as one `torch.cuda.CUDAGraph` (inputs
+copied into its static tensors); hand-written CuPy (forward, backward and update by hand, cuBLAS
+through CuPy); emberlink `Device.cuda(0)` (plans captured as CUDA graphs after their first run),
+plain and with the step compiled by `emberlink.jit`; `Device.remote` against an `emberlink worker
+--device cuda:0` process on 127.0.0.1 (handshake, sealing, gRPC and the worker included), plain
+and jitted; and the jitted remote rows again against a worker with `EMBERLINK_INLINE=0`, which
+applies every batch on its device thread (what applying on the event loop saves).
+
+Times are medians over blocks of 10 steps (per step: the block's time / 10), after warm-up.
+"GPU time" is the kernel time of one step alone, measured with CUDA events around back-to-back
+replays of the step's captured graph (PyTorch's, and emberlink's from `Device.cuda` jit). Each
+row's first four losses, from fresh weights, are checked against the first emberlink row's.
+Ratios are against PyTorch eager with host batches, and for the big MLP also against PyTorch
+eager with its data already on the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import itertools
 import os
+import pstats
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import local_step
-
 import emberlink as el
-from emberlink.graph_replay.captured import CAPTURE_ENV
 from emberlink.protocol.identity import Identity
+from emberlink.server.session import INLINE_ENV
+
+LR = 0.01
+N_BATCHES = 4
+BLOCK = 10
 
 
-@contextmanager
-def capture(on: bool) -> Iterator[None]:
-    """Devices and workers made inside replay captured graphs (`on`) or run every plan eagerly."""
-    old = os.environ.get(CAPTURE_ENV)
-    os.environ[CAPTURE_ENV] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[CAPTURE_ENV]
+@dataclass(frozen=True)
+class Model:
+    name: str
+    batch: int
+    sizes: tuple[int, ...]
+    warm: int
+    steps: int
+
+
+SMALL = Model("small", 128, (784, 512, 512, 10), warm=30, steps=300)
+BIG = Model("big", 1024, (4096, 4096, 4096, 10), warm=6, steps=60)
+
+Step = Callable[[int], Any]
+"""One step on batch `k` (of N_BATCHES); returns the loss (a float, or a future for read_async)."""
+
+
+@dataclass
+class Row:
+    name: str
+    ms: float
+    losses: list[float]
+    group: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def batches(model: Model) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(1)
+    return [
+        (
+            rng.standard_normal((model.batch, model.sizes[0]), dtype=np.float32),
+            rng.integers(0, model.sizes[-1], model.batch),
+        )
+        for _ in range(N_BATCHES)
+    ]
+
+
+def start_weights(model: Model) -> list[np.ndarray]:
+    """W1, b1, W2, b2, ... (W as (in, out)): emberlink's Linear initialisation, seeds 0, 1, 2."""
+    with el.Device.cpu() as cpu:
+        return [p.numpy() for p in ember_model(cpu, model).parameters()]
+
+
+def ember_model(dev: el.Device, model: Model) -> el.nn.Module:
+    layers: list[el.nn.Module] = []
+    for k, (n_in, n_out) in enumerate(itertools.pairwise(model.sizes)):
+        if k:
+            layers.append(el.nn.ReLU())
+        layers.append(el.nn.Linear(n_in, n_out, seed=k))
+    return el.nn.Sequential(*layers).to(dev)
+
+
+# -- timing ------------------------------------------------------------------------------------------
+
+
+def measure(step: Step, model: Model, *, pipelined: bool = False) -> tuple[float, list[float]]:
+    """(median ms per step, the first N_BATCHES losses). With `pipelined` the step returns a read
+    future, resolved one step later (and the last one at the end of each block)."""
+    losses: list[float] = []
+    pending: Any = None
+    for k in range(N_BATCHES):  # fresh weights: the losses every row must agree on
+        out = step(k)
+        if pipelined:
+            if pending is not None:
+                losses.append(float(pending.item()))
+            pending = out
         else:
-            os.environ[CAPTURE_ENV] = old
+            losses.append(float(out))
+    if pending is not None:
+        losses.append(float(pending.item()))
+    times: list[float] = []
+    blocks = max(1, (model.warm + model.steps) // BLOCK)
+    warm_blocks = max(1, model.warm // BLOCK)
+    for b in range(blocks):
+        t0 = time.perf_counter()
+        pending = None
+        for i in range(BLOCK):
+            out = step(i % N_BATCHES)
+            if pipelined:
+                if pending is not None:
+                    pending.item()
+                pending = out
+        if pending is not None:
+            pending.item()
+        if b >= warm_blocks:
+            times.append((time.perf_counter() - t0) / BLOCK)
+    return statistics.median(times) * 1e3, losses
+
+
+# -- PyTorch ------------------------------------------------------------------------------------------
+
+
+def torch_rows(model: Model, start: list[np.ndarray], data: list[tuple[np.ndarray, np.ndarray]]) -> list[Row]:
+    import torch
+
+    dev = torch.device("cuda:0")
+    host = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in data]
+    resident = [(x.to(dev), y.to(dev)) for x, y in host]
+
+    def fresh() -> list[Any]:
+        return [torch.tensor(p, device=dev, requires_grad=True) for p in start]
+
+    def loss_of(params: list[Any], x: Any, y: Any) -> Any:
+        h = x
+        for k in range(0, len(params), 2):
+            h = h @ params[k] + params[k + 1]
+            if k + 2 < len(params):
+                h = torch.relu(h)
+        return torch.nn.functional.cross_entropy(h, y)
+
+    def eager(use: list[tuple[Any, Any]], move: bool) -> Step:
+        params = fresh()
+
+        def step(k: int) -> float:
+            x, y = use[k]
+            if move:
+                x, y = x.to(dev), y.to(dev)
+            loss = loss_of(params, x, y)
+            loss.backward()
+            with torch.no_grad():
+                for p in params:
+                    p -= LR * p.grad
+                    p.grad = None
+            return float(loss)
+
+        return step
+
+    def graphed(move: bool) -> tuple[Step, Callable[[], float]]:
+        """The whole step (forward, backward, update) as one CUDA graph; `(step, gpu ms)`."""
+        params = fresh()
+        static_x, static_y = (t.clone() for t in resident[0])
+
+        def body() -> Any:
+            loss = loss_of(params, static_x, static_y)
+            grads = torch.autograd.grad(loss, params)
+            with torch.no_grad():
+                for p, g in zip(params, grads, strict=True):
+                    p.sub_(LR * g)
+            return loss
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_loss = body()
+        with torch.no_grad():  # back to the starting weights: the warm-up trained them
+            for p, w in zip(params, start, strict=True):
+                p.copy_(torch.from_numpy(w))
+
+        def step(k: int) -> float:
+            x, y = host[k] if move else resident[k]
+            static_x.copy_(x)
+            static_y.copy_(y)
+            graph.replay()
+            return float(static_loss)
+
+        def gpu_ms() -> float:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            saved = [p.detach().clone() for p in params]
+            begin.record()
+            for _ in range(20):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            with torch.no_grad():
+                for p, w in zip(params, saved, strict=True):
+                    p.copy_(w)
+            return float(begin.elapsed_time(end)) / 20
+
+        return step, gpu_ms
+
+    rows = [
+        Row("PyTorch eager, host batches", *measure(eager(host, True), model), "torch"),
+        Row("PyTorch eager, resident", *measure(eager(resident, False), model), "torch"),
+    ]
+    step, gpu_ms = graphed(True)
+    rows.append(Row("PyTorch, whole step one CUDA graph, host batches", *measure(step, model), "torch"))
+    step, gpu_ms = graphed(False)
+    rows.append(Row("PyTorch, whole step one CUDA graph, resident", *measure(step, model), "torch"))
+    rows[-1].notes.append(f"GPU time of PyTorch's captured step: {gpu_ms():.3f} ms")
+    return rows
+
+
+# -- hand-written CuPy -------------------------------------------------------------------------------
+
+
+def cupy_rows(model: Model, start: list[np.ndarray], data: list[tuple[np.ndarray, np.ndarray]]) -> list[Row]:
+    import cupy as cp
+
+    def make(resident: bool) -> Step:
+        params = [cp.asarray(p) for p in start]
+        on_device = [(cp.asarray(x), cp.asarray(y)) for x, y in data] if resident else []
+        lr = np.float32(LR)
+
+        def step(k: int) -> float:
+            x, y = on_device[k] if resident else (cp.asarray(data[k][0]), cp.asarray(data[k][1]))
+            n = x.shape[0]
+            acts, pres = [x], []
+            h = x
+            for j in range(0, len(params), 2):
+                z = h @ params[j] + params[j + 1]
+                if j + 2 < len(params):
+                    pres.append(z)
+                    h = cp.maximum(z, np.float32(0))
+                    acts.append(h)
+                else:
+                    h = z
+            shifted = h - h.max(axis=1, keepdims=True)
+            e = cp.exp(shifted)
+            s = e.sum(axis=1, keepdims=True)
+            rows = cp.arange(n)
+            loss = -(shifted - cp.log(s))[rows, y].sum() / np.float32(n)
+            d = e / s
+            d[rows, y] -= np.float32(1)
+            d /= np.float32(n)
+            grads: list[Any] = [None] * len(params)
+            for j in range(len(params) - 2, -1, -2):
+                a = acts[j // 2]
+                grads[j], grads[j + 1] = a.T @ d, d.sum(axis=0)
+                if j:
+                    d = (d @ params[j].T) * (pres[j // 2 - 1] > 0)
+            for j, g in enumerate(grads):
+                params[j] = params[j] - g * lr
+            return float(loss)
+
+        return step
+
+    return [
+        Row("hand-written CuPy, host batches", *measure(make(False), model), "cupy"),
+        Row("hand-written CuPy, resident", *measure(make(True), model), "cupy"),
+    ]
+
+
+# -- emberlink ----------------------------------------------------------------------------------------
+
+
+def ember_step(
+    dev: el.Device,
+    model: Model,
+    data: list[tuple[np.ndarray, np.ndarray]],
+    *,
+    jit: bool,
+    resident: bool,
+    lazy: bool,
+) -> Step:
+    """A step on `dev`: the batch uploaded (`dev.tensor`) or gathered from a resident DataLoader;
+    the step compiled with `emberlink.jit` or recorded each time; the loss read at once, or
+    (`lazy`) its read started and its future returned."""
+    net = ember_model(dev, model)
+    opt = el.optim.SGD(net.parameters(), lr=LR)
+
+    def train(x: el.Tensor, y: el.Tensor) -> el.Tensor:
+        loss = el.nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    fn = el.jit(train) if jit else train
+    feed: Iterator[Any] | None = None
+    if resident:
+        xs = np.concatenate([x for x, _ in data])
+        ys = np.concatenate([y for _, y in data])
+        loader = el.data.DataLoader((xs, ys), batch_size=model.batch, device=dev, resident=True)
+        feed = itertools.chain.from_iterable(itertools.repeat(loader))
+
+    def step(k: int) -> Any:
+        if feed is not None:
+            x, y = next(feed)  # the loader's batches in order: batch k on the first steps
+        else:
+            x, y = dev.tensor(data[k][0]), dev.tensor(data[k][1])
+        loss = fn(x, y)
+        return loss.read_async() if lazy else float(loss)
+
+    return step
+
+
+def captured_gpu_ms(dev: el.Device) -> float | None:
+    """Kernel time of the largest plan `dev` replays as a captured graph, launched alone 20 times
+    back to back between CUDA events (a bench-only look at Device.cuda's executor)."""
+    captures = getattr(dev._executor, "_captures", None)
+    if captures is None:
+        return None
+    import cupy as cp
+
+    found = [e.captured for e in captures._entries.values() if e.captured is not None]
+    if not found:
+        return None
+    plan = max(found, key=lambda c: len(c.plan.steps))
+    stream = cp.cuda.get_current_stream()
+    begin, end = cp.cuda.Event(), cp.cuda.Event()
+    begin.record(stream)
+    for _ in range(20):
+        plan._graph.launch(stream)
+    end.record(stream)
+    end.synchronize()
+    return float(cp.cuda.get_elapsed_time(begin, end)) / 20
+
+
+def local_rows(
+    model: Model, data: list[tuple[np.ndarray, np.ndarray]], profile: bool, device: str
+) -> list[Row]:
+    rows: list[Row] = []
+    cases = [
+        ("Device.cuda eager (recorded each step), host batches", False, False, False),
+        ("Device.cuda jit, host batches", True, False, False),
+        ("Device.cuda jit, host batches, read_async", True, False, True),
+        ("Device.cuda jit, resident", True, True, False),
+        ("Device.cuda jit, resident, read_async", True, True, True),
+    ]
+    for name, jit, resident, lazy in cases:
+        with (
+            el.Device.cpu() if device == "cpu" else el.Device.cuda(int(device.partition(":")[2] or 0)) as dev
+        ):
+            step = ember_step(dev, model, data, jit=jit, resident=resident, lazy=lazy)
+            row = Row(name, *measure(step, model, pipelined=lazy), "cuda")
+            row.notes.append(f"{dev.stats().get('captured_replays', 0)} captured replays")
+            if jit and resident and not lazy:
+                gpu = captured_gpu_ms(dev)
+                if gpu is not None:
+                    row.notes.append(f"GPU time of emberlink's captured step: {gpu:.3f} ms")
+                if profile:
+                    print(f"\n## cProfile: {model.name} MLP, {name}, {model.steps} steps")
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for i in range(model.steps):
+                        step(i % N_BATCHES)
+                    prof.disable()
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+            rows.append(row)
+    return rows
 
 
 @contextmanager
-def cuda_worker(client_key: Path, device: str) -> Iterator[str]:
+def cuda_worker(
+    client_key: Path, device: str, env: dict[str, str], profile_to: Path | None = None
+) -> Iterator[str]:
     """An `emberlink worker --device DEVICE` process admitting the client key; yields its ticket.
-    It inherits this process's environment, `EMBERLINK_CAPTURE` included."""
+    With `profile_to`, the worker runs under cProfile (its event loop thread), saved there at exit."""
     client = Identity.load(client_key)
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "worker.key"
         Identity.generate(os.urandom).save(key)
         allow = Path(tmp) / "allow"
         allow.write_text(client.node_id + "\n")
-        cmd = [sys.executable, "-m", "emberlink", "worker", "--listen", "127.0.0.1:0", "--key", str(key)]
+        cmd = [sys.executable] + (["-m", "cProfile", "-o", str(profile_to)] if profile_to else [])
+        cmd += ["-m", "emberlink", "worker", "--listen", "127.0.0.1:0", "--key", str(key)]
         cmd += ["--allow", str(allow), "--device", device]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
         try:
             assert proc.stdout is not None
             ticket = proc.stdout.readline().strip()
@@ -74,106 +420,177 @@ def cuda_worker(client_key: Path, device: str) -> Iterator[str]:
             proc.wait(30)
 
 
-def step_ms(dev: el.Device, steps: int) -> tuple[float, list[float]]:
-    model = local_step.EmberlinkMLP(dev)
-    batches = local_step._batches(4)
-    losses = [model.step(*batches[i]) for i in range(4)]  # the first steps of a fresh model: comparable
-    local_step._time(model.step, batches, 6, [])
-    times: list[float] = []
-    local_step._time(model.step, batches, steps, times)
-    return statistics.median(times) * 1e3, losses
+def remote_rows(
+    model: Model,
+    data: list[tuple[np.ndarray, np.ndarray]],
+    ticket: str,
+    key: Path,
+    tag: str,
+    cases: list[Any],
+    profile: bool = False,
+) -> list[Row]:
+    rows: list[Row] = []
+    for name, jit, resident, lazy in cases:
+        with el.Device.remote(ticket, key=str(key)) as dev:
+            step = ember_step(dev, model, data, jit=jit, resident=resident, lazy=lazy)
+            row = Row(f"Device.remote{tag}, {name}", *measure(step, model, pipelined=lazy), "remote")
+            before = dev.stats()
+            prof = cProfile.Profile() if profile else None
+            if prof is not None:
+                prof.enable()
+            for i in range(BLOCK):
+                out = step(i % N_BATCHES)
+                float(out.item() if lazy else out)
+            if prof is not None:
+                prof.disable()
+                print(f"\n## cProfile, client main thread: {model.name} MLP, {row.name}, {BLOCK} steps")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+            after = dev.stats()
+            worker = dev._executor.worker_stats()  # type: ignore[attr-defined]
+            batches = max(1, int(worker.get("session_batches", 0)))
+            sent = (int(after["bytes_sent"]) - int(before["bytes_sent"])) // BLOCK
+            row.notes.append(
+                f"{sent} bytes sent a step, {worker.get('session_captured_replays', 0)} captured replays, "
+                f"{int(worker.get('session_applied_on_loop', 0)) * 100 // batches}% of batches applied on the loop"
+            )
+            rows.append(row)
+    return rows
 
 
-def torch_step_ms(steps: int) -> tuple[float, list[float]] | str:
-    """The same step in PyTorch eager on cuda:0 (same weights, batches copied from host memory),
-    or why there is no such row."""
+def profile_worker(model: Model, data: list[tuple[np.ndarray, np.ndarray]], key: Path, device: str) -> None:
+    """The remote jitted steps against a worker under cProfile: where the worker's loop spends its
+    time (applying batches too, when it applies them on the loop) and the client's main thread."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "worker.prof"
+        with cuda_worker(key, device, {INLINE_ENV: "1"}, profile_to=out) as ticket:
+            cases = [c for c in REMOTE_CASES if c[1] and not c[3]]
+            rows = remote_rows(model, data, ticket, key, " (worker under cProfile)", cases, profile=True)
+        for r in rows:
+            print(f"- {r.name}: {r.ms:.3f} ms a step; {'; '.join(r.notes)}")
+        print(f"\n## cProfile, worker's main thread (event loop): {model.name} MLP, the rows above")
+        pstats.Stats(str(out)).sort_stats("tottime").print_stats(30)
+
+
+REMOTE_CASES = [
+    ("eager (recorded each step), host batches", False, False, False),
+    ("jit, host batches", True, False, False),
+    ("jit, host batches, read_async", True, False, True),
+    ("jit, resident", True, True, False),
+    ("jit, resident, read_async", True, True, True),
+]
+DEVICE_THREAD_CASES = [
+    ("jit, host batches", True, False, False),
+    ("jit, resident", True, True, False),
+]
+
+
+# -- the table ----------------------------------------------------------------------------------------
+
+
+def table(model: Model, rows: list[Row], notes: list[str]) -> None:
+    base = next((r for r in rows if r.name == "PyTorch eager, host batches"), None)
+    resident = next((r for r in rows if r.name == "PyTorch eager, resident"), None)
+    ref = next(r.losses for r in rows if r.group in ("cuda", "remote"))
+    sizes = "-".join(map(str, model.sizes))
+    head = f"| {model.name} MLP (batch {model.batch}, {sizes}) | median ms | vs PyTorch eager, host |"
+    line = "|---|---:|---:|"
+    if model is BIG:
+        head += " vs PyTorch eager, resident |"
+        line += "---:|"
+    print(head + " losses agree |")
+    print(line + "---|")
+    for r in rows:
+        agree = np.allclose(r.losses, ref, rtol=2e-3, atol=1e-4)
+        cells = [r.name, f"{r.ms:.3f}", f"{r.ms / base.ms:.2f}x" if base else "-"]
+        if model is BIG:
+            cells.append(f"{r.ms / resident.ms:.2f}x" if resident else "-")
+        cells.append(
+            "yes" if agree else f"NO {[round(x, 5) for x in r.losses]} vs {[round(x, 5) for x in ref]}"
+        )
+        print("| " + " | ".join(cells) + " |")
+    print()
+    for r in rows:
+        for n in r.notes:
+            print(f"- {r.name}: {n}")
+    for n in notes:
+        print(f"- {n}")
+    print()
+
+
+def goals(small: list[Row], big: list[Row]) -> None:
+    def ms(rows: list[Row], name: str) -> float | None:
+        return next((r.ms for r in rows if r.name == name), None)
+
+    checks = [
+        (small, "Device.remote, jit, host batches", "PyTorch eager, host batches", 0.85),
+        (small, "Device.remote, jit, resident", "PyTorch eager, host batches", 0.40),
+        (small, "Device.cuda jit, host batches", "PyTorch eager, host batches", 0.25),
+        (big, "Device.remote, jit, resident", "PyTorch eager, resident", 1.05),
+        (big, "Device.remote, jit, resident, read_async", "PyTorch eager, resident", 1.05),
+    ]
+    print("| goal (issue 11) | ratio | met |")
+    print("|---|---:|---|")
+    for rows, name, against, goal in checks:
+        a, b = ms(rows, name), ms(rows, against)
+        if a is None or b is None:
+            continue
+        which = "small" if rows is small else "big"
+        print(
+            f"| {which} MLP {name} ≤ {goal}x {against} | {a / b:.2f}x | {'yes' if a / b <= goal else 'no'} |"
+        )
+
+
+def run_model(model: Model, args: argparse.Namespace, key: Path, tickets: dict[str, str]) -> list[Row]:
+    data = batches(model)
+    start = start_weights(model)
+    rows: list[Row] = []
+    notes: list[str] = []
     try:
         import torch
+
+        if args.device == "cpu" or not torch.cuda.is_available():
+            raise ImportError("torch sees no CUDA device")
+        rows += torch_rows(model, start, data)
     except ImportError as e:
-        return f"torch does not import here ({e})"
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA device"
-    with el.Device.cpu() as cpu:
-        start = local_step.EmberlinkMLP(cpu).params()  # the weights every emberlink row starts from
-    params = [torch.tensor(p, device="cuda", requires_grad=True) for p in start]
-
-    def step(x: np.ndarray, y: np.ndarray) -> float:
-        w1, b1, w2, b2, w3, b3 = params
-        xb, yb = torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()
-        h = torch.relu(xb @ w1 + b1)
-        h = torch.relu(h @ w2 + b2)
-        loss = torch.nn.functional.cross_entropy(h @ w3 + b3, yb)
-        loss.backward()
-        with torch.no_grad():
-            for p in params:
-                p -= local_step.LR * p.grad
-                p.grad = None
-        return float(loss)
-
-    batches = local_step._batches(4)
-    losses = [step(*batches[i]) for i in range(4)]
-    local_step._time(step, batches, 6, [])
-    times: list[float] = []
-    local_step._time(step, batches, steps, times)
-    return statistics.median(times) * 1e3, losses
+        notes.append(f"no PyTorch rows: torch does not import here ({e})")
+    if args.device != "cpu":
+        rows += cupy_rows(model, start, data)
+    rows += local_rows(model, data, args.profile, args.device)
+    rows += remote_rows(model, data, tickets["inline"], key, "", REMOTE_CASES)
+    rows += remote_rows(model, data, tickets["thread"], key, f" ({INLINE_ENV}=0)", DEVICE_THREAD_CASES)
+    table(model, rows, notes)
+    if args.profile:
+        profile_worker(model, data, key, args.device)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu to try the script without a GPU")
-    args = parser.parse_args()
-    local = (
-        el.Device.cpu
-        if args.device == "cpu"
-        else lambda: el.Device.cuda(int(args.device.partition(":")[2] or 0))
+    parser.add_argument("--quick", action="store_true", help="a tenth of the steps (a smoke run)")
+    parser.add_argument("--only", choices=("small", "big"), help="one model")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also cProfile the jitted steps: Device.cuda, and a remote worker",
     )
-
-    rows: list[tuple[str, float, list[float]]] = []
-    notes: list[str] = []
-    ref_torch = torch_step_ms(args.steps)
-    if isinstance(ref_torch, str):
-        notes.append(f"no PyTorch row: {ref_torch}")
-    else:
-        rows.append(("PyTorch eager, cuda:0", *ref_torch))
-    for on in (False, True):
-        with capture(on), local() as dev:
-            ms, losses = step_ms(dev, args.steps)
-            replays = dev.stats().get("captured_replays", 0)
-        rows.append((f"Device {args.device}, in process, {'captured' if on else 'eager'}", ms, losses))
-        notes.append(f"Device {args.device} {'captured' if on else 'eager'}: {replays} captured replays")
+    parser.add_argument(
+        "--device", default="cuda:0", help="the workers' device (cpu: a smoke run without a GPU)"
+    )
+    args = parser.parse_args()
+    models = [m for m in (SMALL, BIG) if args.only in (None, m.name)]
+    if args.quick:
+        models = [Model(m.name, m.batch, m.sizes, BLOCK, BLOCK * 2) for m in models]
+    print(f"python {sys.version.split()[0]}, emberlink bench/gpu_step.py {' '.join(sys.argv[1:])}")
     with tempfile.TemporaryDirectory() as tmp:
-        client_key = Path(tmp) / "client.key"
-        Identity.generate(os.urandom).save(client_key)
-        for on in (False, True):
-            with (
-                capture(on),
-                cuda_worker(client_key, args.device) as ticket,
-                el.Device.remote(ticket, key=str(client_key)) as dev,
-            ):
-                ms, losses = step_ms(dev, args.steps)
-                stats = dev.stats()
-                worker = dev._executor.worker_stats()  # type: ignore[attr-defined]
-            kind = "captured" if on else "eager"
-            rows.append((f"Device.remote(worker --device {args.device}), loopback gRPC, {kind}", ms, losses))
-            notes.append(
-                f"remote {kind}: {int(stats['bytes_sent']) / max(1, int(stats['round_trips'])):.0f} bytes sent per round "
-                f"trip, graphs registered {stats['graphs_registered']}, replays {stats['graph_replays']}, "
-                f"captured replays on the worker {worker.get('session_captured_replays', 0)}"
-            )
-    with el.Device.cpu() as dev:
-        rows.append(("Device.cpu() (NumPy)", *step_ms(dev, max(20, args.steps // 4))))
-
-    base = rows[0][1]
-    ref = next(losses for name, _, losses in rows if name.startswith("Device"))
-    print(f"| MLP step (batch 128, 784-512-512-10, SGD) | median ms | vs {rows[0][0]} | losses agree |")
-    print("|---|---:|---:|---|")
-    for name, ms, losses in rows:
-        agree = np.allclose(losses, ref, rtol=1e-3, atol=1e-4)
-        print(f"| {name} | {ms:.3f} | {ms / base:.2f}x | {'yes' if agree else 'NO'} |")
-    print()
-    for note in notes:
-        print(note)
+        key = Path(tmp) / "client.key"
+        Identity.generate(os.urandom).save(key)
+        with (
+            cuda_worker(key, args.device, {INLINE_ENV: "1"}) as inline,
+            cuda_worker(key, args.device, {INLINE_ENV: "0"}) as thread,
+        ):
+            results = {m.name: run_model(m, args, key, {"inline": inline, "thread": thread}) for m in models}
+    if "small" in results and "big" in results:
+        goals(results["small"], results["big"])
 
 
 if __name__ == "__main__":

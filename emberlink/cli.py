@@ -102,7 +102,8 @@ def add_worker(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--graph-cache-bytes",
         type=_byte_count,
         metavar="N",
-        help="graph cache budget of each client (default 64M; at most 64 clients keep one)",
+        help="graph cache budget of each client, captured CUDA graphs included (default 64M, plus an "
+        "eighth of a GPU's free memory on one; at most 64 clients keep one)",
     )
     p.add_argument("--advertise", metavar="HOST:PORT", help="the address put in the ticket")
     p.add_argument("--relay", metavar="nats://HOST:PORT", help="also serve through this NATS relay")

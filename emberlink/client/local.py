@@ -1,8 +1,9 @@
 """LocalExecutor: runs a Device's graphs on a graph_replay backend in this process; no network.
 
 Plans are compiled once per graph id and replayed after that. The store maps the client's buffer
-ids to backend arrays. A failed run poisons its outputs with an ExecutionError naming the op;
-a graph reading a poisoned buffer passes the same error on, as a worker does.
+ids to backend arrays. A read starts a copy to host memory and returns its future at once. A
+failed run poisons its outputs with an ExecutionError naming the op; a graph reading a poisoned
+buffer passes the same error on, as a worker does.
 """
 
 from __future__ import annotations
@@ -14,25 +15,21 @@ import numpy as np
 
 from emberlink.client.executor import Call, ExecutorStats
 from emberlink.errors import EmberlinkError, ExecutionError, UnknownTensor
-from emberlink.graph_replay.backend import Backend
+from emberlink.graph_replay.backend import Backend, HostCopy
 from emberlink.graph_replay.captured import open_captures
 from emberlink.graph_replay.ir import Graph
 
 
-class _Ready:
-    """A ReadFuture that is already resolved (local reads never wait on anything else)."""
+class _Failed:
+    """A ReadFuture of a read that failed before it started."""
 
-    __slots__ = ("_array", "_error")
+    __slots__ = ("_error",)
 
-    def __init__(self, array: np.ndarray | None, error: EmberlinkError | None) -> None:
-        self._array = array
+    def __init__(self, error: EmberlinkError) -> None:
         self._error = error
 
     def result(self, timeout: float | None = None) -> np.ndarray:
-        if self._error is not None:
-            raise self._error
-        assert self._array is not None
-        return self._array
+        raise self._error
 
     def done(self) -> bool:
         return True
@@ -130,17 +127,16 @@ class LocalExecutor:
         if self._first_failure is None:
             self._first_failure = error
 
-    def read(self, buf: int) -> _Ready:
+    def read(self, buf: int) -> HostCopy | _Failed:
+        """The copy to host memory starts now; on a GPU it runs after the work queued so far, and
+        only `result()` waits for it (so `read_async` lets the next step's work go on meanwhile)."""
         array = self._store.get(buf)
         if array is None:
             error = self._poisoned.get(buf)
             if error is None:
-                return _Ready(None, UnknownTensor(f"buffer {buf} is not on this device"))
-            return _Ready(None, error)
-        out = self._backend.to_numpy(array)
-        if out is array:  # NumPy backend: the stored array itself; the caller's copy must be its own
-            out = out.copy()
-        return _Ready(out, None)
+                return _Failed(UnknownTensor(f"buffer {buf} is not on this device"))
+            return _Failed(error)
+        return self._backend.to_numpy_async(array)
 
     def drop(self, bufs: Sequence[int]) -> None:
         store, poisoned, nbytes = self._store, self._poisoned, self._backend.nbytes

@@ -261,10 +261,14 @@ class ClientSession:
         kind, plaintext = self._channel.open(frame)
         if kind is not MESSAGE:
             raise ProtocolError(f"expected a MESSAGE frame, got {kind.name}")
-        reply = m.decode_reply(plaintext)
+        reply, start = m.decode_reply_prefix(plaintext)
+        m.check_reply_tail(reply, len(plaintext) - start)
         self._acknowledge(reply.ack)
         for msg in reply.messages:
             match msg:
+                case m.Result(inline=True):
+                    self._on_inline_result(msg, plaintext, start)
+                    start += msg.nbytes
                 case m.Result():
                     self._on_result(msg)
                 case m.Done():
@@ -308,6 +312,14 @@ class ClientSession:
             return
         view = array.data.cast("B") if msg.rid in self._flow.futures else None
         self._results.append(_Incoming(msg.rid, array, view, msg.nbytes, _progress(msg.nbytes, "download")))
+
+    def _on_inline_result(self, msg: m.Result, plaintext: bytes, start: int) -> None:
+        """A result whose bytes came in the reply's own frame, at `start` of its plaintext."""
+        if msg.rid not in self._flow.futures:
+            return  # nobody waits for it any more
+        array = np.empty(msg.shape, dtype=msg.dtype)
+        array.data.cast("B")[:] = memoryview(plaintext)[start : start + msg.nbytes]
+        self._resolve(msg.rid, array)
 
     def _on_bulk(self, frame: memoryview) -> None:
         if not self._results:

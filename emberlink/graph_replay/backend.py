@@ -29,6 +29,28 @@ IntoFn: TypeAlias = Callable[[Any, Sequence[Any], Step, Any], Array]
 """An op written into an existing buffer: `(xp, args, step, out) -> out`; same values as its OpFn."""
 
 
+class HostCopy(Protocol):
+    """A copy to host memory under way (`Backend.to_numpy_async`); a client's ReadFuture."""
+
+    def result(self, timeout: float | None = None) -> Any: ...
+    def done(self) -> bool: ...
+
+
+class Ready:
+    """A HostCopy that is already complete."""
+
+    __slots__ = ("_array",)
+
+    def __init__(self, array: Any) -> None:
+        self._array = array
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._array
+
+    def done(self) -> bool:
+        return True
+
+
 class Backend(Protocol):
     """What an executor or the worker needs from a device (docs/internals.md section 4).
 
@@ -53,8 +75,21 @@ class Backend(Protocol):
         whose available bytes the worker reads itself."""
         ...
 
+    def host_buffer(self, nbytes: int) -> Any:
+        """`nbytes` of host memory (a uint8 NumPy array) that this device copies from fastest:
+        page-locked memory on a GPU, which a worker decrypts uploads into; None where ordinary
+        memory serves as well. Callable from any thread."""
+        ...
+
     def from_numpy(self, a: Any) -> Array: ...
     def to_numpy(self, a: Array) -> Any: ...
+
+    def to_numpy_async(self, a: Array) -> HostCopy:
+        """Start copying `a` to a new host array of the caller's own (not `a` itself, even where
+        `a` is a host array); its `result()` waits for the copy, which runs after the work
+        queued so far."""
+        ...
+
     def run(self, plan: Plan, inputs: Sequence[Array], bindings: Sequence[Scalar]) -> list[Array]: ...
     def nbytes(self, a: Array) -> int: ...
     def memory_stats(self) -> dict[str, int]: ...
@@ -187,4 +222,14 @@ def run_plan(
     return [_compact(values[v]) for v in plan.outputs]
 
 
-__all__ = ["Array", "Backend", "IntoFn", "OpFn", "check_bindings", "check_inputs", "run_plan"]
+__all__ = [
+    "Array",
+    "Backend",
+    "HostCopy",
+    "IntoFn",
+    "OpFn",
+    "Ready",
+    "check_bindings",
+    "check_inputs",
+    "run_plan",
+]

@@ -5,6 +5,11 @@ on any machine:
 
 - `refusal(plan)`: why a plan cannot be captured (an op that reads device values back to the
   host, or that CuPy stages through reused pinned buffers), or None.
+- Host-checked takes (`host_checks`): on CuPy, `take` checks its indices' range on the device and
+  reads the answer back (so that an out-of-range index fails as on NumPy), which a graph cannot
+  do. A take whose indices are an input of the graph is captured all the same: its indices must
+  then arrive in host memory (an uploaded index batch, as DataLoader's resident batches are) and
+  a replay checks their range there, before the launch, raising what the eager op raises.
 - Binding slots: a captured graph never sees a binding's Python value, since anything passed by
   value at capture time is baked into the graph. Each binding instead lives in a slot of the
   graph's staging buffer (copied to the device by the graph's first node), one slot per binding
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -36,9 +41,9 @@ from emberlink.graph_replay.rng import MASK64
 BINARY = frozenset(ops.names("binary"))
 """The binary elementwise ops: a binding operand is read at the step's operand dtype."""
 
-UNCAPTURABLE_OPS = frozenset({"take"})
-"""Ops a captured graph cannot hold: on CuPy, `take` reads its indices' range back to the host
-(so that an out-of-range index fails as it does on NumPy), and a graph cannot wait on the host."""
+HOST_CHECKED_OPS = frozenset({"take"})
+"""Ops that check their indices on the host before a captured graph runs them (see `host_checks`);
+a graph holds them only where those indices are an input of the graph."""
 
 MAX_CAPTURED_CONCAT = 8
 """CuPy joins more arrays than this in one kernel whose pointer table it uploads through a pinned
@@ -53,14 +58,44 @@ ALIGN = 512
 
 def refusal(plan: Plan) -> str | None:
     """Why `plan` (as the backend runs it, fused) cannot be captured; None if it can."""
+    n_inputs = len(plan.graph.inputs)
     for step in plan.steps:
-        if step.op in UNCAPTURABLE_OPS:
-            return f"op {step.op} cannot be captured"
+        if step.op in HOST_CHECKED_OPS and step.inputs[1] >= n_inputs:
+            return f"op {step.op} with indices computed on the device cannot be captured"
         if step.op in ("concat", "stack") and len(step.inputs) > MAX_CAPTURED_CONCAT:
             return f"{step.op} of more than {MAX_CAPTURED_CONCAT} arrays cannot be captured"
         if step.op == FUSED and getattr(step.kernel, "broken", None) is not None:
             return "a fused kernel that CUDA did not compile cannot be captured"
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class HostCheck:
+    """Input `input` holds indices into an axis of `size`: every one must be in [-size, size)."""
+
+    input: int
+    size: int
+
+
+def host_checks(plan: Plan) -> tuple[HostCheck, ...]:
+    """The index checks a replay of `plan` makes on the host (one per host-checked op)."""
+    out: dict[HostCheck, None] = {}
+    for step in plan.steps:
+        if step.op in HOST_CHECKED_OPS:
+            x = step.in_specs[0]
+            axis = step.attrs.get("axis")
+            size = x.size if axis is None else x.shape[cast(int, axis)]
+            out[HostCheck(step.inputs[1], size)] = None
+    return tuple(out)
+
+
+def check_indices(check: HostCheck, indices: Any) -> None:
+    """StagingError unless `indices` is a host array whose every index is in range: the call then
+    runs eagerly, which checks on the device and raises the eager op's error."""
+    if not isinstance(indices, np.ndarray):
+        raise StagingError(f"input {check.input}: indices on the device are checked by the eager path")
+    if indices.size and (int(indices.min()) < -check.size or int(indices.max()) >= check.size):
+        raise StagingError(f"input {check.input}: an index is out of range for an axis of size {check.size}")
 
 
 # -- binding slots -----------------------------------------------------------------------------------
@@ -258,18 +293,21 @@ def staging_layout(n_outputs: int, slots: Sequence[Slot], host_nbytes: Sequence[
 __all__ = [
     "ALIGN",
     "HOST_ALIGN",
+    "HOST_CHECKED_OPS",
     "MAX_CAPTURED_CONCAT",
     "SEED",
-    "UNCAPTURABLE_OPS",
     "ArenaFull",
     "ArenaLayout",
     "CaptureRefused",
+    "HostCheck",
     "Slot",
     "StagingError",
     "StagingLayout",
     "aligned",
     "binding_slots",
+    "check_indices",
     "fused_slots",
+    "host_checks",
     "refusal",
     "slot_value",
     "staging_layout",

@@ -1,20 +1,24 @@
 """A plan captured into one CUDA graph and replayed with one launch, on CuPy and nvmath-python; no policy.
 
 captured.py decides when to capture; this module does it. A captured plan owns:
-- a staging buffer in pinned host memory, which a replay fills on the host (the addresses of this
-  call's inputs and outputs, the binding slots of capture.py) and which the graph's first node
-  copies to the device;
+- staging buffers in pinned host memory (STAGING_BUFFERS of them, filled in turn), which a replay
+  fills on the host (the addresses of this call's inputs and outputs, the binding slots of
+  capture.py) and copies to the device's copy of the buffer just before the launch. Two of them,
+  so that staging a call never waits for the launch just before it (a loop that reads each loss
+  one step late keeps the GPU fed); the copy is queued on the stream, after that launch;
 - one fixed device buffer per input. An input that arrived in host memory when the plan was
-  captured (an uploaded batch) has its region in the staging buffer, so the first node brings it
-  over; the others are filled by the graph's second node (one kernel) from this call's input
-  arrays, wherever they are, by the addresses staged. Either kind of buffer takes either kind of
-  array on a later call: a device array for a host input is copied by that kernel after the first
-  node, a host array for a device input is uploaded before the launch;
+  captured (an uploaded batch) has its region in the staging buffer, whose device copy is its
+  fixed buffer; the others are filled by the graph's first node (one kernel) from this call's
+  input arrays, wherever they are, by the addresses staged. A host array in pinned memory (a
+  worker decrypts large frames into pinned memory) is copied straight to its fixed buffer by the
+  DMA engine, with no copy on the host; a host array elsewhere is copied into its region (or, for
+  an input captured from the device, uploaded before the launch);
 - an arena for every intermediate, laid out by liveness (capture.ArenaLayout), so a replay
   allocates nothing but its outputs;
 - the graph: the plan's steps (CuPy's kernels and fused kernels, matmuls through cuBLAS from
-  nvmath_matmul.py), then one kernel that copies the outputs into the arrays the replay allocated
-  for them, so each call's results are its own arrays, as on the eager path.
+  nvmath_matmul.py, `take` without its device-side range check, which staging did on the host),
+  then one kernel that copies the outputs into the arrays the replay allocated for them, so each
+  call's results are its own arrays, as on the eager path.
 
 Capturing runs the same body twice. First it runs for real (the sizing run), with every
 allocation taken from CuPy's pool and also placed in an `ArenaLayout`; its outputs are that
@@ -24,7 +28,8 @@ arena (the body allocated differently) abandons the capture. Work on one stream 
 a block that one step frees and a later step takes is safe within a replay, and replays of all
 graphs and eager work share the device's current stream.
 
-Everything is called on one thread (the worker's device thread, or a local device's caller).
+Everything is called by one thread at a time (a worker's device thread, or its event loop when
+that thread is idle; a local device's caller).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from emberlink.graph_replay import nvmath_matmul, rng
 from emberlink.graph_replay.backend import _exclusive as exclusive_buffer  # the run loop's check
 from emberlink.graph_replay.backend import check_bindings, check_inputs
 from emberlink.graph_replay.ir import Scalar
+from emberlink.graph_replay.numpy_backend import wide_indices
 from emberlink.graph_replay.plan import FUSED, Plan, Step, derive_plan
 
 _COPY_KERNEL = r"""
@@ -111,6 +117,9 @@ class Capturer:
             if reason is not None:
                 raise cap.CaptureRefused(reason)
             host = tuple(isinstance(a, np.ndarray) for a in inputs)
+            for check in cap.host_checks(variant):
+                if not host[check.input]:
+                    raise cap.CaptureRefused("a take whose indices are on the device cannot be captured")
             try:
                 captured = CapturedPlan(self, variant, host)
             except self.xp.cuda.memory.OutOfMemoryError as e:
@@ -144,6 +153,48 @@ class _Block:
         self.layout.free(self.offset)
 
 
+STAGING_BUFFERS = 2
+"""Staging buffers a captured plan fills in turn. A replay waits only until the launch that last
+used the buffer it fills has finished, i.e. the launch before the previous one: a host that runs
+one launch ahead (a loop reading each loss one step late) never waits to stage."""
+
+
+class _Staging:
+    """One staging buffer in pinned host memory (capture.StagingLayout) and what its launch reads."""
+
+    __slots__ = ("done", "held", "host_views", "in_table", "mem", "out_table", "slot_views")
+
+    def __init__(self, xp: Any, plan: Plan, layout: cap.StagingLayout, n_outputs: int, slots: Any) -> None:
+        self.mem = xp.cuda.alloc_pinned_memory(layout.nbytes)
+        host = np.frombuffer(self.mem, np.uint8, layout.nbytes)
+        self.in_table = host[layout.inputs_at : layout.outputs_at].view(np.uint64).reshape(-1, 3)
+        out_end = layout.outputs_at + 24 * n_outputs
+        self.out_table = host[layout.outputs_at : out_end].view(np.uint64).reshape(-1, 3)
+        self.slot_views = [
+            host[at : at + s.np_dtype.itemsize].view(s.np_dtype) for s, at in zip(slots, layout.slots_at)
+        ]
+        # Host inputs: their pinned region (written by a replay, copied to the fixed buffer).
+        self.host_views: list[np.ndarray | None] = [
+            None if at is None else host[at : at + s.nbytes].view(s.dtype).reshape(s.shape)
+            for s, at in zip(plan.graph.inputs, layout.hosts_at)
+        ]
+        self.in_table[:] = 0
+        self.out_table[:] = 0
+        self.done = xp.cuda.Event(block=False, disable_timing=True)
+        self.held: list[np.ndarray] = []  # pinned host inputs its launch copies from
+
+
+def _pinned(xp: Any, a: np.ndarray) -> bool:
+    """Whether a host array lives in page-locked memory (which the DMA engine reads in place)."""
+    try:
+        return int(xp.cuda.runtime.pointerGetAttributes(a.ctypes.data).type) == _HOST_MEMORY
+    except Exception:  # noqa: BLE001 - a driver that refuses a pageable pointer: not pinned
+        return False
+
+
+_HOST_MEMORY = 1  # cudaMemoryTypeHost
+
+
 class CapturedPlan:
     """One plan as a CUDA graph with its own staging, input buffers and arena (see the module doc)."""
 
@@ -159,55 +210,51 @@ class CapturedPlan:
         self._node_outputs = tuple(dict.fromkeys(v for v in plan.outputs if v >= self._first_node))
         self._slots = cap.binding_slots(plan)
         self._slot_index = {(s.value, s.dtype): k for k, s in enumerate(self._slots)}
+        self._checks = cap.host_checks(plan)
         self._layout = cap.staging_layout(
             len(self._node_outputs),
             self._slots,
             [s.nbytes if h else None for s, h in zip(graph.inputs, host)],
         )
-        size = self._layout.nbytes
-        self._host_mem = xp.cuda.alloc_pinned_memory(size)
-        self._host = np.frombuffer(self._host_mem, np.uint8, size)
-        self._dev_mem = self._c.pool.malloc(cap.aligned(size))
-        self._in_table = (
-            self._host[self._layout.inputs_at : self._layout.outputs_at].view(np.uint64).reshape(-1, 3)
-        )
-        out_end = self._layout.outputs_at + 24 * len(self._node_outputs)
-        self._out_table = self._host[self._layout.outputs_at : out_end].view(np.uint64).reshape(-1, 3)
-        self._slot_views = [
-            self._host[at : at + s.np_dtype.itemsize].view(s.np_dtype)
-            for s, at in zip(self._slots, self._layout.slots_at)
+        layout = self._layout
+        size = layout.nbytes
+        # Staged on every call: the tables and the slots; the host regions only when used.
+        self._tables_end = layout.outputs_at + 24 * len(self._node_outputs) + 8 * len(self._slots)
+        self._staging = [
+            _Staging(xp, plan, layout, len(self._node_outputs), self._slots) for _ in range(STAGING_BUFFERS)
         ]
+        self._turn = 0
+        self._dev_mem = self._c.pool.malloc(cap.aligned(size))
         self._slot_arrays = [
             xp.ndarray((), s.np_dtype, memptr=self._dev_mem + at)
-            for s, at in zip(self._slots, self._layout.slots_at)
+            for s, at in zip(self._slots, layout.slots_at)
         ]
-        # Host inputs: their pinned region (written by a replay) and its device copy (the fixed buffer).
-        self._host_views: list[np.ndarray | None] = [
-            None if at is None else self._host[at : at + s.nbytes].view(s.dtype).reshape(s.shape)
-            for s, at in zip(graph.inputs, self._layout.hosts_at)
-        ]
+        # The fixed buffer of a host input is its region's device copy.
         self._fixed = [
             xp.empty(s.shape, s.dtype)
             if at is None
             else xp.ndarray(s.shape, s.dtype, memptr=self._dev_mem + at)
-            for s, at in zip(graph.inputs, self._layout.hosts_at)
+            for s, at in zip(graph.inputs, layout.hosts_at)
         ]
-        self._in_table[:] = 0
-        self._out_table[:] = 0
-        for row, array in zip(self._in_table, self._fixed):
-            row[1] = array.data.ptr
-        for row, v in zip(self._out_table, self._node_outputs):
-            row[2] = plan.specs[v].nbytes
+        for staging in self._staging:
+            for row, array in zip(staging.in_table, self._fixed):
+                row[1] = array.data.ptr
+            for row, v in zip(staging.out_table, self._node_outputs):
+                row[2] = plan.specs[v].nbytes
+        self._fixed_ptrs = [a.data.ptr for a in self._fixed]
+        self._out_specs = [(plan.specs[v].shape, plan.specs[v].dtype) for v in self._node_outputs]
+        # Each result: (input number, None) for an input returned as it came, else (0, its row).
+        row_of = {v: j for j, v in enumerate(self._node_outputs)}
+        self._result_of = [(v, None) if v < self._n_inputs else (0, row_of[v]) for v in plan.outputs]
         self._in_grid = _grid([a.nbytes for a in self._fixed])
         self._out_grid = _grid([plan.specs[v].nbytes for v in self._node_outputs])
         self._args = [self._step_args(step) for step in plan.steps]
-        self._done = xp.cuda.Event(block=False, disable_timing=True)
         self._arena: Any = None
         self._graph: Any = None
         self._fixed_bytes = (
             cap.aligned(size)
-            + size
-            + sum(cap.aligned(a.nbytes) for a, at in zip(self._fixed, self._layout.hosts_at) if at is None)
+            + STAGING_BUFFERS * size
+            + sum(cap.aligned(a.nbytes) for a, at in zip(self._fixed, layout.hosts_at) if at is None)
         )
 
     @property
@@ -217,40 +264,71 @@ class CapturedPlan:
 
     # -- staging -----------------------------------------------------------------------------------
 
-    def _stage(self, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> tuple[list[Any], list[Any]]:
-        """Write this call's addresses and bindings into the staging buffer; `(results, keep)`:
-        the results in the plan's output order, and arrays to hold until the launch is queued."""
+    def _stage(self, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> _Call:
+        """Fill the next staging buffer with this call's addresses, bindings and host inputs."""
         plan, xp = self.plan, self._c.xp
         check_inputs(plan, inputs)
         values = check_bindings(plan, bindings)
+        for check in self._checks:
+            cap.check_indices(check, inputs[check.input])
         n_in = self._n_inputs
-        self._done.synchronize()  # the last launch has read the staging buffer
-        for slot, view in zip(self._slots, self._slot_views):
+        staging = self._staging[self._turn]
+        staging.done.synchronize()  # the launch that last read this buffer has finished
+        staging.held = []
+        for slot, view in zip(self._slots, staging.slot_views):
             try:
                 view[0] = cap.slot_value(slot, values[slot.value - n_in])
             except (OverflowError, ValueError, TypeError) as e:
                 raise cap.StagingError(str(e)) from e
-        keep: list[Any] = []
-        for row, given, pinned in zip(self._in_table, inputs, self._host_views):
+        call = _Call(staging, self._tables_end)
+        hosts_at = self._layout.hosts_at
+        # Whole columns at once: a numpy row per input costs more than the rest of the loop.
+        sources: list[int] = []
+        sizes: list[int] = []
+        for k, (given, region) in enumerate(zip(inputs, staging.host_views)):
             a: Any = given
             if isinstance(a, np.ndarray):
-                if pinned is not None:  # into the pinned region: the graph's first node copies it over
-                    np.copyto(pinned, a)
-                    row[2] = 0
+                if a.nbytes and _pinned(xp, a):  # the DMA engine reads it where it is
+                    call.direct.append((self._fixed_ptrs[k], a))
+                    sources.append(0)
+                    sizes.append(0)
+                    continue
+                if region is not None:  # into the pinned region, copied over with the tables
+                    np.copyto(region, a)
+                    sources.append(0)
+                    sizes.append(0)
+                    call.upto = max(call.upto, hosts_at[k] + a.nbytes)  # type: ignore[operator]
                     continue
                 a = xp.asarray(a)
-                keep.append(a)
+                call.keep.append(a)
             elif not a.flags.c_contiguous:
                 a = xp.ascontiguousarray(a)
-                keep.append(a)
-            row[0], row[2] = a.data.ptr, a.nbytes
-        made: dict[int, Any] = {}
-        for row, v in zip(self._out_table, self._node_outputs):
-            spec = plan.specs[v]
-            out = made[v] = xp.empty(spec.shape, spec.dtype)
-            row[1] = out.data.ptr
-        results = [inputs[v] if v < n_in else made[v] for v in plan.outputs]
-        return results, keep
+                call.keep.append(a)
+            sources.append(a.data.ptr)
+            sizes.append(a.nbytes)
+        if sources:
+            staging.in_table[:, 0] = sources
+            staging.in_table[:, 2] = sizes
+        empty = xp.empty
+        made = [empty(shape, dtype) for shape, dtype in self._out_specs]
+        if made:
+            staging.out_table[:, 1] = [out.data.ptr for out in made]
+        call.results = [inputs[k] if fresh is None else made[fresh] for k, fresh in self._result_of]
+        return call
+
+    def _send(self, call: _Call, stream_ptr: int) -> None:
+        """Queue the copies of a staged call: the staging buffer, then the pinned host inputs."""
+        runtime = self._c.xp.cuda.runtime
+        h2d = runtime.memcpyHostToDevice
+        runtime.memcpyAsync(self._dev_mem.ptr, call.staging.mem.ptr, call.upto, h2d, stream_ptr)
+        for dst, a in call.direct:
+            runtime.memcpyAsync(dst, a.ctypes.data, a.nbytes, h2d, stream_ptr)
+
+    def _sent(self, call: _Call, stream: Any) -> None:
+        """After the launch: the staging buffer and the host inputs stay ours until it has run."""
+        call.staging.done.record(stream)
+        call.staging.held = [a for _, a in call.direct]
+        self._turn = (self._turn + 1) % STAGING_BUFFERS
 
     # -- the body: what the graph does -------------------------------------------------------------
 
@@ -285,14 +363,14 @@ class CapturedPlan:
             return rng.uniform(xp, args[0], spec.shape, spec.dtype)
         if op == "randn":
             return rng.normal(xp, args[0], spec.shape, spec.dtype)
+        if op == "take":  # its indices were checked on the host when staged (capture.host_checks)
+            return xp.take(args[0], wide_indices(args[1]), axis=step.attrs["axis"])
         return self._c.backend.op_table[op](xp, args, step)
 
-    def _body(self, stream_ptr: int, sizing: bool) -> None:
+    def _body(self, stream_ptr: int, staging: _Staging | None) -> None:
+        """The graph's work; `staging` is the buffer of a sizing run (None while capturing)."""
         xp, layout = self._c.xp, self._layout
         runtime = xp.cuda.runtime
-        runtime.memcpyAsync(
-            self._dev_mem.ptr, self._host_mem.ptr, layout.nbytes, runtime.memcpyHostToDevice, stream_ptr
-        )
         if self._n_inputs:
             table = xp.ndarray((self._n_inputs, 3), np.uint64, memptr=self._dev_mem + layout.inputs_at)
             self._c.copy_kernel((self._in_grid, self._n_inputs), (_THREADS,), (table,))
@@ -308,10 +386,10 @@ class CapturedPlan:
                 buf = exclusive_buffer(values, step.into, step.inputs.count(step.into))
             out = xp.asarray(self._run_step(step, args, buf))
             del args, buf
-            if sizing and (
+            if staging is not None and (
                 out.dtype != np.dtype(step.out_spec.dtype) or tuple(out.shape) != step.out_spec.shape
             ):
-                raise cap.CaptureRefused(f"{step.label} gave {out.dtype} {out.shape} when captured")
+                raise cap.CaptureRefused(f"{step.label} gave {out.dtype} {tuple(out.shape)} when captured")
             values[step.out] = out
             del out
             for v in step.free:
@@ -319,14 +397,15 @@ class CapturedPlan:
         if not self._node_outputs:
             return
         sources = [xp.ascontiguousarray(values[v]) for v in self._node_outputs]
-        for row, a in zip(self._out_table, sources):
+        out_table = (staging or self._staging[self._turn]).out_table
+        for row, a in zip(out_table, sources):
             row[0] = a.data.ptr
         at = layout.outputs_at
-        if sizing:  # the sources became known after the first copy; a capture's stay fixed
+        if staging is not None:  # the sources became known after the first copy; a capture's stay fixed
             runtime.memcpyAsync(
                 self._dev_mem.ptr + at,
-                self._host_mem.ptr + at,
-                self._out_table.nbytes,
+                staging.mem.ptr + at,
+                out_table.nbytes,
                 runtime.memcpyHostToDevice,
                 stream_ptr,
             )
@@ -339,19 +418,21 @@ class CapturedPlan:
         """Run the body for this call (sizing the arena), then capture it; this call's outputs."""
         c = self._c
         xp = c.xp
-        results, keep = self._stage(inputs, bindings)
+        call = self._stage(inputs, bindings)
         current = xp.cuda.get_current_stream()
         sizing = cap.ArenaLayout()
         try:
             with xp.cuda.using_allocator(self._allocator(sizing, None)):
                 c.gemm.bind(current.ptr)
-                self._body(current.ptr, sizing=True)
+                self._send(call, current.ptr)
+                self._body(current.ptr, call.staging)
         except cap.CaptureRefused:
             raise
         except Exception as e:  # the eager path runs it instead and, if the plan is at fault, says why
             raise cap.CaptureRefused(f"running a plan for capture failed: {type(e).__name__}: {e}") from e
         current.synchronize()  # the sizing run has read the staging buffer we now change
-        del keep
+        results = call.results
+        del call
         try:
             self._arena = c.pool.malloc(max(cap.ALIGN, sizing.high_water))
         except xp.cuda.memory.OutOfMemoryError as e:
@@ -362,7 +443,7 @@ class CapturedPlan:
         try:
             with stream, xp.cuda.using_allocator(self._allocator(arena, self._arena)):
                 c.gemm.bind(stream.ptr)
-                self._body(stream.ptr, sizing=False)
+                self._body(stream.ptr, None)
         except BaseException as e:
             # An invalidated capture ends in an error too; the first one is the one that matters.
             with contextlib.suppress(Exception):
@@ -371,7 +452,9 @@ class CapturedPlan:
             raise cap.CaptureRefused(f"capturing a plan failed: {type(e).__name__}: {e}", results) from e
         self._graph = stream.end_capture()
         self._graph.upload(current)
-        self._done.record(current)
+        sources = self._staging[self._turn].out_table[:, 0].copy()  # the arena's, fixed from now on
+        for staging in self._staging:
+            staging.out_table[:, 0] = sources
         return results
 
     def _allocator(self, layout: cap.ArenaLayout, arena: Any) -> Callable[[int], Any]:
@@ -398,26 +481,43 @@ class CapturedPlan:
         xp = self._c.xp
         with xp.cuda.Device(self._c.device_id):
             try:
-                results, keep = self._stage(inputs, bindings)
+                call = self._stage(inputs, bindings)
                 stream = xp.cuda.get_current_stream()
+                self._send(call, stream.ptr)
                 self._graph.launch(stream)
-                self._done.record(stream)
+                self._sent(call, stream)
             except (cap.StagingError, ExecutionError):
                 raise
             except xp.cuda.memory.OutOfMemoryError as e:
                 raise OutOfMemory(f"captured graph: out of memory for its outputs: {e}") from e
             except Exception as e:
                 raise ExecutionError(f"captured graph failed: {type(e).__name__}: {e}") from e
-            del keep  # the pool reuses their memory only for work queued after the launch
-            return results
+            # The pool reuses `call.keep`'s memory only for work queued after the launch.
+            return call.results
 
     def free(self) -> None:
-        """Give everything back (after the last launch has read the staging buffer)."""
-        self._done.synchronize()
+        """Give everything back (after the last launches have read their staging buffers)."""
+        for staging in self._staging:
+            staging.done.synchronize()
+            staging.held = []
         self._graph = None
         self._arena = None
         self._fixed = []
         self._slot_arrays = []
+
+
+class _Call:
+    """One staged call: its staging buffer, how much of it to copy, the pinned host inputs to copy
+    straight to their fixed buffers, arrays to hold until the launch is queued, and its results."""
+
+    __slots__ = ("direct", "keep", "results", "staging", "upto")
+
+    def __init__(self, staging: _Staging, upto: int) -> None:
+        self.staging = staging
+        self.upto = upto
+        self.direct: list[tuple[int, np.ndarray]] = []
+        self.keep: list[Any] = []
+        self.results: list[Any] = []
 
 
 __all__ = ["CapturedPlan", "Capturer", "capturer_for"]

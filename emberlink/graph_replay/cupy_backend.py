@@ -19,6 +19,7 @@ allows (plan.py). `fuse=False` or `reuse=False` turn either off, e.g. to compare
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +28,7 @@ import numpy as np
 
 from emberlink.errors import DeviceError, DTypeError
 from emberlink.graph_replay import fusion, nvmath_matmul
-from emberlink.graph_replay.backend import Array, IntoFn, OpFn, run_plan
+from emberlink.graph_replay.backend import Array, HostCopy, IntoFn, OpFn, Ready, run_plan
 from emberlink.graph_replay.cupy_kernels import Kernels
 from emberlink.graph_replay.ir import KIND_OF_DTYPE, Scalar
 from emberlink.graph_replay.numpy_backend import (
@@ -163,6 +164,34 @@ def _fused_into(xp: Any, args: Sequence[Any], step: Step, out: Any) -> Array:
     return step.kernel(xp, step, args, out)
 
 
+PINNED_UNIT = 64 << 10
+ASYNC_READ_BYTES = 1 << 20
+
+
+class _Download:
+    """A device-to-host copy into pinned memory, done when its event is."""
+
+    __slots__ = ("_done", "_host")
+
+    def __init__(self, host: np.ndarray, done: Any) -> None:
+        self._host = host
+        self._done = done
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        if timeout is None:
+            self._done.synchronize()
+        else:
+            deadline = time.monotonic() + timeout
+            while not self._done.done:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the copy to host memory did not finish within {timeout} s")
+                time.sleep(1e-4)
+        return self._host
+
+    def done(self) -> bool:
+        return bool(self._done.done)
+
+
 class CupyBackend:
     """Runs plans on one CUDA GPU. Memory figures come from CuPy's default memory pool."""
 
@@ -271,6 +300,22 @@ class CupyBackend:
         with self._device:
             return self._cp.asnumpy(a)
 
+    def to_numpy_async(self, a: Array) -> HostCopy:
+        """A copy into pinned memory queued on the current stream (up to ASYNC_READ_BYTES; larger
+        arrays are copied at once, so that they do not hold page-locked memory)."""
+        if isinstance(a, np.ndarray):  # an upload still in host memory
+            return Ready(np.array(a, copy=True))
+        if a.nbytes > ASYNC_READ_BYTES:
+            return Ready(self.to_numpy(a))
+        cp = self._cp
+        with self._device:
+            out = cp.cuda.alloc_pinned_memory(max(a.nbytes, 1))
+            host = np.frombuffer(out, a.dtype, a.size).reshape(a.shape)
+            cp.asnumpy(a, out=host, blocking=False)
+            done = cp.cuda.Event(block=False, disable_timing=True)
+            done.record()
+        return _Download(host, done)
+
     def run(self, plan: Plan, inputs: Sequence[Array], bindings: Sequence[Scalar]) -> list[Array]:
         with self._device:
             return run_plan(
@@ -304,6 +349,15 @@ class CupyBackend:
 
     def bind_thread(self) -> None:
         self._device.use()
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """Page-locked memory from CuPy's pinned pool, which the DMA engine reads in place. Sizes
+        are rounded up to PINNED_UNIT so that a step's buffers, whose sizes vary by a few bytes,
+        come back from the pool rather than from new (slow) page-locked allocations."""
+        size = -(-max(nbytes, 1) // PINNED_UNIT) * PINNED_UNIT
+        with self._device:
+            memory = self._cp.cuda.alloc_pinned_memory(size)
+        return np.frombuffer(memory, np.uint8, nbytes)
 
     def free_bytes(self) -> int:
         with self._device:

@@ -19,7 +19,7 @@ import numpy as np
 
 from emberlink.errors import DTypeError
 from emberlink.graph_replay import rng
-from emberlink.graph_replay.backend import Array, IntoFn, OpFn, check_inputs, run_plan
+from emberlink.graph_replay.backend import Array, IntoFn, OpFn, Ready, check_inputs, run_plan
 from emberlink.graph_replay.inference import window_counts
 from emberlink.graph_replay.ir import Key, Scalar
 from emberlink.graph_replay.memory import MemoryMeter
@@ -443,6 +443,12 @@ class NumpyBackend:
 
     def free_bytes(self) -> int | None:
         return None  # host memory: the worker reads the host's available memory itself
+
+    def to_numpy_async(self, a: Array) -> Ready:
+        return Ready(np.array(a, copy=True))  # the stored array itself must stay the store's
+
+    def host_buffer(self, nbytes: int) -> None:
+        return None  # the arrays live in ordinary memory already
 
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Rules (everything that decides what is a valid message lives in this file):
 - A Batch is `[seq, [message, ...]]`, a Reply `[ack, [message, ...]]`. A message is an array
-  whose first item is its tag. Client-to-worker tags are 1..10, worker-to-client tags 16..20, so
+  whose first item is its tag. Client-to-worker tags are 1..10, worker-to-client tags 16..21, so
   a message sent the wrong way is an unknown tag.
 - Decoding is validation: known tag, exact arity, exact types (a bool is not an int, an int is
   not a float), bounded sizes, dtypes from `protocol.dtypes`. Anything else is a ProtocolError, and nothing
@@ -15,7 +15,9 @@ Rules (everything that decides what is a valid message lives in this file):
 - Bulk data never travels inside msgpack: an Upload's `nbytes` announces the BULK frames that
   follow, or, for an inline Upload (tag 10 instead of 3), bytes of the MESSAGE plaintext's raw
   tail after the msgpack batch, in message order; the tail is exactly the inline uploads' bytes
-  (`decode_batch_prefix` finds where the batch ends).
+  (`decode_batch_prefix` finds where the batch ends). Results the other way alike: an inline
+  Result (tag 21 instead of 16) carries its bytes in the tail after the msgpack reply
+  (`decode_reply_prefix`, `check_reply_tail`).
 - A Repeat (tag 9) is a batch's only message: the previous batch of the session again, every
   tensor id shifted by `id_shift`, every request id by `rid_shift`, and the Executes' bindings
   replaced when given (`expand_batch`, `repeat_of`).
@@ -154,6 +156,7 @@ class Result:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    inline: bool = False  # the bytes follow in the MESSAGE plaintext's tail, not in BULK frames
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +234,7 @@ def _wire_worker(m: WorkerMessage) -> list[Any]:
     if type(m) is Done:
         return [17, m.rid]
     if type(m) is Result:
-        return [16, m.rid, _dtype_code(m.dtype), list(m.shape), m.nbytes]
+        return [21 if m.inline else 16, m.rid, _dtype_code(m.dtype), list(m.shape), m.nbytes]
     if type(m) is StatsReply:
         return [18, m.rid, dict(m.stats)]
     if type(m) is Error:
@@ -481,9 +484,9 @@ def _worker_message(v: object) -> WorkerMessage:
     if tag == 17 and type(tag) is int:
         _arity(m, 2, "Done")
         return Done(_int(m[1], "rid", 1))
-    if tag == 16 and type(tag) is int:
+    if (tag == 16 or tag == 21) and type(tag) is int:
         _arity(m, 5, "Result")
-        return Result(_int(m[1], "rid", 1), *_tensor_desc(m[2], m[3], m[4]))
+        return Result(_int(m[1], "rid", 1), *_tensor_desc(m[2], m[3], m[4]), tag == 21)
     if tag == 18 and type(tag) is int:
         _arity(m, 3, "StatsReply")
         stats = m[2]
@@ -536,6 +539,13 @@ def _unpack_prefix(data: BytesLike) -> tuple[list[Any], int]:
     copied (fed to the decoder in growing slices until one object is complete)."""
     view = memoryview(data).cast("B")
     n = len(view)
+    if n <= _FIRST_FEED:  # small: one call, and ExtraData says where the object ends
+        try:
+            return _list(msgpack.unpackb(view, **_limits(n)), "envelope", 2), n
+        except msgpack.ExtraData as e:  # args: (the object, the bytes after it)
+            return _list(e.args[0], "envelope", 2), n - len(e.args[1])
+        except _UNPACK_ERRORS as e:
+            raise ProtocolError(f"malformed msgpack: {type(e).__name__}: {e}"[:200]) from e
     try:
         unpacker = msgpack.Unpacker(max_buffer_size=max(n, 1), **_limits(n))
         fed = min(n, _FIRST_FEED)
@@ -715,6 +725,22 @@ def repeat_of(previous: tuple[ClientMessage, ...], messages: tuple[ClientMessage
 
 
 def decode_reply(data: BytesLike) -> Reply:
-    """The Reply in a MESSAGE frame's plaintext; ProtocolError if it is anything but a valid one."""
+    """The Reply that is the whole of a MESSAGE frame's plaintext; ProtocolError if it is anything
+    but a valid one."""
     ack, messages = _decode(data, "ack", 0, _worker_message)
     return Reply(ack, messages)
+
+
+def decode_reply_prefix(data: BytesLike) -> tuple[Reply, int]:
+    """The Reply at the start of a MESSAGE frame's plaintext and the offset of the raw tail after
+    it (the inline results' bytes, checked by `check_reply_tail`)."""
+    envelope, end = _unpack_prefix(data)
+    ack, messages = _decode(envelope, "ack", 0, _worker_message)
+    return Reply(ack, messages), end
+
+
+def check_reply_tail(reply: Reply, tail: int) -> None:
+    """Refuse a tail that is not exactly the reply's inline results."""
+    want = sum(x.nbytes for x in reply.messages if type(x) is Result and x.inline)
+    if tail != want:
+        _refuse(f"reply {reply.ack} carries {tail} inline bytes, its results announce {want}")

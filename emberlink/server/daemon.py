@@ -23,7 +23,7 @@ from emberlink.graph_replay.backends import parse_device
 from emberlink.protocol.cluster import Certificate
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.ticket import Ticket
-from emberlink.server.worker import DEFAULT_GRAPH_CACHE_BYTES, Worker
+from emberlink.server.worker import Worker
 from emberlink.transport.grpc import GrpcListener
 from emberlink.transport.malloc import tune_malloc
 
@@ -43,7 +43,7 @@ class WorkerConfig:
     relay: str | None
     ticket_file: Path | None
     max_session_bytes: int | None
-    graph_cache_bytes: int
+    graph_cache_bytes: int | None  # None: the device's default (server.worker.default_graph_cache_bytes)
     nats_creds: Path | None = None
     nats_ca: Path | None = None
     cluster_cert: Certificate | None = None
@@ -86,9 +86,7 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         relay=args.relay,
         ticket_file=args.ticket_file,
         max_session_bytes=args.max_session_bytes,
-        graph_cache_bytes=args.graph_cache_bytes
-        if args.graph_cache_bytes is not None
-        else DEFAULT_GRAPH_CACHE_BYTES,
+        graph_cache_bytes=args.graph_cache_bytes,
         nats_creds=nats_creds,
         nats_ca=nats_ca,
         cluster_cert=cluster_cert,

@@ -35,7 +35,8 @@ values in total, and no non-contiguous read exceeds this many bytes..."""
 INLINE_STEPS = 64
 """...no graph has more steps than this..."""
 INLINE_MESSAGES = 64
-"""...the batch has at most this many messages, and registers no graph (compiling is not tiny)."""
+"""...the batch has at most this many messages, and registers no graph (compiling is not tiny).
+Where plans replay as captured CUDA graphs the rule is `light_captured`'s instead."""
 
 _DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}
 """dtype -> wire name; `ndarray.dtype.name` is a slow Python property on the per-step path."""
@@ -71,6 +72,7 @@ class Counters:
     graph_unknown: int = 0
     discarded_batches: int = 0
     captured_replays: int = 0  # executes run as one launch of a captured CUDA graph
+    applied_on_loop: int = 0  # batches applied on the event loop (no thread hand-off)
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -98,6 +100,8 @@ class BatchRunner:
         self.closed = False
         self.counters = Counters()
         self._light: dict[bytes, bool] = {}  # gid -> whether its plan is light (see `light`)
+        self._captured: set[bytes] = set()  # gids whose plan ran as a captured graph last time
+        self._need: dict[bytes, int] = {}  # gid -> bytes its outputs take (the quota check)
         # Plans replayed as captured CUDA graphs (cuda workers), charged to this session's quota
         # and to the client's cache entry of the plan; None where capture cannot serve.
         self._captures = open_captures(backend, admit=self._admit_capture, release=self._release_capture)
@@ -135,8 +139,7 @@ class BatchRunner:
                 case m.Upload():
                     self._upload(msg, next(uploads))
                 case m.Drop():
-                    for tid in msg.ids:
-                        self._store.drop(tid)
+                    self._store.drop_many(msg.ids)
                 case m.Read():
                     self._read(msg, out)
                 case m.Sync():
@@ -151,6 +154,24 @@ class BatchRunner:
         self.applied = batch.seq
         self.counters.batches += 1
         return out
+
+    @property
+    def replays_captured(self) -> bool:
+        """Whether plans here replay as captured CUDA graphs (a cuda worker with nvmath-python)."""
+        return self._captures is not None
+
+    def light_captured(self, batch: m.Batch) -> bool:
+        """Whether applying `batch` takes little CPU where plans replay as captured graphs: it
+        registers nothing and every Execute names a plan that ran captured last time (a replay is
+        one launch; uploads stay in host memory until staged, reads wait for the GPU)."""
+        if len(batch.messages) > INLINE_MESSAGES:
+            return False
+        captured = self._captured
+        for msg in batch.messages:
+            t = type(msg)
+            if (t is m.Execute and msg.gid not in captured) or t is m.Register:  # type: ignore[union-attr]
+                return False
+        return True
 
     def light(self, batch: m.Batch) -> bool:
         """Whether applying `batch` is bounded tiny work (INLINE_*): a few small arrays and small
@@ -243,7 +264,11 @@ class BatchRunner:
             except LookupError as e:
                 self._fail(outs, e.args[0])
                 return
-        need = sum(plan.specs[v].nbytes for v in plan.outputs)
+        need = self._need.get(msg.gid)
+        if need is None:
+            if len(self._need) >= 4096:
+                self._need.clear()
+            need = self._need[msg.gid] = sum(plan.specs[v].nbytes for v in plan.outputs)
         quota = self._store.quota
         if not quota.reserve(need):
             self._fail(outs, Failure(ErrorCode.QUOTA, quota.describe_refusal(need)))
@@ -254,26 +279,33 @@ class BatchRunner:
                     inputs = self._on_device(msg.inputs, inputs)
                 results = self._captures.run(plan, inputs, msg.bindings, msg.gid)
                 self.counters.captured_replays = self._captures.replays
+                if self._captures.captured(plan):
+                    self._captured.add(msg.gid)
+                else:
+                    self._captured.discard(msg.gid)
             else:
                 results = self._backend.run(plan, inputs, msg.bindings)
-        except ExecutionError as e:
-            self._fail(outs, Failure(e.code, e.message))
-            return
-        except EmberlinkError as e:
-            self._fail(outs, Failure(ErrorCode.EXECUTION, str(e)))
-            return
-        except MemoryError as e:
-            self._fail(outs, Failure(ErrorCode.OUT_OF_MEMORY, f"out of memory: {e}"))
-            return
-        except Exception as e:  # a backend bug is the computation's failure, not the session's
-            log.exception("backend failed running a graph")
-            self._fail(outs, Failure(ErrorCode.EXECUTION, f"{type(e).__name__}: {e}"))
-            return
-        finally:
+        except BaseException as e:  # noqa: BLE001 - sorted by _fail_run, which re-raises the rest
             quota.release(need)
+            self._fail_run(outs, e)
+            return
         nbytes = self._backend.nbytes
-        for tid, value in zip(outs, results, strict=True):
-            self._store.put(tid, value, nbytes(value), charged=False)
+        # The reservation becomes the outputs' charge: one quota update for the whole Execute.
+        self._store.put_many(outs, results, [nbytes(value) for value in results], reserved=need)
+
+    def _fail_run(self, outs: range, error: BaseException) -> None:
+        """Poison an Execute's outputs with why its run failed (re-raising what is no run failure)."""
+        if isinstance(error, ExecutionError):
+            self._fail(outs, Failure(error.code, error.message))
+        elif isinstance(error, EmberlinkError):
+            self._fail(outs, Failure(ErrorCode.EXECUTION, str(error)))
+        elif isinstance(error, MemoryError):
+            self._fail(outs, Failure(ErrorCode.OUT_OF_MEMORY, f"out of memory: {error}"))
+        elif isinstance(error, Exception):  # a backend bug is the computation's failure, not the session's
+            log.error("backend failed running a graph", exc_info=error)
+            self._fail(outs, Failure(ErrorCode.EXECUTION, f"{type(error).__name__}: {error}"))
+        else:
+            raise error
 
     def _on_device(self, tids: Sequence[int], inputs: list[Any]) -> list[Any]:
         """An eager run's inputs, with uploads still in host memory moved to the device for good."""

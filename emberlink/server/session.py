@@ -1,12 +1,14 @@
 """One client session on the worker: handshake, frames in and out, bulk buffers; the asyncio half.
 
-The event loop only moves bytes: it opens frames, decrypts uploads straight into preallocated
-arrays, and seals replies. Applying batches (and every backend call) happens on the device
-thread through `BatchRunner`, in arrival order, with one bounded exception: on a backend that
-`runs_inline` (the NumPy one), a light batch (`BatchRunner.light`: small arrays, small compiled
-graphs) that finds the device thread idle is applied right here on the loop, which saves two
-thread hand-offs. A frame that does not open or decode ends this session alone, with
-`Error(0, "refused", ...)`; every other session carries on.
+The event loop moves bytes: it opens frames, decrypts uploads straight into preallocated arrays
+(the backend's pinned host buffers on a GPU), and seals replies. Applying batches (and every
+backend call) happens on the device thread through `BatchRunner`, in arrival order, with two
+exceptions, both for a batch that finds the device thread idle and both saving its two thread
+hand-offs: on a backend that `runs_inline` (the NumPy one), a light batch (`BatchRunner.light`:
+small arrays, small compiled graphs); and, where plans replay as captured CUDA graphs and this
+is the worker's only session, a batch of captured replays (`BatchRunner.light_captured`), whose
+read of the result then waits for the GPU on the loop (see `_submit`). A frame that does not open
+or decode ends this session alone, with `Error(0, "refused", ...)`; every other session carries on.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ from emberlink.errors import ErrorCode, ProtocolError, TransportError
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import (
     BULK,
+    MAX_PLAINTEXT,
     MESSAGE,
+    OVERHEAD,
     Channel,
+    Kind,
     pack_frames,
     split_frames,
 )
@@ -44,6 +49,14 @@ from emberlink.transport.base import Link, bind
 
 log = logging.getLogger("emberlink.server")
 
+INLINE_ENV = "EMBERLINK_INLINE"
+"""Set to 0 to apply every batch on the device thread (to measure what applying on the loop saves)."""
+
+HOST_BUFFER_BYTES = 64 << 10
+"""Frames and uploads from this size on are decrypted into the backend's host buffers..."""
+MAX_HOST_BUFFER_BYTES = 64 << 20
+"""...uploads up to this size (a batch, not a data set)."""
+
 HANDSHAKE_TIMEOUT = 10.0
 MAX_REPLY_MESSAGES = 32_768
 FINAL_SEND_TIMEOUT = 5.0
@@ -56,6 +69,7 @@ class Host(Protocol):
     identity: Identity
     allow: AllowPolicy
     device: DeviceThread
+    sessions: set[Session]
     held: Quota
     max_session_bytes: int | None
     chunk_size: int
@@ -117,6 +131,8 @@ class Session:
         self._template: tuple[m.ClientMessage, ...] | None = None
         self._receiver: asyncio.Task[None] | None = None
         self._inline = worker.device.backend.runs_inline
+        self._inline_captured = os.environ.get(INLINE_ENV, "1") != "0"
+        self._host_buffer = worker.device.backend.host_buffer
 
     # -- life cycle ----------------------------------------------------------------------------------
 
@@ -254,7 +270,7 @@ class Session:
         assert self._channel is not None
         if self._incoming is not None:
             raise ProtocolError("a batch arrived before the bulk bytes of the previous one")
-        kind, plaintext = self._channel.open(frame)
+        kind, plaintext = self._open(frame)
         if kind is not MESSAGE:
             raise ProtocolError(f"expected a MESSAGE frame, got {kind.name}")
         batch, start = m.decode_batch_prefix(plaintext)
@@ -278,8 +294,31 @@ class Session:
         else:
             self._submit(incoming)
 
+    def _open(self, frame: memoryview) -> tuple[Kind, bytes | memoryview]:
+        """A frame's kind and plaintext. A large one (a batch with an inline upload) is decrypted
+        straight into the backend's host buffer (pinned memory on a GPU), from which a captured
+        graph's upload copies it where it lies, with no copy on the host."""
+        assert self._channel is not None
+        n = len(frame) - OVERHEAD
+        buffer = self._host_buffer(n) if n >= HOST_BUFFER_BYTES else None
+        if buffer is None:
+            return self._channel.open(frame)
+        view = memoryview(buffer)
+        kind, _ = self._channel.open_into(frame, view)
+        return kind, view
+
+    def _upload_array(self, msg: m.Upload) -> np.ndarray:
+        """Where an upload's BULK bytes are decrypted to: the backend's host buffer (pinned memory
+        on a GPU) for a batch-sized one, ordinary memory otherwise (a data set uploaded once
+        should not hold page-locked memory)."""
+        if HOST_BUFFER_BYTES <= msg.nbytes <= MAX_HOST_BUFFER_BYTES:
+            buffer = self._host_buffer(msg.nbytes)
+            if buffer is not None:
+                return buffer.view(msg.dtype).reshape(msg.shape)  # type: ignore[no-any-return]
+        return np.empty(msg.shape, dtype=msg.dtype)
+
     def _prepare_upload(
-        self, msg: m.Upload, incoming: Incoming, plaintext: bytes, start: int
+        self, msg: m.Upload, incoming: Incoming, plaintext: bytes | memoryview, start: int
     ) -> np.ndarray | Failure:
         """The array an upload's bytes are decrypted into (or, inline, read from `plaintext` at
         `start`), or why there is none.
@@ -306,7 +345,7 @@ class Session:
         if msg.inline:
             return _inline_array(msg, plaintext, start)
         try:
-            array = np.empty(msg.shape, dtype=msg.dtype)
+            array = self._upload_array(msg)
         except MemoryError as e:
             # Like a refused upload: the runner poisons the id, the bytes go to scratch.
             self.inflight.release(msg.nbytes)
@@ -332,16 +371,36 @@ class Session:
                 self._submit(incoming)
 
     def _submit(self, incoming: Incoming) -> None:
+        # The hand-off to the device thread and back, measured on the H200 (bench/gpu_step.py,
+        # small MLP step jitted, EMBERLINK_INLINE=0 against the default): 1.709 against 1.577 ms
+        # a step with resident data, 2.048 against 1.999 ms with host batches, so a single
+        # session's captured replays skip it. It stays where work is not bounded by a launch (an
+        # eager plan on a GPU: milliseconds of CPU) and where several sessions share the loop (a
+        # read waiting on the loop for one session's GPU work would stall the others' frames);
+        # those cases were not measured. Not measured either: a client reading each loss a step
+        # late on a GPU-bound step, where the device thread would let the loop decode the next
+        # batch while the GPU works.
         device = self._worker.device
-        if self._inline and device.run_here_if_idle(self._apply_here, incoming):
+        runner = self._runner
+        assert runner is not None
+        if self._inline:
+            if device.run_here_if_idle(self._apply_here, incoming, runner.light):
+                return
+        elif (
+            runner.replays_captured
+            and self._inline_captured
+            and len(self._worker.sessions) == 1
+            and device.run_here_if_idle(self._apply_here, incoming, runner.light_captured)
+        ):
             return
         device.post(self._apply, incoming)
 
-    def _apply_here(self, incoming: Incoming) -> bool:
+    def _apply_here(self, incoming: Incoming, light: Callable[[m.Batch], bool]) -> bool:
         """On the loop, the device idle and locked: apply a light batch now; False if it is not light."""
-        assert self._runner is not None
-        if not self._runner.light(incoming.batch):
+        if not light(incoming.batch):
             return False
+        assert self._runner is not None
+        self._runner.counters.applied_on_loop += 1
         # call_soon, not a direct call: replies the device thread handed over with
         # call_soon_threadsafe before it went idle are already queued, and go out first.
         self._settle(incoming, self._loop.call_soon)
@@ -418,16 +477,25 @@ class Session:
     def _reply_frames(
         self, ack: int, messages: list[m.WorkerMessage], bulks: list[np.ndarray]
     ) -> Iterator[bytes | bytearray]:
+        """The reply's frames: per part of at most MAX_REPLY_MESSAGES messages, one MESSAGE frame
+        carrying inline, in message order, every result that still fits in one chunk together with
+        those before it (so a step's loss goes back in one frame), then the others' BULK frames."""
         assert self._channel is not None
         channel = self._channel
         chunk = self._worker.chunk_size
         pending = iter(bulks)
         for start in range(0, max(len(messages), 1), MAX_REPLY_MESSAGES):
             part = messages[start : start + MAX_REPLY_MESSAGES]
-            yield channel.seal(m.encode_reply(m.Reply(ack, tuple(part))), MESSAGE)
-            for msg in part:
-                if type(msg) is m.Result and msg.nbytes:
-                    yield from channel.seal_chunks(next(pending).data.cast("B"), chunk)
+            arrays = [next(pending) for msg in part if type(msg) is m.Result and msg.nbytes]
+            head, tail, later = _reply_layout(ack, part, arrays, chunk)
+            if tail and len(head) + sum(a.nbytes for a in tail) > MAX_PLAINTEXT:
+                head, tail, later = _reply_layout(ack, part, arrays, 0)  # a huge reply: all in BULK
+            if tail:
+                yield channel.seal_parts([head, *(a.data.cast("B") for a in tail)], MESSAGE)
+            else:
+                yield channel.seal(head, MESSAGE)
+            for array in later:
+                yield from channel.seal_chunks(array.data.cast("B"), chunk)
 
     async def _send_frames(self, frames: Iterator[bytes | bytearray]) -> None:
         for blob in pack_frames(frames):
@@ -435,7 +503,29 @@ class Session:
             self.bytes_out += len(blob)
 
 
-def _inline_array(msg: m.Upload, plaintext: bytes, start: int) -> np.ndarray:
+def _reply_layout(
+    ack: int, part: list[m.WorkerMessage], arrays: list[np.ndarray], room: int
+) -> tuple[bytes, list[np.ndarray], list[np.ndarray]]:
+    """`(msgpack reply, inline results' arrays, BULK results' arrays)`: results inline in message
+    order while they fit in `room` bytes together."""
+    wire: list[m.WorkerMessage] = []
+    tail: list[np.ndarray] = []
+    later: list[np.ndarray] = []
+    results = iter(arrays)
+    for msg in part:
+        if type(msg) is m.Result and msg.nbytes:
+            array = next(results)
+            if msg.nbytes <= room:
+                room -= msg.nbytes
+                tail.append(array)
+                msg = m.Result(msg.rid, msg.dtype, msg.shape, msg.nbytes, True)
+            else:
+                later.append(array)
+        wire.append(msg)
+    return m.encode_reply(m.Reply(ack, tuple(wire))), tail, later
+
+
+def _inline_array(msg: m.Upload, plaintext: bytes | memoryview, start: int) -> np.ndarray:
     """An inline upload's array: a read-only view of the plaintext when it is most of it (no copy;
     the store keeps the plaintext alive, at most twice the array's bytes), else its own copy, so
     that a small array never pins a large plaintext."""

@@ -94,6 +94,26 @@ class TensorStore:
         self._arrays[tid] = array
         self._sizes[tid] = nbytes
 
+    def put_many(self, tids: Any, arrays: Any, sizes: list[int], *, reserved: int = 0) -> None:
+        """`put(tid, array, size, charged=False)` for each, with one change to the quota, of which
+        `reserved` bytes were reserved already (an Execute's outputs: a step's many results cost
+        one quota update, not two locked updates per result and its parent's)."""
+        store, sized, failures = self._arrays, self._sizes, self._failures
+        freed = 0
+        for tid, array, size in zip(tids, arrays, sizes, strict=True):
+            if failures:
+                failures.pop(tid, None)
+            old = sized.pop(tid, None)
+            if old is not None:
+                freed += old
+            store[tid] = array
+            sized[tid] = size
+        delta = sum(sizes) - freed - reserved
+        if delta > 0:
+            self.quota.charge(delta)
+        elif delta < 0:
+            self.quota.release(-delta)
+
     def poison(self, tid: int, failure: Failure) -> None:
         """Make tid stand for a failure; whatever it held is freed."""
         self._forget(tid)
@@ -117,6 +137,20 @@ class TensorStore:
     def drop(self, tid: int) -> None:
         """Free tid; an unknown id is ignored (drops are idempotent on resend)."""
         self._forget(tid)
+
+    def drop_many(self, tids: Any) -> None:
+        """`drop` each, with one change to the quota."""
+        store, sized, failures = self._arrays, self._sizes, self._failures
+        freed = 0
+        for tid in tids:
+            if failures:
+                failures.pop(tid, None)
+            store.pop(tid, None)
+            size = sized.pop(tid, None)
+            if size is not None:
+                freed += size
+        if freed:
+            self.quota.release(freed)
 
     def clear(self) -> None:
         for tid in list(self._sizes):

@@ -25,6 +25,22 @@ from emberlink.transport.base import Link
 log = logging.getLogger("emberlink.server")
 
 DEFAULT_GRAPH_CACHE_BYTES = 64 << 20  # per client; graph_replay/cache.py keeps at most 64 clients
+DEVICE_CACHE_FRACTION = 8
+
+
+def default_graph_cache_bytes(backend: Backend) -> int:
+    """Each client's graph-cache budget unless one is given: DEFAULT_GRAPH_CACHE_BYTES, plus, on a
+    device with its own memory (a GPU), an eighth of what is free there when the worker starts.
+
+    On a GPU a cache entry is also charged its captured graph (arena, fixed input buffers, pinned
+    staging), which for a real model is far more than 64 MiB (the 4096-wide MLP step of
+    bench/gpu_step.py holds several hundred MiB: two 64 MiB weights in fixed buffers, their
+    gradients and new values in its arena): the budget then bounds how much device memory the
+    captures of a client's least recently used graphs may keep before they are evicted and freed,
+    and an eighth of the device leaves the rest to tensors. The session quota still bounds all a
+    session holds, captures included."""
+    free = backend.free_bytes()
+    return DEFAULT_GRAPH_CACHE_BYTES + (free // DEVICE_CACHE_FRACTION if free is not None else 0)
 
 
 class Worker:
@@ -38,7 +54,7 @@ class Worker:
         device: str = "cpu",
         backend: Backend | None = None,
         max_session_bytes: int | None = None,
-        graph_cache_bytes: int = DEFAULT_GRAPH_CACHE_BYTES,
+        graph_cache_bytes: int | None = None,
         chunk_size: int = CHUNK_SIZE,
     ) -> None:
         self.identity = identity
@@ -46,6 +62,8 @@ class Worker:
         self.max_session_bytes = max_session_bytes
         self.chunk_size = chunk_size
         self.device = DeviceThread(device, backend)
+        if graph_cache_bytes is None:
+            graph_cache_bytes = default_graph_cache_bytes(self.device.backend)
         self.cache = GraphCache(graph_cache_bytes)
         self.sessions: set[Session] = set()
         self.draining = False

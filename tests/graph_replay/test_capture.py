@@ -46,6 +46,12 @@ def _take_graph() -> Graph:
     return Graph((_x(3), TensorSpec("int64", (2,))), (), (node,), (2,))
 
 
+def _computed_take_graph() -> Graph:
+    """take(x, i + i): indices made on the device, which only the eager path can check."""
+    nodes = (Node("add", (1, 1)), Node("take", (0, 2), check_attrs("take", {})))
+    return Graph((_x(3), TensorSpec("int64", (2,))), (), nodes, (3,))
+
+
 # -- the arena layout ---------------------------------------------------------------------------------
 
 
@@ -150,8 +156,11 @@ def test_staging_puts_the_copy_tables_first_then_the_slots_then_aligned_host_inp
 # -- refusals ------------------------------------------------------------------------------------------
 
 
-def test_take_and_wide_concats_cannot_be_captured_but_matmul_can() -> None:
-    assert cap.refusal(compile_plan(_take_graph())) == "op take cannot be captured"
+def test_a_take_of_computed_indices_and_wide_concats_cannot_be_captured_but_matmul_can() -> None:
+    assert cap.refusal(compile_plan(_computed_take_graph())) == (
+        "op take with indices computed on the device cannot be captured"
+    )
+    assert cap.refusal(compile_plan(_take_graph())) is None  # indices that are an input: checked on the host
     n = cap.MAX_CAPTURED_CONCAT + 1
     wide = Graph(
         tuple(_x(2) for _ in range(n)),
@@ -162,6 +171,20 @@ def test_take_and_wide_concats_cannot_be_captured_but_matmul_can() -> None:
     assert cap.refusal(compile_plan(wide)) is not None
     mm = Graph((_x(2, 3), _x(3, 4)), (), (Node("matmul", (0, 1)),), (2,))
     assert cap.refusal(compile_plan(mm)) is None
+
+
+def test_a_take_of_input_indices_is_checked_on_the_host_against_its_axis() -> None:
+    nodes = (Node("take", (0, 1), check_attrs("take", {"axis": 1})),)
+    plan = compile_plan(Graph((_x(2, 5), TensorSpec("int32", (3,))), (), nodes, (2,)))
+    (check,) = cap.host_checks(plan)
+    assert check == cap.HostCheck(1, 5)
+    cap.check_indices(check, np.array([0, 4, -5], np.int32))  # NumPy's range: [-5, 5)
+    for bad in ([0, 5, 1], [-6, 0, 0]):
+        with pytest.raises(cap.StagingError, match="out of range for an axis of size 5"):
+            cap.check_indices(check, np.array(bad, np.int32))
+    with pytest.raises(cap.StagingError, match="on the device"):  # a device array: the eager path checks
+        cap.check_indices(check, memoryview(b"\0" * 12))
+    assert cap.host_checks(compile_plan(_take_graph())) == (cap.HostCheck(1, 3),)  # axis None: the size
 
 
 # -- Captures: when a plan runs eagerly, captured or replayed ------------------------------------------
@@ -228,12 +251,13 @@ def test_the_first_run_is_eager_the_second_captures_and_later_ones_replay() -> N
 
 def test_host_inputs_are_wanted_once_the_next_run_captures_or_replays() -> None:
     caps = Captures(NumpyBackend(), FakeCapture())
-    plan, take = compile_plan(_scale_graph()), compile_plan(_take_graph())
+    plan = compile_plan(_scale_graph())
     assert not caps.takes_host(plan)  # the first run is eager
     caps.run(plan, _IN, [0.5, 1.0])
     assert caps.takes_host(plan)  # the next one captures
     caps.run(plan, _IN, [0.5, 1.0])
     assert caps.takes_host(plan)  # and later ones replay
+    take = compile_plan(_computed_take_graph())
     caps.run(take, [np.arange(3, dtype=np.float32), np.array([0, 1])], [])
     assert not caps.takes_host(take)  # eager for good
 
@@ -243,15 +267,15 @@ def test_a_plan_with_an_uncapturable_op_runs_eagerly_and_the_reason_is_logged_on
 ) -> None:
     fake = FakeCapture()
     caps = Captures(NumpyBackend(), fake)
-    x, i = np.arange(3, dtype=np.float32), np.array([2, 0])
+    x, i = np.arange(3, dtype=np.float32), np.array([1, 0])
     with caplog.at_level(logging.INFO, logger="emberlink.capture"):
         for _ in range(2):  # two plans of the same graph, three runs each
-            plan = compile_plan(_take_graph())
+            plan = compile_plan(_computed_take_graph())
             for _ in range(3):
                 np.testing.assert_array_equal(caps.run(plan, [x, i], [])[0], [2.0, 0.0])
     assert fake.made == [] and not caps.captured(plan)
     assert [r.getMessage() for r in caplog.records] == [
-        "plans run eagerly, without CUDA graphs: op take cannot be captured"
+        "plans run eagerly, without CUDA graphs: op take with indices computed on the device cannot be captured"
     ]
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import emberlink as el
-from emberlink.graph_replay.capture import UNCAPTURABLE_OPS
+from emberlink.graph_replay.capture import HOST_CHECKED_OPS
 from emberlink.graph_replay.captured import CAPTURE_ENV, Captures, open_captures
 from emberlink.graph_replay.ir import AttrValue, Graph, Node, TensorSpec
 from emberlink.graph_replay.nvmath_matmul import WORKSPACE_BYTES
@@ -74,7 +74,8 @@ def test_every_op_case_gives_the_same_values_captured_as_eager(
     (want,) = _numpy(
         backend, backend.run(case.plan(), [backend.from_numpy(a) for a in case.inputs()], case.bindings())
     )
-    assert captures.captured(plan) is (case.op not in UNCAPTURABLE_OPS)
+    # Indices given on the device are checked by the eager path alone (see the host-index test below).
+    assert captures.captured(plan) is (case.op not in HOST_CHECKED_OPS)
     if case.op == "matmul":  # cuBLAS through nvmath, with CuPy's algorithm choice: rounding may differ
         assert_close(got, want, case.id)
     else:
@@ -137,6 +138,61 @@ def test_host_and_device_inputs_reach_a_replay_whichever_kind_it_was_captured_wi
         (want,) = _numpy(backend, backend.run(eager, [dev(a), dev(b)], []))
         np.testing.assert_array_equal(got, want, err_msg=f"call {k} ({kinds})")
     assert captures.captured(plan) and captures.replays == 4
+
+
+def test_a_take_of_uploaded_indices_is_captured_and_checked_on_the_host(
+    backend: Any, captures: Captures
+) -> None:
+    """DataLoader's resident batches: take(data, idx) with idx uploaded each call. A replay gives
+    the eager rows; an index out of range fails as the eager take fails, and the capture stays."""
+    take = Node("take", (0, 1), check_attrs("take", {"axis": 0}))
+    graph = Graph((TensorSpec("float32", (50, 7)), TensorSpec("int32", (16,))), (), (take,), (2,))
+    plan = compile_plan(graph)
+    data = np.arange(350, dtype=np.float32).reshape(50, 7)
+    on_device = backend.from_numpy(data)
+    rng = np.random.default_rng(5)
+    for k in range(5):
+        idx = rng.integers(-50, 50, 16).astype(np.int32)
+        (got,) = _numpy(backend, captures.run(plan, [on_device, idx], []))
+        np.testing.assert_array_equal(got, data[idx], err_msg=f"call {k}")
+    assert captures.captured(plan) and captures.replays == 3
+    bad = np.zeros(16, np.int32)
+    bad[3] = 50
+    with pytest.raises(el.errors.ExecutionError, match="out of range"):
+        captures.run(plan, [on_device, bad], [])
+    assert captures.captured(plan)
+
+
+def test_pinned_host_inputs_and_back_to_back_replays_give_the_eager_values(
+    backend: Any, captures: Captures
+) -> None:
+    """Calls staged while earlier launches still run (no read in between), with the batch in
+    pinned memory (copied by the DMA engine where it lies) or in ordinary memory."""
+    cupyx = pytest.importorskip("cupyx")
+
+    graph = Graph(
+        (TensorSpec("float32", (256, 64)), TensorSpec("float32", (64,))),
+        ("float",),
+        (Node("multiply", (0, 2)),),
+        (3,),
+    )
+    graph = Graph(graph.inputs, graph.bindings, (*graph.nodes, Node("add", (3, 1))), (4,))
+    plan = compile_plan(graph)
+    rng = np.random.default_rng(9)
+    bias = backend.from_numpy(rng.standard_normal(64).astype(np.float32))
+    wants, outs = [], []
+    for k in range(8):
+        x = rng.standard_normal((256, 64)).astype(np.float32)
+        given = x
+        if k % 2:
+            given = cupyx.empty_pinned(x.shape, x.dtype)
+            given[...] = x
+        (out,) = captures.run(plan, [given, bias], [0.5 + k])
+        outs.append(out)
+        wants.append(x * np.float32(0.5 + k) + backend.to_numpy(bias))
+    for k, (out, want) in enumerate(zip(_numpy(backend, outs), wants, strict=True)):
+        np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6, err_msg=f"call {k}")  # float32 rounding
+    assert captures.captured(plan) and captures.replays == 6
 
 
 def test_random_ops_give_the_eager_values_for_each_new_seed(backend: Any, captures: Captures) -> None:

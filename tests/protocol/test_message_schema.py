@@ -33,10 +33,12 @@ from emberlink.protocol.messages import (
     StatsReply,
     Sync,
     Upload,
+    check_reply_tail,
     check_tail,
     decode_batch,
     decode_batch_prefix,
     decode_reply,
+    decode_reply_prefix,
     encode_batch,
     encode_reply,
     expand_batch,
@@ -78,7 +80,9 @@ client_messages = st.one_of(
     st.builds(Close, text),
 )
 worker_messages = st.one_of(
-    st.builds(lambda rid, d: Result(rid, *d), rids, tensor_desc()),
+    st.builds(
+        lambda rid, d, inline: Result(rid, d[0], d[1], d[2], inline), rids, tensor_desc(), st.booleans()
+    ),
     st.builds(Done, rids),
     st.builds(
         StatsReply,
@@ -187,6 +191,21 @@ def test_inline_tail_must_be_exactly_the_inline_uploads() -> None:
             check_tail(decoded, wrong)
     with pytest.raises(ProtocolError):
         decode_batch(data)  # a whole-plaintext decode refuses the tail
+
+
+def test_a_reply_tail_must_be_exactly_the_inline_results() -> None:
+    reply = Reply(3, (Result(1, "float32", (), 4, True), Done(2), Result(3, "int64", (2,), 16)))
+    data = encode_reply(reply) + bytes(4)
+    decoded, start = decode_reply_prefix(data)
+    assert decoded == reply and len(data) - start == 4
+    check_reply_tail(decoded, 4)
+    for wrong in (0, 3, 20):
+        with pytest.raises(ProtocolError):
+            check_reply_tail(decoded, wrong)
+    with pytest.raises(ProtocolError):
+        decode_reply(data)  # a whole-plaintext decode refuses the tail
+    big = Reply(1, tuple(Done(r) for r in range(1, 2000)))  # past the first feed: the streaming path
+    assert decode_reply_prefix(encode_reply(big) + b"tail")[0] == big
 
 
 def test_nan_and_infinite_bindings_survive() -> None:

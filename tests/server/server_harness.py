@@ -60,11 +60,17 @@ class RawClient:
         frames = split_frames(await self.link.recv())
         kind, plain = self.channel.open(frames[0])
         assert kind is MESSAGE
-        reply = m.decode_reply(plain)
+        reply, start = m.decode_reply_prefix(plain)
+        m.check_reply_tail(reply, len(plain) - start)
         arrays: list[np.ndarray] = []
         rest = list(frames[1:])
         for msg in reply.messages:
-            if type(msg) is m.Result:
+            if type(msg) is m.Result and msg.inline:  # its bytes follow the reply in the same frame
+                out = np.empty(msg.shape, msg.dtype)
+                out.data.cast("B")[:] = plain[start : start + msg.nbytes]
+                start += msg.nbytes
+                arrays.append(out)
+            elif type(msg) is m.Result:
                 out = np.empty(msg.shape, msg.dtype)
                 view = out.data.cast("B")
                 done = 0

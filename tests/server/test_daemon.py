@@ -120,3 +120,15 @@ def test_the_ticket_file_is_replaced_whole(tmp_path: Path) -> None:
     write_ticket(path, "emberlink://x")
     assert path.read_text() == "emberlink://x\n"
     assert [p.name for p in tmp_path.iterdir()] == ["ticket"]
+
+
+def test_the_default_cache_budget_grows_by_an_eighth_of_a_devices_free_memory() -> None:
+    from emberlink.graph_replay.numpy_backend import NumpyBackend
+    from emberlink.server.worker import DEFAULT_GRAPH_CACHE_BYTES, default_graph_cache_bytes
+
+    class Gpu(NumpyBackend):
+        def free_bytes(self) -> int:
+            return 80 << 30
+
+    assert default_graph_cache_bytes(NumpyBackend()) == DEFAULT_GRAPH_CACHE_BYTES  # host memory: plans only
+    assert default_graph_cache_bytes(Gpu()) == DEFAULT_GRAPH_CACHE_BYTES + (10 << 30)  # captures too

@@ -330,7 +330,7 @@ def test_large_transfers_show_a_progress_bar_on_a_terminal(
     terminal = Terminal()
     monkeypatch.setattr(session, "PROGRESS_BYTES", 1 << 16)
     monkeypatch.setattr("sys.stderr", terminal)
-    a = np.arange(1 << 16, dtype=np.float32)  # 256 KiB each way
+    a = np.arange(1 << 19, dtype=np.float32)  # 2 MiB each way: more than one chunk, so not inline
     with memory_device(worker) as dev:
         np.testing.assert_array_equal(dev.tensor(a).numpy(), a)
     assert "upload" in terminal.getvalue() and "download" in terminal.getvalue()

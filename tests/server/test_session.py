@@ -57,8 +57,28 @@ def test_one_batch_uploads_executes_and_reads(worker: InProcessWorker) -> None:
 
     reply, arrays = run(worker, go())
     assert reply.ack == 1
-    assert reply.messages == (m.Result(1, "float32", (3,), 12),)
+    assert reply.messages == (m.Result(1, "float32", (3,), 12, inline=True),)  # in the reply's own frame
     np.testing.assert_array_equal(arrays[0], X * 2)
+
+
+def test_results_that_fit_in_a_chunk_travel_in_the_reply_frame_and_larger_ones_in_bulk_frames(
+    worker: InProcessWorker,
+) -> None:
+    big = np.arange(worker.worker.chunk_size // 4 + 1, dtype=np.float32)  # one chunk and 4 bytes
+
+    async def go() -> tuple[m.Reply, list[np.ndarray]]:
+        c = await RawClient.connect(worker)
+        await c.send(1, [upload(1, X), upload(2, big)], [X, big])
+        await c.reply()
+        await c.send(2, [m.Read(1, 1), m.Read(2, 2), m.Read(3, 1)])
+        out = await c.reply()
+        await c.close()
+        return out
+
+    reply, arrays = run(worker, go())
+    assert [type(msg) is m.Result and msg.inline for msg in reply.messages] == [True, False, True]
+    for got, want in zip(arrays, [X, big, X], strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_forged_register_is_refused_and_ends_only_that_session(worker: InProcessWorker) -> None:
@@ -153,7 +173,7 @@ def test_unknown_graph_applies_nothing_of_its_batch_and_discards_later_batches(
 
     first, second, arrays = run(worker, go())
     assert first == [m.GraphUnknown(1, gid)]
-    assert second == [m.Result(1, "float32", (3,), 12), m.Result(2, "float32", (3,), 12)]
+    assert second == [m.Result(1, "float32", (3,), 12, True), m.Result(2, "float32", (3,), 12, True)]
     np.testing.assert_array_equal(arrays[0], X * 2)
     np.testing.assert_array_equal(arrays[1], X)
 
@@ -230,7 +250,7 @@ def test_another_clients_registrations_never_evict_my_graphs(make_worker) -> Non
         return got
 
     (result,) = run(worker, go())
-    assert result == m.Result(2, "float32", (3,), 12)  # not GraphUnknown: a's graph is still cached
+    assert result == m.Result(2, "float32", (3,), 12, True)  # not GraphUnknown: a's graph is still cached
 
 
 def test_execution_error_poisons_only_its_outputs_and_the_session_lives(worker: InProcessWorker) -> None:

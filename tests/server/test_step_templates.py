@@ -215,7 +215,7 @@ def test_repeat_applies_the_previous_batch_shifted(worker: InProcessWorker) -> N
 
     reply, (array,) = run(worker, go())
     (result,) = reply.messages
-    assert result == m.Result(11, "float32", (4,), 16)
+    assert result == m.Result(11, "float32", (4,), 16, True)
     np.testing.assert_array_equal(array, x + 1)
 
 

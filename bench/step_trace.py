@@ -1,0 +1,260 @@
+"""Where a remote jitted step's time goes: timestamps on both sides of one step, by stage.
+
+    python bench/step_trace.py [--device cuda:0] [--steps 300]
+
+The small MLP step of bench/gpu_step.py, jitted, against an `emberlink worker` process on
+127.0.0.1 (host batches, then resident data). The bench wraps methods of the client (in this
+process) and of the worker (its process starts with the same wrappers installed) to record
+`time.perf_counter_ns()` (CLOCK_MONOTONIC, shared by both processes) as each step passes, then
+prints the median of each stage over the steps, in the order a step goes through them. The
+wrappers cost a few microseconds each; the total is printed beside the untraced step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import functools
+import itertools
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+EVENTS: list[tuple[str, int]] = []
+OUT_ENV = "STEP_TRACE_OUT"
+
+
+def mark(tag: str) -> None:
+    EVENTS.append((tag, time.perf_counter_ns()))  # list.append is atomic: any thread may mark
+
+
+def wrap(cls: Any, name: str, before: str | None, after: str | None = None) -> None:
+    fn = getattr(cls, name)
+    if asyncio.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def traced_async(*args: Any, **kwargs: Any) -> Any:
+            if before:
+                mark(before)
+            out = await fn(*args, **kwargs)
+            if after:
+                mark(after)
+            return out
+
+        setattr(cls, name, traced_async)
+        return
+
+    @functools.wraps(fn)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        if before:
+            mark(before)
+        out = fn(*args, **kwargs)
+        if after:
+            mark(after)
+        return out
+
+    setattr(cls, name, traced)
+
+
+def install(side: str) -> None:
+    """Wrap the methods a step passes through on one side ("client" or "worker")."""
+    from emberlink.transport import grpc as g
+
+    if side == "client":
+        from emberlink.client.remote import RemoteExecutor
+        from emberlink.client.session import ClientSession
+
+        wrap(RemoteExecutor, "_flush", "c.flush")
+        wrap(ClientSession, "submit", "c.submit")
+        wrap(g.GrpcClientLink, "send", "c.write", "c.written")
+        wrap(g.GrpcClientLink, "recv", None, "c.recv")
+        wrap(ClientSession, "_resolve", "c.resolve")
+        return
+    from emberlink.graph_replay.cupy_backend import CupyBackend
+    from emberlink.graph_replay.numpy_backend import NumpyBackend
+    from emberlink.server.runner import BatchRunner
+    from emberlink.server.session import Session
+
+    wrap(g.GrpcServerLink, "recv", None, "w.recv")
+    wrap(Session, "_submit", "w.submit")
+    wrap(BatchRunner, "apply", "w.apply", "w.applied")
+    wrap(BatchRunner, "_execute", "w.execute", "w.executed")
+    for backend in (CupyBackend, NumpyBackend):
+        wrap(backend, "to_numpy", "w.read", "w.readed")
+    wrap(Session, "_post", "w.post")
+    wrap(g.GrpcServerLink, "send", "w.write", "w.written")
+    out = os.environ[OUT_ENV]
+    atexit.register(lambda: np.save(out, np.array([(t, n) for t, n in EVENTS], dtype=object)))
+
+
+STAGES = [
+    ("client: step until the batch is handed over (jit replay, recording, flush)", "c.step", "c.flush"),
+    ("client: hand-off to the I/O thread", "c.flush", "c.submit"),
+    ("client: encode, seal, pack", "c.submit", "c.write"),
+    ("client: grpc write returns", "c.write", "c.written"),
+    ("gRPC to the worker (from the start of the write)", "c.write", "w.recv"),
+    ("worker: open, decode, expand, uploads", "w.recv", "w.submit"),
+    ("worker: to the batch being applied (inline: 0; else the device thread)", "w.submit", "w.apply"),
+    ("worker: apply the batch", "w.apply", "w.applied"),
+    ("  of which Executes (stage, copy, launch)", "w.execute", "w.executed"),
+    ("  of which the Read (wait for the GPU, copy back)", "w.read", "w.readed"),
+    ("worker: to the reply being queued", "w.applied", "w.post"),
+    ("worker: reply queued to grpc write (wake the sender, seal)", "w.post", "w.write"),
+    ("worker: grpc write returns", "w.write", "w.written"),
+    ("gRPC to the client (from the start of the write)", "w.write", "c.recv"),
+    ("client: open, decode, resolve the read", "c.recv", "c.resolve"),
+    ("client: the user's thread wakes with the loss", "c.resolve", "c.done"),
+    ("the whole step, traced", "c.step", "c.done"),
+]
+
+
+def durations(events: list[tuple[str, int]], warm: int) -> dict[str, list[float]]:
+    """Per step (between consecutive c.step marks): each stage's µs; summed where a stage happens
+    several times in a step (two Executes)."""
+    events = sorted(events, key=lambda e: e[1])
+    starts = [i for i, (t, _) in enumerate(events) if t == "c.step"]
+    out: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
+    for a, b in itertools.pairwise(starts[warm:]):
+        window = events[a:b]
+        first: dict[str, int] = {}
+        for t, n in window:
+            first.setdefault(t, n)
+        for name, begin, end in STAGES:
+            if begin in ("w.execute", "w.read"):
+                total = 0
+                opened = None
+                for t, n in window:
+                    if t == begin:
+                        opened = n
+                    elif t == end and opened is not None:
+                        total += n - opened
+                        opened = None
+                out[name].append(total / 1e3)
+            elif begin in first and end in first:
+                out[name].append((first[end] - first[begin]) / 1e3)
+    return out
+
+
+@contextmanager
+def traced_worker(key: Path, device: str, out: Path) -> Iterator[str]:
+    from emberlink.protocol.identity import Identity
+
+    client = Identity.load(key)
+    with tempfile.TemporaryDirectory() as tmp:
+        wkey = Path(tmp) / "worker.key"
+        Identity.generate(os.urandom).save(wkey)
+        allow = Path(tmp) / "allow"
+        allow.write_text(client.node_id + "\n")
+        argv = [
+            "worker",
+            "--listen",
+            "127.0.0.1:0",
+            "--key",
+            str(wkey),
+            "--allow",
+            str(allow),
+            "--device",
+            device,
+        ]
+        code = (
+            f"import sys; sys.path.insert(0, {str(HERE)!r}); import step_trace; step_trace.install('worker'); "
+            f"from emberlink.cli import main; raise SystemExit(main({argv!r}))"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, OUT_ENV: str(out)},
+        )
+        try:
+            assert proc.stdout is not None
+            ticket = proc.stdout.readline().strip()
+            if not ticket.startswith("emberlink://"):
+                raise SystemExit(f"the worker did not start (exit {proc.wait(30)})")
+            yield ticket
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    sys.path.insert(0, str(HERE))
+    import gpu_step
+
+    import emberlink as el
+    from emberlink.protocol.identity import Identity
+
+    model = gpu_step.SMALL
+    data = gpu_step.batches(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        key = Path(tmp) / "client.key"
+        Identity.generate(os.urandom).save(key)
+        for resident in (False, True):
+            out = Path(tmp) / f"worker{int(resident)}.npy"
+            with (
+                traced_worker(key, args.device, out) as ticket,
+                el.Device.remote(ticket, key=str(key)) as dev,
+            ):
+                step = gpu_step.ember_step(dev, model, data, jit=True, resident=resident, lazy=False)
+                for i in range(30):
+                    step(i % gpu_step.N_BATCHES)
+                t0 = time.perf_counter()
+                for i in range(args.steps):
+                    step(i % gpu_step.N_BATCHES)
+                plain = (time.perf_counter() - t0) / args.steps * 1e6
+                install("client")
+                EVENTS.clear()
+                for i in range(args.steps):
+                    mark("c.step")
+                    step(i % gpu_step.N_BATCHES)
+                    mark("c.done")
+                mark("c.step")
+                client_events = list(EVENTS)
+                uninstall_client()
+            worker_events = [(str(t), int(n)) for t, n in np.load(out, allow_pickle=True)]
+            stages = durations(client_events + worker_events, warm=10)
+            kind = "resident data" if resident else "host batches"
+            print(f"\n| small MLP, Device.remote jit, {kind}: stage | median µs |")
+            print("|---|---:|")
+            for name, _, _ in STAGES:
+                values = stages[name]
+                print(f"| {name} | {statistics.median(values):.0f} |" if values else f"| {name} | - |")
+            print(f"| the whole step, untraced | {plain:.0f} |")
+
+
+_ORIGINALS: dict[tuple[Any, str], Any] = {}
+
+
+def uninstall_client() -> None:
+    from emberlink.client.remote import RemoteExecutor
+    from emberlink.client.session import ClientSession
+    from emberlink.transport import grpc as g
+
+    for cls, name in [
+        (RemoteExecutor, "_flush"),
+        (ClientSession, "submit"),
+        (g.GrpcClientLink, "send"),
+        (g.GrpcClientLink, "recv"),
+        (ClientSession, "_resolve"),
+    ]:
+        fn = getattr(cls, name)
+        setattr(cls, name, getattr(fn, "__wrapped__", fn))
+
+
+if __name__ == "__main__":
+    main()

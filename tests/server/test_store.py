@@ -1,0 +1,23 @@
+"""The tensor store's quota accounting: what a session holds is what its quota (and the worker's) says."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from emberlink.errors import ErrorCode
+from emberlink.server.store import Failure, Quota, TensorStore
+
+
+def test_storing_many_results_charges_their_bytes_net_of_replaced_values_and_the_reservation() -> None:
+    worker = Quota(None)
+    store = TensorStore(Quota(1000, parent=worker))
+    store.put(1, np.zeros(10, np.uint8), 10, charged=False)
+    store.poison(3, Failure(ErrorCode.EXECUTION, "old failure"))
+    assert store.quota.reserve(60)  # an Execute's outputs, reserved before it ran
+    store.put_many([1, 2, 3], [np.zeros(n, np.uint8) for n in (20, 30, 10)], [20, 30, 10], reserved=60)
+    assert store.quota.used == worker.used == 60  # 10 (replaced) + 60 reserved - 10 freed
+    assert store.get(3).nbytes == 10  # the stored value replaced the failure
+    store.drop_many([1, 3, 99])  # an unknown id is ignored
+    assert store.quota.used == worker.used == 30 and len(store) == 1
+    store.clear()
+    assert store.quota.used == worker.used == 0 and store.quota.peak == worker.peak == 70
