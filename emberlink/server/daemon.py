@@ -21,6 +21,7 @@ from emberlink.errors import ConfigError, DeviceError, EmberlinkError
 from emberlink.graph_replay.backends import parse_device
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.ticket import Ticket
+from emberlink.server.detached import DEFAULT_RESUME_WINDOW
 from emberlink.server.worker import DEFAULT_GRAPH_CACHE_BYTES, Worker
 from emberlink.transport.grpc import GrpcListener
 from emberlink.transport.malloc import tune_malloc
@@ -42,6 +43,7 @@ class WorkerConfig:
     ticket_file: Path | None
     max_session_bytes: int | None
     graph_cache_bytes: int
+    resume_window: float = DEFAULT_RESUME_WINDOW
 
 
 def parse_host_port(text: str, what: str) -> tuple[str, int]:
@@ -65,6 +67,9 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         raise ConfigError(f"--relay must be nats://HOST:PORT, got {args.relay!r}")
     if args.max_session_bytes is not None and args.max_session_bytes <= 0:
         raise ConfigError("--max-session-bytes must be positive")
+    resume_window = DEFAULT_RESUME_WINDOW if args.resume_window is None else args.resume_window
+    if not 0 <= resume_window <= 86400:
+        raise ConfigError(f"--resume-window must be 0..86400 seconds, got {resume_window:g}")
     return WorkerConfig(
         identity=identity,
         allow=allow,
@@ -78,6 +83,7 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         graph_cache_bytes=args.graph_cache_bytes
         if args.graph_cache_bytes is not None
         else DEFAULT_GRAPH_CACHE_BYTES,
+        resume_window=resume_window,
     )
 
 
@@ -128,6 +134,7 @@ async def serve(config: WorkerConfig) -> int:
         device=config.device,
         max_session_bytes=config.max_session_bytes,
         graph_cache_bytes=config.graph_cache_bytes,
+        resume_window=config.resume_window,
     )
     listeners: list[Any] = []
     try:
