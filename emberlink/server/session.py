@@ -226,8 +226,16 @@ class Session:
                 pass
         sender.cancel()
         if self._link_lost:
+            self._discard_partial()
             await self._let_go()
         return reason
+
+    def _discard_partial(self) -> None:
+        """Forget a batch whose bulk bytes were still arriving: the client sends it again on a new link."""
+        incoming, self._incoming = self._incoming, None
+        if incoming is not None and incoming.reserved:
+            self.inflight.release(incoming.reserved)
+        self._targets.clear()
 
     async def _let_go(self) -> None:
         """Close the current link and free whatever carried it."""
@@ -261,10 +269,6 @@ class Session:
                 pass
             await self._let_go()
             return False
-        incoming, self._incoming = self._incoming, None
-        if incoming is not None and incoming.reserved:
-            self.inflight.release(incoming.reserved)  # a batch cut short: the client sends it again
-        self._targets.clear()
         self._template = None  # the first batch on the new link has no previous one to repeat
         self._forget_replies(attach.received)
         while not self._outbox.empty():  # every Outgoing still queued is in _retained

@@ -88,9 +88,7 @@ worker_messages = st.one_of(
     st.builds(Error, ids, st.text(min_size=1, max_size=20), text),
     st.builds(GraphUnknown, rids, gids),
 )
-batches = st.builds(
-    Batch, rids, st.lists(client_messages, max_size=6).map(tuple), st.one_of(st.just(0), ids)
-)
+batches = st.builds(Batch, rids, st.lists(client_messages, max_size=6).map(tuple), st.one_of(st.just(0), ids))
 replies = st.builds(Reply, ids, st.lists(worker_messages, max_size=6).map(tuple))
 
 
