@@ -43,6 +43,9 @@ RETRY_S = 0.1
 """The pause after every attempt in flight failed."""
 HANDSHAKE_TIMEOUT_S = 5.0
 """How long a new link may take to answer the Hello."""
+DIRECT_HEAD_START_S = 0.2
+"""When resuming, the direct path's head start over the relay (client/paths.py): shorter than when
+connecting, since the path that just failed may be the direct one."""
 _MAX_CANDIDATES = 3
 
 Connect = Callable[[float], Coroutine[Any, Any, tuple[str, Link]]]
@@ -203,6 +206,7 @@ class Resumer:
 
 __all__ = [
     "DEFAULT_RESUME_WINDOW",
+    "DIRECT_HEAD_START_S",
     "RESUME_WINDOW_ENV",
     "Connect",
     "Resumed",

@@ -24,7 +24,7 @@ import numpy as np
 
 from emberlink.client import paths
 from emberlink.client.executor import Call
-from emberlink.client.reconnect import Connect, Resumer, resume_window_setting
+from emberlink.client.reconnect import DIRECT_HEAD_START_S, Connect, Resumer, resume_window_setting
 from emberlink.client.session import ClientSession, Counters, Flow
 from emberlink.errors import (
     AuthError,
@@ -91,7 +91,7 @@ def connect_ticket(
     `resume_window` seconds (default $EMBERLINK_RESUME_WINDOW, else 30; at most the worker's)."""
 
     async def reconnect(within: float) -> tuple[str, Link]:
-        return await paths.open_link(ticket, timeout=within)
+        return await paths.open_link(ticket, timeout=within, head_start=DIRECT_HEAD_START_S)
 
     window = resume_window_setting(resume_window)
     loop_thread = io_loop()

@@ -298,12 +298,15 @@ class Session:
         """Keep a reply until the client confirms it (a later batch's `received`)."""
         if any(type(msg) is not m.GraphUnknown for msg in out.messages):
             self._retained.append(out)
-            self.retained.charge(sum(b.nbytes for b in out.bulks))
+            if out.bulks:
+                self.retained.charge(sum(b.nbytes for b in out.bulks))
 
     def _forget_replies(self, received: int) -> None:
         retained = self._retained
         while retained and retained[0].ack <= received:
-            self.retained.release(sum(b.nbytes for b in retained.popleft().bulks))
+            bulks = retained.popleft().bulks
+            if bulks:
+                self.retained.release(sum(b.nbytes for b in bulks))
 
     @property
     def id(self) -> str:
