@@ -53,6 +53,7 @@ class Run:
     stats: dict[str, object]
     ends: list[float]  # when each step's loss arrived (time.monotonic)
     fault: tuple[float, float]
+    started_on: str  # the path the session opened on
 
     def added(self) -> float:
         """Seconds the fault stalled training beyond its own length and one ordinary step."""
@@ -93,7 +94,7 @@ def train_through(
                 return line
 
     try:
-        until("connected", 30)
+        started_on = until("connected", 30).split()[1]
         until(f"step {FAULT_AT} ", 60)
         window = fault()
         losses = json.loads(until("losses", 120).partition(" ")[2])
@@ -101,7 +102,7 @@ def train_through(
         assert client.wait(30) == 0
     finally:
         client.close()
-    return Run(losses, stats, ends, window)
+    return Run(losses, stats, ends, window, started_on)
 
 
 def timed(action: Callable[[], None], seconds: float, undo: Callable[[], None]) -> tuple[float, float]:
@@ -254,7 +255,50 @@ def test_training_moves_from_the_direct_path_to_the_relay_with_the_same_losses(
             nats.wait(10)
     chaos_report(run.describe("direct path blocked for good (direct -> relay)"))
     assert run.losses == expected
+    assert run.started_on == "grpc"
     assert run.stats["path"] == "relay" and int(str(run.stats["resumes"])) >= 1
+
+
+@pytest.mark.slow
+@needs_iptables
+def test_training_moves_from_the_relay_back_to_the_direct_path_with_the_same_losses(
+    tmp_path, expected, chaos_report
+) -> None:
+    _, worker_key = new_key(tmp_path, "worker")
+    _, client_key = new_key(tmp_path, "client")
+    with namespace_with_veth() as ns:
+        nats, port = nats_server_on(ns.root_addr, tmp_path)
+        url = f"nats://{ns.root_addr}:{port}"
+        try:
+            worker, ticket = worker_process(
+                tmp_path,
+                "worker",
+                *("--listen", f"{ns.root_addr}:0", "--allow-any", "--relay", url),
+                key=worker_key,
+            )
+            try:
+                (_, direct_port), *_ = ticket.addrs
+                block = ("OUTPUT", "-p", "tcp", "--dport", str(direct_port), "-j", "REJECT")
+                ns.iptables("-A", *block)  # the client starts on the relay
+
+                def relay_dies_direct_opens() -> tuple[float, float]:
+                    ns.iptables("-D", *block)
+                    now = time.monotonic()
+                    nats.kill()
+                    return now, now
+
+                run = train_through(
+                    tmp_path, str(ticket), client_key, relay_dies_direct_opens, prefix=ns.prefix
+                )
+            finally:
+                worker.close()
+        finally:
+            nats.kill()
+            nats.wait(10)
+    chaos_report(run.describe("relay killed, direct path open again (relay -> direct)"))
+    assert run.losses == expected
+    assert run.started_on == "relay"
+    assert run.stats["path"] == "grpc" and int(str(run.stats["resumes"])) >= 1
 
 
 CLIENTS = 64

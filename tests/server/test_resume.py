@@ -165,6 +165,7 @@ def test_training_goes_on_through_dropped_links_with_the_same_losses(worker: InP
     with el.Device.cpu() as cpu:
         expected = mlp_losses(cpu, 8)
     tapped = Tapped(worker)
+
     def cut_three_times() -> None:
         for _ in range(3):
             time.sleep(0.02)
@@ -410,3 +411,21 @@ def test_a_closed_device_leaves_nothing_waiting_for_a_resume(worker: InProcessWo
     while worker.worker.sessions and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not worker.worker.sessions and len(worker.worker.resumes) == 0
+
+
+def test_draining_the_worker_ends_a_detached_session_at_once(worker: InProcessWorker) -> None:
+    tapped = Tapped(worker, window=1)  # the drained worker stops listening: the client gives up after 1 s
+    tapped.dev.tensor(np.ones(1 << 16, np.float32)).numpy()
+    tapped.gate = threading.Event()
+    tapped.cut()
+    deadline = time.monotonic() + 10
+    while open_session(worker).state is not State.DETACHED and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    worker.drain(10)
+    assert time.monotonic() - started < 5  # not the 30 s window
+    assert not worker.worker.sessions and worker.worker.held.used == 0
+    tapped.gate.set()
+    with pytest.raises(WorkerLost):
+        tapped.dev.sync()
+    tapped.dev.close()
