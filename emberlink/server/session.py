@@ -43,7 +43,7 @@ from emberlink.protocol.handshake import WorkerHandshake
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.limits import MAX_UNACKED_BYTES
 from emberlink.protocol.resume import is_token
-from emberlink.server.detached import Attach, Resumable, ResumeRegistry
+from emberlink.server.detached import Attach, ReplyLog, Resumable, ResumeRegistry
 from emberlink.server.device import DeviceThread
 from emberlink.server.graphs import GraphView
 from emberlink.server.runner import BatchRunner, Incoming, Outgoing
@@ -134,8 +134,7 @@ class Session:
         self._first_id: str | None = None
         self._link_lost = False
         self._attach: Attach | None = None
-        self._retained: deque[Outgoing] = deque()
-        self.retained = Quota(None, parent=worker.held)
+        self._replies = ReplyLog(worker.held)
 
     # -- life cycle ----------------------------------------------------------------------------------
 
@@ -270,8 +269,8 @@ class Session:
             await self._let_go()
             return False
         self._template = None  # the first batch on the new link has no previous one to repeat
-        self._forget_replies(attach.received)
-        while not self._outbox.empty():  # every Outgoing still queued is in _retained
+        self._replies.confirm(attach.received)
+        while not self._outbox.empty():  # every Outgoing still queued is in the reply log
             self._outbox.get_nowait()
         confirm = m.Reply(self._runner.applied, ())
         try:
@@ -282,7 +281,7 @@ class Session:
             await self._let_go()
             return False
         self.bytes_out += len(blob)
-        for out in self._retained:
+        for out in self._replies:
             self._outbox.put_nowait(out)
         log.info(
             "session %s: client %s resumed from %s at batch %d, %d replies sent again",
@@ -290,23 +289,9 @@ class Session:
             self.client,
             self.peer,
             self._runner.applied,
-            len(self._retained),
+            len(self._replies),
         )
         return True
-
-    def _retain(self, out: Outgoing) -> None:
-        """Keep a reply until the client confirms it (a later batch's `received`)."""
-        if any(type(msg) is not m.GraphUnknown for msg in out.messages):
-            self._retained.append(out)
-            if out.bulks:
-                self.retained.charge(sum(b.nbytes for b in out.bulks))
-
-    def _forget_replies(self, received: int) -> None:
-        retained = self._retained
-        while retained and retained[0].ack <= received:
-            bulks = retained.popleft().bulks
-            if bulks:
-                self.retained.release(sum(b.nbytes for b in bulks))
 
     @property
     def id(self) -> str:
@@ -347,7 +332,7 @@ class Session:
         if self._attach is not None:
             self._attach.release()  # the link's own handler closes it when it returns
             self._attach = None
-        self._forget_replies(1 << 63)
+        self._replies.clear()
         incoming, self._incoming = self._incoming, None
         if incoming is not None and incoming.reserved:
             self.inflight.release(incoming.reserved)
@@ -425,7 +410,7 @@ class Session:
         m.check_tail(batch, len(plaintext) - start)
         self._template = batch.messages
         if batch.received:
-            self._forget_replies(batch.received)
+            self._replies.confirm(batch.received)
         held = self.inflight.used
         if held and held + sum(u.nbytes for u in batch.messages if type(u) is m.Upload) > MAX_UNACKED_BYTES:
             raise ProtocolError(
@@ -544,8 +529,8 @@ class Session:
         self._end("refused", m.Error(0, ErrorCode.REFUSED, str(error)))
 
     def _post(self, out: Outgoing) -> None:
-        self._retain(out)
-        if self.state is not State.DETACHED:  # detached: it goes out from _retained on the next link
+        self._replies.keep(out)
+        if self.state is not State.DETACHED:  # detached: it goes out from the reply log on the next link
             self._outbox.put_nowait(out)
         if out.close is not None:
             self._end(f"closed by the client: {out.close}")
