@@ -6,7 +6,11 @@ NumPy and BLAS, and their losses are checked to agree. The emberlink time includ
 user pays: copying the batch in, recording forward, backward and update, the flush (memoized
 graph lookup), the plan run and reading the loss. Goal: at most 1.25x the hand-written step.
 
-    .venv/bin/python bench/local_step.py [--steps 300] [--profile]
+The jit row runs the same step compiled with `emberlink.jit` (traced once, then replayed: no
+recording, no segment, one plan run per step), fed the same batches; its losses must equal the
+eager emberlink losses exactly. Goal: at most 1.05x the hand-written step.
+
+    .venv/bin/python bench/local_step.py [--steps 300] [--quick] [--profile [eager|jit]]
 """
 
 from __future__ import annotations
@@ -85,6 +89,27 @@ class EmberlinkMLP:
         return float(loss)
 
 
+class JitMLP(EmberlinkMLP):
+    """The same model, its step compiled with `emberlink.jit` (the batch goes in as tensors)."""
+
+    def __init__(self, dev: el.Device, seed: int = 0) -> None:
+        super().__init__(dev, seed)
+
+        @el.jit
+        def train(x: el.Tensor, y: el.Tensor) -> el.Tensor:
+            loss = el.nn.functional.cross_entropy(self.model(x), y)
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            return loss
+
+        self.train = train
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        dev = self.dev
+        return float(self.train(dev.tensor(x), dev.tensor(y)))
+
+
 def _batches(count: int) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(1)
     return [
@@ -118,7 +143,10 @@ def _blas() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="timed steps per side")
-    parser.add_argument("--profile", action="store_true", help="cProfile the emberlink side")
+    parser.add_argument("--quick", action="store_true", help="60 steps a side")
+    parser.add_argument(
+        "--profile", nargs="?", const="eager", choices=("eager", "jit"), help="cProfile one emberlink side"
+    )
     parser.add_argument("--blas-threads", type=int, default=0, help="limit BLAS threads (0: its default)")
     args = parser.parse_args()
     if args.blas_threads:
@@ -126,38 +154,48 @@ def main() -> None:
 
         threadpool_limits(args.blas_threads)
 
+    if args.quick:
+        args.steps = 60
     batches = _batches(8)
     dev = el.Device.cpu()
     ours = EmberlinkMLP(dev)
+    jitted = JitMLP(dev)
     hand = NumpyMLP(ours.params())
 
-    # Same start, same batches: the two must compute the same losses (float32 rounding aside).
-    check = [(ours.step(x, y), hand.step(x, y)) for x, y in batches[:5]]
-    worst = max(abs(a - b) for a, b in check)
+    # Same start, same batches: the sides must compute the same losses (float32 rounding aside
+    # against NumPy; exactly between eager and jit, which run the same graph).
+    check = [(ours.step(x, y), hand.step(x, y), jitted.step(x, y)) for x, y in batches[:5]]
+    worst = max(abs(a - b) for a, b, _ in check)
     if worst > 1e-4:
-        raise SystemExit(f"the two sides disagree: losses {check}")
+        raise SystemExit(f"emberlink and NumPy disagree: losses {check}")
+    if any(a != c for a, _, c in check):
+        raise SystemExit(f"eager and jit disagree: losses {check}")
 
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
-        _time(ours.step, batches, args.steps, [])
+        _time((ours if args.profile == "eager" else jitted).step, batches, args.steps, [])
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return
 
     t_hand: list[float] = []
     t_ours: list[float] = []
+    t_jit: list[float] = []
     block = 10  # sides alternate every few steps: warm caches, yet load on the machine hits both
     for _ in range(max(1, args.steps // block)):
         _time(hand.step, batches, block, t_hand)
         _time(ours.step, batches, block, t_ours)
+        _time(jitted.step, batches, block, t_jit)
     pair = statistics.median(o / h for o, h in zip(t_ours, t_hand, strict=True))
+    pair_jit = statistics.median(o / h for o, h in zip(t_jit, t_hand, strict=True))
 
     def row(name: str, ts: list[float]) -> str:
         q = statistics.quantiles(ts, n=10)
         return f"{name:<28}{statistics.median(ts) * 1e3:>10.3f}{q[0] * 1e3:>10.3f}{q[-1] * 1e3:>10.3f}"
 
     ratio = statistics.median(t_ours) / statistics.median(t_hand)
+    ratio_jit = statistics.median(t_jit) / statistics.median(t_hand)
     stats = dev.stats()
     print(
         f"MLP training step: batch {BATCH}, {'-'.join(map(str, SIZES))}, float32, "
@@ -167,12 +205,17 @@ def main() -> None:
     print(f"{'':<28}{'median ms':>10}{'p10 ms':>10}{'p90 ms':>10}")
     print(row("NumPy by hand", t_hand))
     print(row("emberlink Device.cpu()", t_ours))
+    print(row("emberlink Device.cpu() jit", t_jit))
     print(
         f"{'ratio (emberlink / NumPy)':<28}{ratio:>10.3f}   goal <= 1.25 (median of paired steps: {pair:.3f})"
     )
     print(
-        f"losses agree within {worst:.1e}; graphs built {stats['graphs_built']}, "
-        f"memo hits {stats['graph_memo_hits']}, plan replays {stats['graph_replays']}"
+        f"{'ratio (jit / NumPy)':<28}{ratio_jit:>10.3f}   goal <= 1.05 (median of paired steps: {pair_jit:.3f})"
+    )
+    print(
+        f"losses agree within {worst:.1e} (jit = eager exactly); graphs built {stats['graphs_built']}, "
+        f"memo hits {stats['graph_memo_hits']}, plan replays {stats['graph_replays']}, "
+        f"jit replays {stats['jit_replays']}"
     )
     dev.close()
 

@@ -29,9 +29,10 @@ import numpy as np
 import emberlink as el
 from emberlink.protocol.identity import Identity
 from emberlink.protocol.ticket import Ticket
+from emberlink.transport.fragment import TAGGED_HEADER
 
 MiB = 1 << 20
-FRAGMENT_HEADER = 5  # transport/fragment.py's header: the bare chunks leave the same room
+FRAGMENT_HEADER = TAGGED_HEADER.size  # a session's relayed messages carry it: bare chunks leave that room
 
 
 def start_nats(folder: Path, max_payload: int | None) -> tuple[subprocess.Popen[bytes], str]:

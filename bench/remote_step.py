@@ -7,8 +7,12 @@ Rows, each a median over interleaved repeats so machine noise hits both sides al
   bidirectional-stream ping-pong of 64 bytes (bench/bare.py), twice: client and server in this
   process on one event loop (the old floor), and the server in its own process (the topology of an
   `emberlink worker`: two processes, each with its own loop and gRPC poller). Goal: at most 1.5x.
+- jitted tiny step: the same step compiled with `emberlink.jit` (a replay: no recording, no
+  segment, one Execute sent as a Repeat of the step before), against the same bare ping-pong with
+  its server in another process. Goal: at most 1.5x.
 - MLP training step: batch 128, 784-512-512-10, SGD (bench/local_step.py's model), remote against
-  the same step on Device.cpu().
+  the same step on Device.cpu(); and the same step jitted (bench/local_step.py's JitMLP), remote
+  against jitted on Device.cpu().
 - 64 MiB upload (`dev.tensor(a)` then `sync()`) and download (`t.numpy()`), against bare
   grpc.aio streaming of the same bytes in 1 MiB messages, the server in this process and in
   another one. Goal: at least 0.7x the bare rate.
@@ -101,6 +105,16 @@ def tiny_step(dev: el.Device) -> Callable[[], float]:
     return step
 
 
+def jit_tiny_step(dev: el.Device) -> Callable[[], float]:
+    x = np.arange(16, dtype=np.float32)
+    total = el.jit(lambda t: t.sum())
+
+    def step() -> float:
+        return float(total(dev.tensor(x)))
+
+    return step
+
+
 def transfer_gbps(dev: el.Device, total: int) -> tuple[float, float]:
     a = np.random.default_rng(0).standard_normal(total // 4).astype(np.float32)
     t0 = time.perf_counter()
@@ -114,13 +128,25 @@ def transfer_gbps(dev: el.Device, total: int) -> tuple[float, float]:
     return up, down
 
 
-def mlp_ms(dev: el.Device, steps: int) -> float:
-    model = local_step.EmberlinkMLP(dev)
+def mlp_ms(cpu: el.Device, dev: el.Device, dev_jit: el.Device, steps: int) -> dict[str, float]:
+    """Median ms of the MLP step, eager and jitted, on Device.cpu() and remote (eager and jit each
+    in its own session, so each step can go as a Repeat of its own previous one); the four sides
+    take turns every few steps, so the machine's load hits them alike."""
+    sides = {
+        "mlp_cpu": local_step.EmberlinkMLP(cpu),
+        "mlp": local_step.EmberlinkMLP(dev),
+        "mlp_jit_cpu": local_step.JitMLP(cpu),
+        "mlp_jit": local_step.JitMLP(dev_jit),
+    }
     batches = local_step._batches(4)
-    times: list[float] = []
-    local_step._time(model.step, batches, 5, [])  # warm-up: graphs built and registered
-    local_step._time(model.step, batches, steps, times)
-    return statistics.median(times) * 1e3
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for model in sides.values():  # warm-up: graphs built and registered, jit traced
+        local_step._time(model.step, batches, 5, [])
+    block = 5
+    for _ in range(max(1, steps // block)):
+        for k, model in sides.items():
+            local_step._time(model.step, batches, block, times[k])
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 # -- what bounds the tiny step ------------------------------------------------------------------------
@@ -153,6 +179,7 @@ def main() -> None:
         client.save(key)
         with (worker_process if args.worker == "process" else worker_thread)(client) as ticket:
             dev = el.Device.remote(ticket, key=str(key))
+            dev_jit = el.Device.remote(ticket, key=str(key))
             cpu = el.Device.cpu()
             rows: dict[str, list[float]] = {
                 k: []
@@ -163,8 +190,11 @@ def main() -> None:
                     "floor_proto",
                     "floor_both",
                     "tiny",
+                    "tiny_jit",
                     "mlp_cpu",
                     "mlp",
+                    "mlp_jit_cpu",
+                    "mlp_jit",
                     "up",
                     "down",
                 )
@@ -183,8 +213,9 @@ def main() -> None:
                 for row, us in floor_rows(n, cpu).items():
                     rows[row].append(us)
                 rows["tiny"].append(median_us(tiny_step(dev), n))
-                rows["mlp_cpu"].append(mlp_ms(cpu, steps))
-                rows["mlp"].append(mlp_ms(dev, steps))
+                rows["tiny_jit"].append(median_us(jit_tiny_step(dev), n))
+                for row, ms in mlp_ms(cpu, dev, dev_jit, steps).items():
+                    rows[row].append(ms)
                 up, down = loop.call(bare.grpc_bare_stream(total))
                 bare_up.append(up)
                 bare_down.append(down)
@@ -196,6 +227,7 @@ def main() -> None:
                 rows["down"].append(down)
             stats = dev.stats()
             dev.close()
+            dev_jit.close()
             cpu.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
     b_up, b_down = statistics.median(bare_up), statistics.median(bare_down)
@@ -216,8 +248,21 @@ def main() -> None:
         f"| {med['tiny']:.0f} | {med['bare_pp_proc']:.0f} | {med['tiny'] / med['bare_pp_proc']:.2f}x | ≤ 1.5x |"
     )
     print(
+        f"| jitted tiny step vs bare grpc.aio 64 B ping-pong, server in another process, median µs "
+        f"| {med['tiny_jit']:.0f} | {med['bare_pp_proc']:.0f} | {med['tiny_jit'] / med['bare_pp_proc']:.2f}x "
+        "| ≤ 1.5x |"
+    )
+    print(
         f"| MLP step 128×784-512-512-10 SGD vs Device.cpu(), median ms "
         f"| {med['mlp']:.2f} | {med['mlp_cpu']:.2f} | {med['mlp'] / med['mlp_cpu']:.2f}x | – |"
+    )
+    print(
+        f"| MLP step jit vs the same jitted on Device.cpu(), median ms "
+        f"| {med['mlp_jit']:.2f} | {med['mlp_jit_cpu']:.2f} | {med['mlp_jit'] / med['mlp_jit_cpu']:.2f}x | – |"
+    )
+    print(
+        f"| MLP step jit vs the same eager, both remote, median ms "
+        f"| {med['mlp_jit']:.2f} | {med['mlp']:.2f} | {med['mlp_jit'] / med['mlp']:.2f}x | – |"
     )
     for what, ours, one, two in (
         ("upload", med["up"], b_up, p_up),
@@ -255,6 +300,7 @@ def main() -> None:
         ),
         ("+ both: a floor for any design in Python on grpc.aio", "floor_both"),
         ("emberlink tiny step (sessions, store, quotas, flow control, replay)", "tiny"),
+        ("emberlink jitted tiny step (the same, without recording)", "tiny_jit"),
     ):
         print(f"| {what} | {med[row]:.0f} | {med[row] / bare_us:.2f}x |")
 

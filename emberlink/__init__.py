@@ -5,12 +5,13 @@
     x = dev.tensor([[1.0, 2.0], [3.0, 4.0]])
     print((x @ x.T).sum().item())
 
-Public API: `Device`, `Tensor`, `nn`, `optim`, `no_grad`, `errors` (and its exception classes),
-`data.DataLoader`, `ArrayFuture` (what `Tensor.read_async()` returns),
+Public API: `Device`, `Tensor`, `nn`, `optim`, `no_grad`, `jit`, `errors` (and its exception classes),
+`data.DataLoader`, `ArrayFuture` (what `Tensor.read_async()` returns), `save`/`load`,
+`onnx.export` (needs the `onnx` package on first use only),
 plus Array-API-style functions (`el.exp`, `el.concat`, `el.where`, ...).
 """
 
-from emberlink import data, errors, nn, optim
+from emberlink import data, errors, nn, onnx, optim
 from emberlink.checkpoint import load, save
 from emberlink.client.autograd import no_grad
 from emberlink.client.device import Device
@@ -75,6 +76,7 @@ from emberlink.client.functions import (
     where,
 )
 from emberlink.client.future import ArrayFuture
+from emberlink.client.jit import jit
 from emberlink.client.tensor import Tensor
 from emberlink.errors import (
     AuthError,
@@ -84,7 +86,9 @@ from emberlink.errors import (
     DTypeError,
     EmberlinkError,
     ExecutionError,
+    ExportError,
     GoingAway,
+    JitError,
     OutOfMemory,
     ProtocolError,
     QuotaExceeded,
@@ -107,7 +111,9 @@ __all__ = [
     "DeviceError",
     "EmberlinkError",
     "ExecutionError",
+    "ExportError",
     "GoingAway",
+    "JitError",
     "OutOfMemory",
     "ProtocolError",
     "QuotaExceeded",
@@ -143,6 +149,7 @@ __all__ = [
     "isfinite",
     "isinf",
     "isnan",
+    "jit",
     "less",
     "less_equal",
     "load",
@@ -162,6 +169,7 @@ __all__ = [
     "nn",
     "no_grad",
     "not_equal",
+    "onnx",
     "optim",
     "permute_dims",
     "pow",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from emberlink.protocol.ticket import Ticket
 
 if TYPE_CHECKING:
     from emberlink.client.discovery import Seen
+    from emberlink.client.trust import Trust
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -111,6 +113,21 @@ def add_worker(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="how long a session whose link dropped keeps its tensors for its client to resume "
         "(default 30; 0: a dropped link ends the session)",
     )
+    p.add_argument(
+        "--nats-creds",
+        type=Path,
+        metavar="FILE",
+        help="the relay login: nkey seed file (`emberlink cluster nats-user`) or .creds file, mode 0600",
+    )
+    p.add_argument(
+        "--nats-ca", type=Path, metavar="FILE", help="CA bundle to verify a relay that requires TLS"
+    )
+    p.add_argument(
+        "--cluster-cert",
+        type=Path,
+        metavar="FILE",
+        help="this worker's cluster certificate (`emberlink cluster sign`), carried in its presence",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(run=worker)
 
@@ -162,12 +179,41 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def add_cluster(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser("cluster", help="workers on a NATS relay")
+    p = subparsers.add_parser("cluster", help="workers on a NATS relay, and the keys that make them trusted")
     actions = p.add_subparsers(title="actions", metavar="ACTION")
     ls = actions.add_parser("ls", help="list the workers whose presence the relay carries")
     ls.add_argument("--nats", required=True, metavar="URL", help="the relay, nats://HOST:PORT")
     ls.add_argument("--window", type=float, default=2.5, help="seconds to listen at most (default 2.5)")
     ls.set_defaults(run=cluster_ls)
+
+    init = actions.add_parser("init", help="create a cluster key (mode 0600) and print its cluster id")
+    init.add_argument("--out", required=True, type=Path, metavar="FILE", help="where to write the key")
+    init.add_argument("--force", action="store_true", help="overwrite an existing file")
+    init.set_defaults(run=cluster_init)
+
+    sign = actions.add_parser("sign", help="certify a worker's NodeId with the cluster key")
+    sign.add_argument("--cluster-key", required=True, type=Path, metavar="FILE", help="the cluster key")
+    sign.add_argument(
+        "--worker-id", required=True, metavar="NODEID", help="the worker's NodeId (`emberlink id`)"
+    )
+    sign.add_argument(
+        "--out", required=True, type=Path, metavar="FILE", help="where to write the certificate"
+    )
+    sign.add_argument(
+        "--days", type=int, default=0, help="days the certificate is good for (default 0: no end)"
+    )
+    sign.add_argument("--force", action="store_true", help="overwrite an existing file")
+    sign.set_defaults(run=cluster_sign)
+
+    user = actions.add_parser("nats-user", help="create a relay login and the NATS permissions of its role")
+    user.add_argument("--role", required=True, choices=["worker", "client"], help="who logs in with it")
+    user.add_argument("--worker-id", metavar="NODEID", help="the worker's NodeId (role worker)")
+    user.add_argument("--out", required=True, type=Path, metavar="FILE", help="where to write the nkey seed")
+    user.add_argument(
+        "--users-conf", type=Path, metavar="FILE", help="also add the user to this nats-server users file"
+    )
+    user.add_argument("--force", action="store_true", help="overwrite an existing seed file")
+    user.set_defaults(run=cluster_nats_user)
 
     def usage(_args: argparse.Namespace) -> int:
         p.print_help(sys.stderr)
@@ -178,22 +224,103 @@ def add_cluster(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def cluster_ls(args: argparse.Namespace) -> int:
     from emberlink.client.discovery import survey
+    from emberlink.client.trust import Trust
 
+    trust = Trust.load()
     seen = survey(args.nats, window=args.window)
     if not seen:
         print(f"no worker seen on {args.nats} within {args.window} s", file=sys.stderr)
         return 1
-    print(cluster_table(seen))
+    print(cluster_table(seen, trust, time.time()))
     return 0
 
 
-def cluster_table(seen: Sequence[Seen]) -> str:
-    """One row per worker: short NodeId, device, free memory, load, direct addresses, relay, admits."""
-    header = ("node", "device", "free", "load", "addresses", "relay", "admits")
+def cluster_init(args: argparse.Namespace) -> int:
+    path: Path = args.out
+    if path.exists() and not args.force:
+        raise ConfigError(f"{path} already exists; pass --force to replace it (its cluster id changes)")
+    cluster = Identity.generate(os.urandom)
+    cluster.save(path, overwrite=args.force)
+    print(cluster.node_id)
+    print(
+        f"wrote {path}; certify workers with `emberlink cluster sign --cluster-key {path} ...`, and have "
+        f"clients trust the cluster: EMBERLINK_CLUSTER={cluster.node_id}, or the line "
+        f"`@cluster {cluster.node_id}` in their known_workers file",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cluster_sign(args: argparse.Namespace) -> int:
+    from emberlink.errors import ProtocolError
+    from emberlink.protocol.cluster import issue
+
+    if args.days < 0:
+        raise ConfigError("--days must be 0 (no end) or more")
+    cluster = Identity.load(args.cluster_key)
+    not_after = int(time.time()) + args.days * 86400 if args.days else 0
+    try:
+        cert = issue(cluster, args.worker_id, not_after)
+    except ProtocolError as e:
+        raise ConfigError(f"--worker-id: {e}") from e
+    cert.save(args.out, overwrite=args.force)
+    until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(not_after)) if not_after else "no end"
+    print(f"worker {cert.worker_id} certified by cluster {cert.cluster_id} until {until}")
+    print(f"wrote {args.out}; start the worker with --cluster-cert {args.out}", file=sys.stderr)
+    return 0
+
+
+def cluster_nats_user(args: argparse.Namespace) -> int:
+    from emberlink.transport.nats_access import create_user_seed
+    from emberlink.transport.nats_permissions import Role, add_user, user_entry
+
+    role = Role(args.role)
+    if (role is Role.WORKER) != (args.worker_id is not None):
+        raise ConfigError("--worker-id is needed for --role worker, and only then")
+    if args.worker_id is not None:
+        from emberlink.errors import ProtocolError
+        from emberlink.protocol.identity import public_from_node_id
+
+        try:
+            public_from_node_id(args.worker_id)
+        except ProtocolError as e:
+            raise ConfigError(f"--worker-id: {e}") from e
+    conf = ""
+    if args.users_conf is not None and args.users_conf.exists():
+        conf = _read_text(args.users_conf)
+    public = create_user_seed(args.out, overwrite=args.force)
+    entry = user_entry(role, public, args.worker_id)
+    print(entry)
+    print(f"wrote {args.out} (relay user {public}; keep it secret, mode 0600)", file=sys.stderr)
+    if args.users_conf is not None:
+        try:
+            updated = add_user(conf, entry)
+        except ValueError as e:
+            raise ConfigError(f"{args.users_conf}: {e}") from e
+        try:
+            args.users_conf.write_text(updated, encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot write {args.users_conf}: {e.strerror}") from e
+        print(f"added it to {args.users_conf}", file=sys.stderr)
+    return 0
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from e
+
+
+def cluster_table(seen: Sequence[Seen], trust: Trust | None = None, now: float = 0.0) -> str:
+    """One row per worker: short NodeId, device, free memory, load, direct addresses, relay, admits,
+    and whether this client trusts it (and why)."""
+    header = ("node", "device", "free", "load", "addresses", "relay", "admits", "trusted")
     rows = [header]
     for s in seen:
         p = s.presence
         own = Ticket.parse(p.ticket)
+        why = trust.why(p, now) if trust is not None else None
         rows.append(
             (
                 s.node_id[:12],
@@ -203,6 +330,7 @@ def cluster_table(seen: Sequence[Seen]) -> str:
                 ",".join(f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h, port in own.addrs) or "-",
                 own.relay or "-",
                 "anyone" if p.admits_anyone else "allow list",
+                (why[: len("cluster ") + 12] if why else "no"),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -46,8 +46,19 @@ class CheckpointError(EmberlinkError):
     entry that is not a tensor."""
 
 
+class ExportError(EmberlinkError):
+    """A model cannot be exported (emberlink.onnx.export): an op with no ONNX form, random numbers in
+    the forward pass (dropout in training mode), a value read in Python during it, or the `onnx`
+    package missing."""
+
+
 class DeviceError(EmberlinkError):
     """A local device problem: no CUDA, unknown device, an op on a closed device."""
+
+
+class JitError(EmberlinkError, RuntimeError):
+    """A function compiled with `emberlink.jit` did something a replay cannot repeat: it read a
+    tensor's value, flushed or synced a device, or used tensors of several devices."""
 
 
 class ProtocolError(EmberlinkError):
@@ -145,7 +156,9 @@ __all__ = [
     "EmberlinkError",
     "ErrorCode",
     "ExecutionError",
+    "ExportError",
     "GoingAway",
+    "JitError",
     "OutOfMemory",
     "ProtocolError",
     "QuotaExceeded",

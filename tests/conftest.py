@@ -35,10 +35,12 @@ def nats_server_binary() -> str:
 class NatsServer:
     """One nats-server process on 127.0.0.1, which a test can kill and bring back on the same port."""
 
-    def __init__(self, workdir: Path, *, max_payload: int | None = None) -> None:
+    def __init__(self, workdir: Path, *, max_payload: int | None = None, config: Path | None = None) -> None:
+        """`config`: a nats-server config file to run with (its ports are overridden: any free ones)."""
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.max_payload = max_payload
+        self.config = config
         self.port = -1  # nats-server's "pick a random port"; fixed after the first start
         self._proc: subprocess.Popen[bytes] | None = None
         self._starts = 0
@@ -63,6 +65,8 @@ class NatsServer:
             conf = self.workdir / "nats.conf"
             conf.write_text(f"max_payload: {self.max_payload}\n")
             cmd += ["-c", str(conf)]
+        elif self.config is not None:
+            cmd += ["-c", str(self.config), "-m", "-1"]  # -m: its monitoring port too, if it has one
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -126,8 +126,16 @@ def _topological(root: GradNode) -> list[GradNode]:
 
 
 def accumulate(leaf: Any, g: Any) -> None:
-    """Add `g` into a leaf tensor's `.grad`."""
-    leaf.grad = g if leaf.grad is None else leaf.grad + g
+    """Add `g` into a leaf tensor's `.grad`.
+
+    In place, as torch does: `.grad` keeps its Tensor object, so a step replayed by emberlink.jit
+    that accumulates into it reads and rebinds the same object (client/trace.py). Each leaf gets
+    its own object, since a rule may hand one gradient to several inputs.
+    """
+    if leaf.grad is None:
+        leaf.grad = g.detach()
+    else:
+        leaf.grad._v = (leaf.grad + g)._v
 
 
 def run(root: GradNode, g: Any, ns: Recorder) -> None:

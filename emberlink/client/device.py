@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 import numpy as np
 
 from emberlink.client import segment
+from emberlink.client import tensor as _tensor
 from emberlink.client.dtypes import DEFAULT_FLOAT, DEFAULT_INT, dtype_name, scalar_dtype
-from emberlink.client.executor import Call, Executor
+from emberlink.client.executor import Call, DeviceStats, Executor
 from emberlink.client.future import ArrayFuture
 from emberlink.client.tensor import Scalar, Tensor, TensorDevice, create, norm_shape, scalar
 from emberlink.client.value import Spec, Value
@@ -74,6 +75,9 @@ class Device:
         self._flushes = 0
         self._outputs_kept = 0
         self._nodes_recorded = 0
+        # emberlink.jit (client/trace.py): the trace that takes the next segment's graph; replays.
+        self._jit_sink: Callable[[_Memo, Call, list[Value]], Call] | None = None
+        self._jit_replays = 0
         self._new_segment()
 
     # -- constructors -----------------------------------------------------------------------------
@@ -195,12 +199,19 @@ class Device:
         v = Value(self, None, index, spec)
         self._weak.append(weakref.ref(v))
         if index + 1 >= MAX_PENDING or len(self._dropped) >= MAX_DROPS:
-            self.flush()
+            self._flush_by_size()
         return v
+
+    def _flush_by_size(self) -> None:
+        trace = _tensor.JIT_TRACE
+        if trace is None or not trace.holds_this_thread():  # emberlink.jit: a trace is one segment
+            self.flush()
 
     def flush(self) -> None:
         """Send the pending segment to the executor (no wait); reads and `sync()` call this."""
         self._check_open()
+        if _tensor.JIT_TRACE is not None:  # emberlink.jit refuses a flush inside a jitted function
+            _tensor.JIT_TRACE.refuse(self, "flush or sync")
         if self._entries:
             self._send_segment()
         self._send_drops()
@@ -236,6 +247,8 @@ class Device:
         self._flushes += 1
         self._outputs_kept += len(values)
         call = Call(inputs, bindings, tuple(range(base, base + len(values))))
+        if self._jit_sink is not None:  # emberlink.jit's trace keeps this graph (client/trace.py)
+            call = self._jit_sink(memo, call, values)
         self._executor.execute(memo.graph, memo.gid, call)
 
     def _build(self, key: tuple[Any, ...]) -> _Memo:
@@ -263,7 +276,7 @@ class Device:
                 raise DTypeError(f"dtype {name} is not supported; pass dtype= (e.g. 'float32' or 'int64')")
             array = array.astype(name)  # e.g. big-endian data: native byte order
         if len(self._dropped) >= MAX_DROPS:
-            self.flush()
+            self._flush_by_size()
         buf = self._next_buf
         self._next_buf = buf + 1
         self._executor.upload(buf, array)
@@ -271,6 +284,8 @@ class Device:
 
     def _read(self, v: Value) -> np.ndarray:
         self._check_open()
+        if _tensor.JIT_TRACE is not None:  # emberlink.jit refuses a read inside a jitted function
+            _tensor.JIT_TRACE.refuse(self, "read")
         if v.node is not None:
             self.flush()
         return self._executor.read(v.buf).result()  # type: ignore[arg-type]
@@ -291,22 +306,23 @@ class Device:
         self.flush()
         self._executor.sync()
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> DeviceStats:
         """Counters: the executor's (bytes_sent, bytes_received, round_trips, graphs_registered,
         graph_replays, ...) and this client's: graphs_built (segments whose graph was new),
         graph_memo_hits (segments that reused one), flushes (graphs sent), outputs_kept (values
-        materialized by flushes), nodes_recorded (flushed so far) and pending_nodes.
+        materialized by flushes), nodes_recorded (flushed so far), pending_nodes, and jit_replays
+        (calls of `emberlink.jit` functions that replayed a trace: no recording, no flush).
         """
-        out = dict(self._executor.stats())
-        out.update(
-            graphs_built=self._graphs_built,
-            graph_memo_hits=self._memo_hits,
-            flushes=self._flushes,
-            outputs_kept=self._outputs_kept,
-            nodes_recorded=self._nodes_recorded,
-            pending_nodes=len(self._entries),
-        )
-        return out
+        return {
+            **self._executor.stats(),
+            "graphs_built": self._graphs_built,
+            "graph_memo_hits": self._memo_hits,
+            "flushes": self._flushes,
+            "outputs_kept": self._outputs_kept,
+            "nodes_recorded": self._nodes_recorded,
+            "pending_nodes": len(self._entries),
+            "jit_replays": self._jit_replays,
+        }
 
     def memory_stats(self) -> dict[str, int]:
         """in_use_bytes, peak_bytes and pool_bytes of the memory holding this device's tensors, with
@@ -403,6 +419,6 @@ def _shape(shape: Any) -> tuple[int, ...]:
 
 def _seed(seed: Any) -> int:
     s = scalar(seed)
-    if type(s) is not int:
+    if isinstance(s, bool) or not isinstance(s, int):  # an int, or emberlink.jit's traced int
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     return s

@@ -1,5 +1,6 @@
-"""Picking a worker on a NATS relay: collect the workers' signed presence, try them least loaded first,
-skip those that refuse this client; never sends anything that names the client to the relay.
+"""Picking a worker on a NATS relay: collect the workers' signed presence, keep those this client trusts
+(client/trust.py), try them least loaded first, skip those that refuse this client; never picks a
+worker it does not trust, and never sends anything that names the client to the relay.
 
 `Device.remote("nats://host:4222")` lands here (through client/address.py's `open_remote`).
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from emberlink.client.remote import RemoteExecutor, connect_ticket, load_client_identity
+from emberlink.client.trust import CLUSTER_ENV, CLUSTER_MARKER, Trust, default_known_workers_path
 from emberlink.errors import AuthError, ProtocolError, TransportError, WorkerLost
 from emberlink.protocol.presence import NONCE_SIZE, Presence, decode_presence
 from emberlink.protocol.ticket import Ticket
@@ -94,13 +96,20 @@ def _check_url(url: str) -> None:
 
 
 def open_discovered(
-    address: str, *, key: str | os.PathLike[str] | None = None, timeout: float = 30.0
+    address: str,
+    *,
+    key: str | os.PathLike[str] | None = None,
+    timeout: float = 30.0,
+    trust: Trust | None = None,
 ) -> RemoteExecutor:
-    """A session with the least-loaded worker on relay `address` that admits this client.
+    """A session with the least-loaded worker on relay `address` that this client trusts and that admits it.
 
-    AuthError if workers were seen but none admitted this client; TransportError if none was seen
-    or none could be reached. Both messages say how many workers were seen.
+    `trust` defaults to the client's settings (`Trust.load()`). AuthError if workers were seen but
+    none is trusted (the message names each and says how to trust it), or none of the trusted ones
+    admitted this client; TransportError if none was seen or none could be reached. The messages
+    say how many workers were seen.
     """
+    trust = trust if trust is not None else Trust.load()
     identity = load_client_identity(key)
     deadline = time.monotonic() + timeout
     candidates = [s for s in survey(address, window=min(WINDOW_S, timeout)) if not s.presence.draining]
@@ -109,9 +118,13 @@ def open_discovered(
             f"no worker answered on relay {address} (0 workers seen): are workers started with "
             f"--relay {address}?"
         )
+    now = time.time()
+    trusted = [s for s in candidates if trust.why(s.presence, now) is not None]
+    if not trusted:
+        raise AuthError(untrusted_message(address, candidates, trust, now))
     refused: list[str] = []
     failed: list[str] = []
-    for seen in candidates:
+    for seen in trusted:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             failed.append(f"{seen.node_id[:12]}: not tried, out of time ({timeout} s)")
@@ -126,18 +139,47 @@ def open_discovered(
             log.info("worker %s could not be reached: %s", seen.node_id, e)
             failed.append(f"{seen.node_id[:12]}: {e}")
             continue
-        log.info("discovery on %s picked worker %s (load %s)", address, seen.node_id, seen.presence.load)
+        log.info(
+            "discovery on %s picked worker %s (load %s, trusted: %s)",
+            address,
+            seen.node_id,
+            seen.presence.load,
+            trust.why(seen.presence, now),
+        )
         return executor
-    n = len(candidates)
+    n = len(trusted)
     if refused and not failed:
         raise AuthError(
-            f"none of the {n} worker(s) seen on relay {address} admits this client ({identity.node_id}): "
-            "add its NodeId to a worker's allow file"
+            f"none of the {n} trusted worker(s) seen on relay {address} admits this client "
+            f"({identity.node_id}): add its NodeId to a worker's allow file"
         )
     raise TransportError(
-        f"no usable worker on relay {address}: {n} seen, {len(refused)} refused this client "
+        f"no usable worker on relay {address}: {n} trusted seen, {len(refused)} refused this client "
         f"({identity.node_id}), {len(failed)} unreachable: " + "; ".join(failed)
     )
 
 
-__all__ = ["QUIET_S", "WINDOW_S", "Seen", "open_discovered", "survey"]
+def untrusted_message(address: str, seen: list[Seen], trust: Trust, now: float) -> str:
+    """Why discovery picked nobody: what it saw, what it trusts, and how to trust a worker."""
+    listing = "; ".join(f"{s.node_id} ({_certificate_text(s.presence, now)})" for s in seen)
+    if trust.empty:
+        head = f"{len(seen)} worker(s) seen on relay {address}, but this client trusts no worker yet"
+    else:
+        head = f"none of the {len(seen)} worker(s) seen on relay {address} is trusted ({trust.source})"
+    return (
+        f"{head}. Seen: {listing}. To trust a worker, add its NodeId to "
+        f"{trust.path or default_known_workers_path()} "
+        f"(one a line); to trust every worker a cluster signs, add `{CLUSTER_MARKER} <cluster-id>` "
+        f"there or set {CLUSTER_ENV}=<cluster-id>"
+    )
+
+
+def _certificate_text(presence: Presence, now: float) -> str:
+    cert = presence.certificate
+    if cert is None:
+        return "no cluster certificate"
+    expired = cert.not_after != 0 and now > cert.not_after
+    return f"{'expired certificate of' if expired else 'signed by'} cluster {cert.cluster_id}"
+
+
+__all__ = ["QUIET_S", "WINDOW_S", "Seen", "open_discovered", "survey", "untrusted_message"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 import numpy as np
 
@@ -23,6 +23,48 @@ class Call:
     inputs: tuple[int, ...]
     bindings: tuple[Scalar, ...]
     outputs: tuple[int, ...]
+
+
+class _CommonStats(TypedDict):
+    """The counters every executor reports."""
+
+    bytes_sent: int
+    bytes_received: int
+    round_trips: int
+    bytes_uploaded: int
+    graphs_registered: int
+    graph_replays: int
+
+
+# Optional keys by totality, not NotRequired: under `from __future__ import annotations` Python
+# 3.11 counts a NotRequired key as required at run time.
+class ExecutorStats(_CommonStats, total=False):
+    """An executor's counters: the common ones and its kind's own (tests/server/test_remote_device.py
+    checks that a local and a remote device report only these keys, each of its type)."""
+
+    backend: str  # local: the backend's name
+    captured_replays: int  # local: replays run as one captured CUDA graph
+    tensors: int  # local: buffers held
+    path: str  # remote: the connection's path ("grpc", "relay", "memory", ...)
+    worker: str  # remote: the worker's node id
+    batches_sent: int
+    batches_resent: int
+    batches_repeated: int
+    graph_cache_misses: int
+    resumes: int  # remote: times the session was resumed on a new link (client/reconnect.py)
+    resume_ms: int  # remote: how long the last resume took
+
+
+class DeviceStats(ExecutorStats):
+    """What `Device.stats()` returns: its executor's counters and the client's own."""
+
+    graphs_built: int
+    graph_memo_hits: int
+    flushes: int
+    outputs_kept: int
+    nodes_recorded: int
+    pending_nodes: int
+    jit_replays: int
 
 
 class ReadFuture(Protocol):
@@ -57,7 +99,7 @@ class Executor(Protocol):
     def sync(self) -> None:
         """Wait for all work so far; raise the first failure since the previous sync."""
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> ExecutorStats:
         """Counters: bytes_sent, bytes_received, round_trips, graphs_registered, graph_replays, ..."""
         ...
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from emberlink.client.executor import Call
+from emberlink.client.executor import Call, ExecutorStats
 from emberlink.errors import EmberlinkError, ExecutionError, UnknownTensor
 from emberlink.graph_replay.backend import Backend
 from emberlink.graph_replay.captured import open_captures
@@ -160,7 +160,7 @@ class LocalExecutor:
         if failure is not None:
             raise failure
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> ExecutorStats:
         return {
             "backend": self._backend.name,
             "bytes_sent": 0,

@@ -28,7 +28,7 @@ from emberlink.protocol.channel import MESSAGE, Channel, split_frames
 from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity
 from emberlink.protocol.resume import Credential
-from emberlink.transport.base import Link
+from emberlink.transport.base import Link, bind
 
 log = logging.getLogger("emberlink.client")
 
@@ -147,6 +147,7 @@ class Resumer:
         auth, channel, _limits = hs.receive_welcome(welcome)
         # From the moment the Auth leaves, the worker may have taken this credential: if no answer
         # comes, the next attempt tries the one that acceptance made first (see the module docstring).
+        await bind(link, hs.link_secret)  # before Auth, as at connect: see transport/nats.py's rules
         following = credential.after(hs.resume_secret)
         self._candidates = [following, *(c for c in self._candidates if c.id != following.id)]
         self._candidates = self._candidates[:_MAX_CANDIDATES]

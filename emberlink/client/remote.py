@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from emberlink.client import paths
-from emberlink.client.executor import Call
+from emberlink.client.executor import Call, ExecutorStats
 from emberlink.client.reconnect import DIRECT_HEAD_START_S, Connect, Resumer, resume_window_setting
 from emberlink.client.session import ClientSession, Counters, Flow
 from emberlink.errors import (
@@ -45,7 +45,7 @@ from emberlink.protocol.identity import Identity, default_key_path, load_or_crea
 from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 from emberlink.protocol.resume import Credential
 from emberlink.protocol.ticket import Ticket
-from emberlink.transport.base import Link
+from emberlink.transport.base import Link, bind
 from emberlink.transport.loop import LoopThread, io_loop
 
 log = logging.getLogger("emberlink.client")
@@ -195,6 +195,7 @@ async def _handshake(
                 f"worker at {link.peer} did not answer the handshake within {timeout} s"
             ) from e
         auth, channel, limits = hs.receive_welcome(welcome)
+        await bind(link, hs.link_secret)  # before Auth: see transport/nats.py's rules
         await link.send(auth)
     except BaseException:
         await link.close()
@@ -393,7 +394,7 @@ class RemoteExecutor:
     def sync(self) -> None:
         self._request(m.Sync).result()
 
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> ExecutorStats:
         out = self.counters.as_dict()
         out["worker"] = self.worker_node_id
         return out

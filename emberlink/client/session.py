@@ -22,10 +22,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
+from emberlink.client.executor import ExecutorStats
 from emberlink.client.reconnect import Resumed, Resumer
 from emberlink.errors import EmberlinkError, ProtocolError, RemoteError, TransportError, WorkerLost
 from emberlink.protocol import messages as m
@@ -75,8 +76,9 @@ class Counters:
     resumes: int = 0  # times the session was resumed on a new link
     resume_ms: int = 0  # how long the last resume took, from the drop noticed to the worker's answer
 
-    def as_dict(self) -> dict[str, int | str]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+    def as_dict(self) -> ExecutorStats:
+        # Each field is a key of ExecutorStats of its type (checked by a test, see ExecutorStats).
+        return cast(ExecutorStats, {name: getattr(self, name) for name in self.__dataclass_fields__})
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ it to a new value, which is how forward, backward and the update of a step becom
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from emberlink.client.autograd import (
     GradNode,
 )
 from emberlink.client.dtypes import dtype_name
+from emberlink.client.executor import DeviceStats
 from emberlink.client.future import ArrayFuture
 from emberlink.client.value import Spec, Value
 from emberlink.errors import DeviceError, DTypeError, ShapeError
@@ -39,6 +40,34 @@ Scalar = bool | int | float
 _KIND = {bool: "bool", int: "int", float: "float"}
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _FLOATS = frozenset(FLOAT_DTYPES)
+
+# -- emberlink.jit hooks (client/jit.py, client/trace.py); kept here in one place so they can move as a
+# unit. Besides these: one `JIT_TRACE` check each in `apply`, `create` and `Tensor.__init__`, one
+# TracedScalar case in `scalar()`, and `_kind` where a binding's kind is looked up.
+JIT_TRACE: Any = None
+"""The `trace.Trace` of the `emberlink.jit` call being traced (or run eagerly under its rules) now,
+else None. `apply`, `create` and `Tensor.__init__` check it once each and report to it only while
+it is set."""
+
+
+class TracedScalar:
+    """Base of emberlink.jit's scalar arguments (client/trace.py): a float or int subclass that,
+    while its trace runs, `scalar()` keeps as it is, so it is recorded as a binding jit can name;
+    outside its trace, `scalar()` turns it into a plain number."""
+
+    __slots__ = ()
+    kind: str
+
+    def binding(self) -> Scalar:
+        raise NotImplementedError
+
+
+def _kind(s: Scalar) -> str:
+    kind = _KIND.get(type(s))
+    return kind if kind is not None else s.kind  # type: ignore[union-attr]  # a TracedScalar
+
+
+# -- end of emberlink.jit hooks ---------------------------------------------------------------------
 
 
 class TensorDevice(Protocol):
@@ -56,7 +85,7 @@ class TensorDevice(Protocol):
     def flush(self) -> None: ...
     def sync(self) -> None: ...
     def close(self) -> None: ...
-    def stats(self) -> dict[str, int | str]: ...
+    def stats(self) -> DeviceStats: ...
     def memory_stats(self) -> dict[str, int]: ...
     def tensor(self, data: Any, dtype: Any = None) -> Tensor: ...
     def zeros(self, shape: Any, dtype: Any = ...) -> Tensor: ...
@@ -94,6 +123,8 @@ def scalar(value: object) -> Scalar | None:
         if not _INT64_MIN <= value <= _INT64_MAX:  # type: ignore[operator]
             raise DTypeError(f"the int scalar {value} does not fit in int64")
         return value  # type: ignore[return-value]
+    if isinstance(value, TracedScalar):  # emberlink.jit: a scalar argument (a binding while traced)
+        return value.binding()
     if isinstance(value, np.generic):
         if isinstance(value, np.bool_):
             return bool(value)
@@ -138,11 +169,13 @@ def apply(op: str, args: Sequence[Tensor | Scalar], attrs: tuple[Any, ...] = ())
                 s = scalar(a)
                 if s is None:
                     raise TypeError(f"{op}: unsupported operand of type {type(a).__name__}")
-                a, kind = s, _KIND[type(s)]
+                a, kind = s, _kind(s)
             vals.append(a)
             specs.append(kind)
     if dev is None:
         raise TypeError(f"{op}: needs at least one tensor operand")
+    if JIT_TRACE is not None:  # emberlink.jit: the trace learns which buffers the step reads
+        JIT_TRACE.operands(dev, args)
     key = (op, attrs, *specs)
     spec = _INFER.get(key)
     if spec is None:
@@ -164,11 +197,13 @@ def apply(op: str, args: Sequence[Tensor | Scalar], attrs: tuple[Any, ...] = ())
 
 def create(dev: TensorDevice, op: str, bindings: Sequence[Scalar], attrs: tuple[Any, ...]) -> Tensor:
     """Record a creation op (no tensor operands) on `dev`."""
-    specs = [_KIND[type(b)] for b in bindings]
+    specs = [_kind(b) for b in bindings]
     key = (op, attrs, *specs)
     spec = _INFER.get(key)
     if spec is None:
         spec = _infer_miss(op, attrs, specs, key)
+    if JIT_TRACE is not None:  # emberlink.jit: the trace learns its device before the first node
+        JIT_TRACE.operands(dev, ())
     return Tensor(dev._record(op, list(bindings), attrs, spec))
 
 
@@ -278,6 +313,8 @@ class Tensor:
         self._rg = False
         self._ctx = None
         self.grad = None
+        if JIT_TRACE is not None:  # emberlink.jit: tensors made while tracing may hold its outputs
+            JIT_TRACE.created(self)
 
     # -- metadata (no device work) ----------------------------------------------------------------
 
@@ -494,10 +531,20 @@ class Tensor:
     def __ror__(self, o: object) -> Tensor:
         return _binop("logical_or", o, self)
 
-    def __eq__(self, o: object) -> Tensor:  # type: ignore[override]
+    # Against a tensor or a scalar `==` and `!=` are ops; against anything else Python falls back
+    # to identity and gives a bool (so `t == None` is False and `t in [None]` works).
+    @overload  # type: ignore[override]
+    def __eq__(self, o: Tensor | Scalar | np.generic) -> Tensor: ...
+    @overload
+    def __eq__(self, o: object) -> Tensor | bool: ...
+    def __eq__(self, o: object) -> Tensor | bool:
         return _binop("equal", self, o)
 
-    def __ne__(self, o: object) -> Tensor:  # type: ignore[override]
+    @overload  # type: ignore[override]
+    def __ne__(self, o: Tensor | Scalar | np.generic) -> Tensor: ...
+    @overload
+    def __ne__(self, o: object) -> Tensor | bool: ...
+    def __ne__(self, o: object) -> Tensor | bool:
         return _binop("not_equal", self, o)
 
     def __lt__(self, o: object) -> Tensor:

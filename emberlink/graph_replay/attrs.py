@@ -34,6 +34,11 @@ ATTR_KINDS: dict[str, tuple[str, ...]] = {
     "num_classes": ("count",),
     "reduction": ("reduction",),
     "size": ("count",),
+    "kernel_size": ("pos_pair",),
+    "dilation": ("pos_pair",),
+    "stride": ("pos_pair",),
+    "padding": ("pair",),
+    "output_size": ("pair",),
 }
 """The attr allow-list: each name and the value kinds ops may declare it with."""
 
@@ -81,6 +86,10 @@ def check_attr_value(op: str, name: str, kind: str, v: object) -> AttrValue:
     elif kind == "count":
         if not _is_int(v) or cast(int, v) < 0:
             raise DTypeError(f"{bad} a non-negative int, got {v!r}")
+    elif kind in ("pair", "pos_pair"):
+        least = 1 if kind == "pos_pair" else 0
+        if type(v) is not tuple or len(v) != 2 or not all(_is_int(d) and d >= least for d in v):
+            raise DTypeError(f"{bad} a tuple of two ints >= {least}, got {v!r}")
     elif kind == "bool":
         if type(v) is not bool:
             raise DTypeError(f"{bad} a bool, got {v!r}")

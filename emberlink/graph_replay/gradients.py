@@ -408,11 +408,28 @@ def _cross_entropy(ns: Recorder, g: Any, n: Recorded) -> Sequence[Any]:
     return d * scale, None
 
 
+def _window_attrs(n: Recorded) -> Attrs:
+    return tuple((k, v) for k, v in n.attrs if k in ("dilation", "kernel_size", "padding", "stride"))
+
+
+def _unfold(ns: Recorder, g: Any, n: Recorded) -> Sequence[Any]:
+    # fold is unfold's adjoint: each input element gets the sum of the columns it was copied to.
+    out_size = n.specs[0][1][2:]
+    attrs = tuple(sorted((*_window_attrs(n), ("output_size", out_size))))
+    return (ns.apply("fold", (g,), attrs),)
+
+
+def _fold(ns: Recorder, g: Any, n: Recorded) -> Sequence[Any]:
+    return (ns.apply("unfold", (g,), _window_attrs(n)),)
+
+
 GETITEM = Grad(rule=_getitem)
 TAKE = Grad(rule=_take, saves_inputs=True)
 SOFTMAX = Grad(rule=_softmax, saves_output=True)
 LOG_SOFTMAX = Grad(rule=_log_softmax, saves_output=True)
 CROSS_ENTROPY = Grad(rule=_cross_entropy, saves_inputs=True, unit_seed=True)
+UNFOLD = Grad(rule=_unfold)
+FOLD = Grad(rule=_fold)
 
 __all__ = [
     "ASTYPE",
@@ -421,6 +438,7 @@ __all__ = [
     "CONCAT",
     "CROSS_ENTROPY",
     "EXTREME",
+    "FOLD",
     "GETITEM",
     "LOG_SOFTMAX",
     "MATMUL",
@@ -432,6 +450,7 @@ __all__ = [
     "STACK",
     "SUM",
     "TAKE",
+    "UNFOLD",
     "WHERE",
     "ZERO",
     "Derivative",

@@ -347,3 +347,58 @@ def one_hot(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> T
 
 def rand(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
     return creation(op, ins, a)
+
+
+# -- sliding windows (unfold, fold) ----------------------------------------------------------------
+
+Pair = tuple[int, int]
+
+
+def window_counts(op: str, size: Pair, a: Mapping[str, AttrValue]) -> Pair:
+    """How many windows `unfold` takes along each spatial axis of an input of `size` (H, W):
+    `(size + 2 padding - dilation (kernel - 1) - 1) // stride + 1`, as torch's unfold and fold.
+    ShapeError when an axis gets none."""
+    k, d, p, s = (cast(Pair, a[name]) for name in ("kernel_size", "dilation", "padding", "stride"))
+    counts = tuple((size[i] + 2 * p[i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(2))
+    if min(counts) < 1:
+        raise ShapeError(
+            f"{op}: spatial size {size} with padding {p} is smaller than the dilated kernel "
+            f"(kernel_size {k}, dilation {d}): no window fits"
+        )
+    return cast(Pair, counts)
+
+
+def _numeric(op: str, x: TensorSpec) -> None:
+    if x.kind == "bool":
+        raise DTypeError(f"{op}: needs a numeric operand, got {x.dtype}")
+
+
+def unfold(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    """(N, C, H, W) -> (N, C kh kw, L): every window as a column, channel-major (torch's unfold)."""
+    x = ins[0]
+    _numeric(op, x)
+    if x.ndim != 4:
+        raise ShapeError(f"{op}: needs a 4-D input (N, C, H, W), got shape {x.shape}")
+    n, c, h, w = x.shape
+    oh, ow = window_counts(op, (h, w), a)
+    kh, kw = cast(Pair, a["kernel_size"])
+    return TensorSpec(x.dtype, (n, c * kh * kw, oh * ow))
+
+
+def fold(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
+    """(N, C kh kw, L) -> (N, C, H, W) with (H, W) = output_size, overlaps summed (torch's fold)."""
+    x = ins[0]
+    _numeric(op, x)
+    kh, kw = cast(Pair, a["kernel_size"])
+    if x.ndim != 3 or x.shape[1] % (kh * kw):
+        raise ShapeError(
+            f"{op}: needs a 3-D input (N, C * {kh} * {kw}, L) for kernel_size ({kh}, {kw}), got shape {x.shape}"
+        )
+    out_h, out_w = cast(Pair, a["output_size"])
+    oh, ow = window_counts(op, (out_h, out_w), a)
+    if x.shape[2] != oh * ow:
+        raise ShapeError(
+            f"{op}: input shape {x.shape} has {x.shape[2]} blocks, but output_size ({out_h}, {out_w}) "
+            f"gives {oh} x {ow} = {oh * ow}"
+        )
+    return TensorSpec(x.dtype, (x.shape[0], x.shape[1] // (kh * kw), out_h, out_w))

@@ -64,6 +64,8 @@ class MemoryMeter:
         """Count `a`'s buffer (once, however many arrays share it) until it is garbage."""
         root = owner(a)
         key = id(root)
+        if key in self._live:  # counted already (a replay's inputs, its step results as outputs)
+            return
         with self._lock:
             self._settle()
             if key not in self._live:

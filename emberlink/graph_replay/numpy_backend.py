@@ -20,6 +20,7 @@ import numpy as np
 from emberlink.errors import DTypeError
 from emberlink.graph_replay import rng
 from emberlink.graph_replay.backend import Array, IntoFn, OpFn, check_inputs, run_plan
+from emberlink.graph_replay.inference import window_counts
 from emberlink.graph_replay.ir import Key, Scalar
 from emberlink.graph_replay.memory import MemoryMeter
 from emberlink.graph_replay.ops import OPS, Elementwise, names
@@ -233,6 +234,57 @@ def _scatter_add(xp: Any, args: Sequence[Any], step: Step) -> Array:
     return out
 
 
+# -- sliding windows -------------------------------------------------------------------------------
+# Both loops run over the kernel's kh * kw offsets, each one strided slice of the whole batch, so
+# NumPy and CuPy run the same few large array operations (and CuPy's capture sees plain kernels).
+
+
+def _window(step: Step, spatial: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """kernel_size, dilation, padding, stride and the window counts (oh, ow)."""
+    a = step.attrs
+    names = ("kernel_size", "dilation", "padding", "stride")
+    return (*(cast(tuple[int, int], a[n]) for n in names), window_counts(step.op, spatial, a))
+
+
+def _offsets(step: Step, spatial: tuple[int, int]) -> Any:
+    """For each kernel offset (i, j): its index and the strided slices of the padded image it reads."""
+    (kh, kw), (dh, dw), _, (sh, sw), (oh, ow) = _window(step, spatial)
+    for i in range(kh):
+        for j in range(kw):
+            rows = slice(i * dh, i * dh + sh * (oh - 1) + 1, sh)
+            cols = slice(j * dw, j * dw + sw * (ow - 1) + 1, sw)
+            yield i, j, (slice(None), slice(None), rows, cols)
+
+
+def _unfold(xp: Any, args: Sequence[Any], step: Step) -> Array:
+    x = args[0]
+    n, c, h, w = x.shape
+    (kh, kw), _, (ph, pw), _, (oh, ow) = _window(step, (h, w))
+    if ph or pw:
+        padded = xp.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=x.dtype)
+        padded[:, :, ph : ph + h, pw : pw + w] = x
+        x = padded
+    out = xp.empty((n, c, kh, kw, oh, ow), dtype=x.dtype)
+    for i, j, window in _offsets(step, (h, w)):
+        out[:, :, i, j] = x[window]
+    return out.reshape(step.out_spec.shape)
+
+
+def _fold(xp: Any, args: Sequence[Any], step: Step) -> Array:
+    cols = args[0]
+    n, c, h, w = step.out_spec.shape
+    (kh, kw), _, (ph, pw), _, (oh, ow) = _window(step, (h, w))
+    acc = _wide(step.out_spec.dtype)
+    blocks = cols.reshape(n, c, kh, kw, oh, ow).astype(acc, copy=False)
+    out = xp.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=acc)
+    for i, j, window in _offsets(step, (h, w)):
+        view = out[window]
+        xp.add(view, blocks[:, :, i, j], out=view)  # not `+=`: that copies the view onto itself
+    if ph or pw:
+        out = xp.ascontiguousarray(out[:, :, ph : ph + h, pw : pw + w])
+    return out.astype(step.out_spec.dtype, copy=False)
+
+
 # -- training --------------------------------------------------------------------------------------
 
 
@@ -299,6 +351,8 @@ OP_TABLE: dict[str, OpFn] = {
     "log_softmax": _softmax,
     "cross_entropy": _cross_entropy,
     "one_hot": _one_hot,
+    "unfold": _unfold,
+    "fold": _fold,
     "getitem_grad": _getitem_grad,
     "scatter_add": _scatter_add,
 }

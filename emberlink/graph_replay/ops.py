@@ -44,7 +44,9 @@ OperandFn = Callable[[Sequence[TensorSpec]], str]
 Elementwise = Callable[..., Any]
 """`(xp, *operands, out=None) -> array`: an elementwise op's meaning over array module `xp`
 (NumPy or CuPy), on operands already brought to the op's operand dtype."""
-Attrs = Mapping[str, AttrValue] | Iterable[tuple[str, AttrValue]]
+Attrs = Mapping[str, object] | Iterable[tuple[str, object]]
+"""Attrs as a caller gives them, of any values: `check_attrs` checks each at run time (a DTypeError
+naming the op and the attr), so a plain dict literal of mixed values is accepted as it is."""
 
 MAX_VARIADIC = 64
 """Most inputs of `concat` and `stack`."""
@@ -60,9 +62,11 @@ FAMILIES = (
     "shape",
     "index",
     "training",
+    "window",
     "backward",
 )
-"""Op families; `unary` and `binary` are the elementwise ones (each has `ref`)."""
+"""Op families; `unary` and `binary` are the elementwise ones (each has `ref`); `window` are the
+sliding-window ops that convolution and pooling are composed of (nn/spatial.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -385,6 +389,8 @@ _REDUCE_ATTRS = {"axis": "axis", "keepdims": "bool"}
 _ARG_ATTRS = {"axis": "axis_opt", "keepdims": "bool"}
 _NO_AXIS_KEEP: dict[str, AttrValue] = {"axis": None, "keepdims": False}
 _AXIS_INT = {"axis": "axis_int"}
+_WINDOW = {"kernel_size": "pos_pair", "dilation": "pos_pair", "padding": "pair", "stride": "pos_pair"}
+_WINDOW_DEFAULTS: dict[str, AttrValue] = {"dilation": (1, 1), "padding": (0, 0), "stride": (1, 1)}
 
 
 def _reduction(name: str, grad: Grad | None, operands: OperandFn | None = None) -> OpDef:
@@ -446,6 +452,10 @@ _STRUCTURAL: tuple[OpDef, ...] = (
           defaults={"reduction": "mean"}, infer=inf.cross_entropy, grad=gr.CROSS_ENTROPY),
     OpDef(name="one_hot", family="training", inputs=("x",), attrs={"num_classes": "count", "dtype": "dtype"},
           infer=inf.one_hot, grad=None),
+    OpDef(name="unfold", family="window", inputs=("x",), attrs=_WINDOW, defaults=_WINDOW_DEFAULTS,
+          infer=inf.unfold, grad=gr.UNFOLD),
+    OpDef(name="fold", family="window", inputs=("x",), attrs={**_WINDOW, "output_size": "pair"},
+          defaults=_WINDOW_DEFAULTS, infer=inf.fold, grad=gr.FOLD),
     OpDef(name="getitem_grad", family="backward", inputs=("x",), attrs={"key": "key", "shape": "shape"},
           infer=inf.getitem_grad, grad=None),
     OpDef(name="scatter_add", family="backward", inputs=("x", "x"),

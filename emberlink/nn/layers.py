@@ -1,4 +1,4 @@
-"""The stock layers: Linear, ReLU, GELU, Sequential, Dropout, Embedding, LayerNorm.
+"""The stock layers: Linear, ReLU, GELU, Sequential, Dropout, Embedding, LayerNorm, Flatten.
 
 Initial values are drawn on the host from a NumPy generator seeded by `seed` (default: the next
 number of a per-process counter, so one program builds the same model every run), and reach a
@@ -16,7 +16,8 @@ import numpy as np
 
 from emberlink.client.device import Device
 from emberlink.client.dtypes import dtype_name
-from emberlink.client.tensor import Tensor
+from emberlink.client.tensor import Tensor, norm_axis
+from emberlink.errors import ShapeError
 from emberlink.nn import functional as F
 from emberlink.nn.module import Module, Parameter
 
@@ -25,6 +26,17 @@ _SEEDS = itertools.count()
 
 def _rng(seed: int | None) -> np.random.Generator:
     return np.random.default_rng(next(_SEEDS) if seed is None else seed)
+
+
+def module_seed(seed: int | None) -> int:
+    """A dropout-bearing module's base seed: `seed`, or the next number of the per-process counter."""
+    return (next(_SEEDS) if seed is None else seed) % (1 << 30)
+
+
+def call_seed(base: int, call: int) -> int:
+    """The dropout seed of call number `call` of the module with base seed `base` (a binding, so
+    the graph is the same every step; distinct across modules and calls)."""
+    return (base << 32) + call
 
 
 def _place(module: Module, device: Device | None) -> None:
@@ -101,10 +113,31 @@ class Sequential(Module):
         return iter(list(self.__dict__["_modules"].values()))
 
 
+class Flatten(Module):
+    """Axes `start_dim` to `end_dim` (inclusive, negative from the end) merged into one (torch's
+    Flatten: by default everything but the batch axis)."""
+
+    def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
+        super().__init__()
+        self.start_dim, self.end_dim = start_dim, end_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        start = norm_axis("Flatten", self.start_dim, max(x.ndim, 1))
+        end = norm_axis("Flatten", self.end_dim, max(x.ndim, 1))
+        if x.ndim == 0:
+            return x.reshape(1)
+        if start > end:
+            raise ShapeError(f"Flatten: start_dim {self.start_dim} comes after end_dim {self.end_dim}")
+        return x.reshape(*x.shape[:start], math.prod(x.shape[start : end + 1]), *x.shape[end + 1 :])
+
+    def __repr__(self) -> str:
+        return f"Flatten(start_dim={self.start_dim}, end_dim={self.end_dim})"
+
+
 class Dropout(Module):
     """Zeroes each element with probability `p` while training (identity in eval mode).
 
-    Call `k` uses seed `seed * 2**32 + k` as a binding, so the graph is the same every step.
+    Call `k` uses seed `call_seed(seed, k)` as a binding, so the graph is the same every step.
     """
 
     def __init__(self, p: float = 0.5, *, seed: int | None = None) -> None:
@@ -112,14 +145,14 @@ class Dropout(Module):
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"Dropout: p must be in [0, 1], got {p}")
         self.p = p
-        self.seed = (next(_SEEDS) if seed is None else seed) % (1 << 30)
+        self.seed = module_seed(seed)
         self.calls = 0
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.training or self.p == 0.0:
             return x
         self.calls += 1
-        return F.dropout(x, self.p, seed=(self.seed << 32) + self.calls, training=True)
+        return F.dropout(x, self.p, seed=call_seed(self.seed, self.calls), training=True)
 
 
 class Embedding(Module):
@@ -146,13 +179,17 @@ class Embedding(Module):
 
 
 class LayerNorm(Module):
-    """Normalize over the last axes (`normalized_shape`), then scale and shift (starting 1 and 0)."""
+    """Normalize over the last axes (`normalized_shape`), then scale and shift (starting 1 and 0).
+
+    `bias=False` keeps the scale and drops the shift (torch's `bias` argument).
+    """
 
     def __init__(
         self,
         normalized_shape: int | Sequence[int],
         eps: float = 1e-5,
         elementwise_affine: bool = True,
+        bias: bool = True,
         *,
         dtype: Any = "float32",
         device: Device | None = None,
@@ -162,7 +199,7 @@ class LayerNorm(Module):
         self.normalized_shape, self.eps = shape, eps
         name = dtype_name(dtype)
         self.weight = Parameter(np.ones(shape, name)) if elementwise_affine else None
-        self.bias = Parameter(np.zeros(shape, name)) if elementwise_affine else None
+        self.bias = Parameter(np.zeros(shape, name)) if elementwise_affine and bias else None
         _place(self, device)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -170,6 +207,8 @@ class LayerNorm(Module):
         centered = x - x.mean(axes, keepdims=True)
         var = centered.square().mean(axes, keepdims=True)
         y = centered / (var + self.eps).sqrt()
-        if self.weight is not None and self.bias is not None:
-            y = y * self.weight + self.bias
+        if self.weight is not None:
+            y = y * self.weight
+        if self.bias is not None:
+            y = y + self.bias
         return y

@@ -1,15 +1,17 @@
 """Optimizers: SGD and Adam/AdamW. A step records its updates and rebinds each Parameter to the
 result, without a flush, so forward, backward and update run as one graph.
 
-Per-step scalars (learning rate, Adam's bias corrections) are Python floats, hence bindings: a
-schedule that changes the learning rate, or the growing step count, does not change the graph.
-Structure-changing hyperparameters (momentum on or off, weight decay on or off) are fixed when
-the optimizer is made.
+State is updated in place too: a momentum buffer or Adam's moments keep their Tensor objects and
+only their values are rebound (`t._v = new._v`), and Adam's step count is a tensor on the device
+(torch's `capturable=True`) from which the bias corrections are computed there. So nothing that
+changes from step to step lives in Python, and a step replayed by `emberlink.jit` updates the same
+state as an eager one, with the same numbers. The learning rate is a Python float, hence a
+binding: a schedule that changes it does not change the graph. Structure-changing
+hyperparameters (momentum on or off, weight decay on or off) are fixed when the optimizer is made.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -71,9 +73,11 @@ class SGD(Optimizer):
         if self.weight_decay:
             g = g + p * self.weight_decay
         if self.momentum:
-            buf = state.get("momentum")
-            buf = g if buf is None else buf * self.momentum + g
-            state["momentum"] = buf
+            buf: Tensor | None = state.get("momentum")
+            if buf is None:
+                buf = state["momentum"] = g.detach()  # its own Tensor object: rebound in place below
+            else:
+                buf._v = (buf * self.momentum + g)._v
             g = g + buf * self.momentum if self.nesterov else buf
         return p - g * self.lr
 
@@ -99,20 +103,27 @@ class Adam(Optimizer):
 
     def _update(self, p: Parameter, g: Tensor, state: dict[str, Any]) -> Tensor:
         b1, b2 = self.betas
-        t = state["step"] = state.get("step", 0) + 1
         if self.weight_decay and not self.decoupled:
             g = g + p * self.weight_decay
         m: Tensor | None = state.get("m")
         v: Tensor | None = state.get("v")
-        m = g * (1.0 - b1) if m is None else m * b1 + g * (1.0 - b1)
-        v = (g * g) * (1.0 - b2) if v is None else v * b2 + (g * g) * (1.0 - b2)
-        state["m"], state["v"] = m, v
-        # Bias corrections are Python floats: bindings, so step t+1 replays step t's graph.
-        step_size: float = self.lr / (1.0 - b1**t)
-        denom = v.sqrt() * (1.0 / math.sqrt(1.0 - b2**t)) + self.eps
+        t: Tensor | None = state.get("step")
+        if m is None or v is None or t is None:  # the first step makes the state
+            m, v = g * (1.0 - b1), (g * g) * (1.0 - b2)
+            # float32 for float16 parameters: float16 counts exactly only up to 2048
+            t = p.device.ones((), "float32" if p.dtype == "float16" else p.dtype)
+            state["m"], state["v"], state["step"] = m, v, t
+        else:
+            m._v = (m * b1 + g * (1.0 - b1))._v
+            v._v = (v * b2 + (g * g) * (1.0 - b2))._v
+            t._v = (t + 1.0)._v
+        # Bias corrections from the step count on the device: the same graph every step, and no
+        # Python number that a replayed step would leave stale.
+        step_size = self.lr / (1.0 - b1**t).astype(p.dtype)
+        denom = v.sqrt() / (1.0 - b2**t).sqrt().astype(p.dtype) + self.eps
         base: Tensor = p
         if self.weight_decay and self.decoupled:
-            base = p * (1.0 - self.lr * self.weight_decay)
+            base = p - (p * self.weight_decay) * self.lr  # lr stays a binding (no Python product)
         return base - (m / denom) * step_size
 
 

@@ -15,6 +15,9 @@ Rules (everything that affects the handshake's state machines lives in this file
 - ikm = X25519 secret ‖ ML-KEM secret (empty for the classical suite).
   Handshake keys = HKDF-SHA256(ikm, salt=th1): one seals Welcome's tail, one seals Auth.
   Traffic keys = HKDF-SHA256(ikm, salt=th2): one AES-256-GCM key per direction for the Channel.
+  Link secret = HKDF-SHA256(ikm, salt=th2, another label): 32 bytes that a transport which needs
+  its own keys (the relay's fragment tags and session subjects) derives them from, never the
+  traffic keys themselves. The worker knows it once Welcome is made, the client once it is read.
   Resume secret = HKDF-SHA256(ikm, salt=th2, its own label): what protocol/resume.py's credentials
   grow from; both sides expose it with th2 (`resume_secret`, `transcript`) once done.
 - The worker signs th1; the client signs th2 and its token. Labels keep the two roles apart.
@@ -87,6 +90,7 @@ _WORKER_SIG_LABEL = b"emberlink v1 worker signature\x00"
 _CLIENT_SIG_LABEL = b"emberlink v1 client signature\x00"
 _HANDSHAKE_INFO = b"emberlink v1 handshake keys"
 _TRAFFIC_INFO = b"emberlink v1 traffic keys"
+_LINK_INFO = b"emberlink v1 link secret"
 _RESUME_INFO = b"emberlink v1 resume secret"
 _ZERO_NONCE = bytes(12)  # each handshake key seals exactly one message
 _U16 = struct.Struct(">H")
@@ -168,6 +172,10 @@ class _Reader:
 def _hkdf(ikm: bytes, salt: bytes, info: bytes) -> tuple[bytes, bytes]:
     out = HKDF(algorithm=hashes.SHA256(), length=64, salt=salt, info=info).derive(ikm)
     return out[:32], out[32:]
+
+
+def _link_secret(ikm: bytes, th2: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=th2, info=_LINK_INFO).derive(ikm)
 
 
 def _resume_secret(ikm: bytes, th2: bytes) -> bytes:
@@ -266,6 +274,8 @@ class ClientHandshake:
         self._token_for = token_for
         self._suites = _check_suites(suites)
         self.state = ClientState.START
+        self.link_secret = b""
+        """The session's link secret (see the rules above) once receive_welcome has succeeded."""
         self.transcript = b""
         """th2, once receive_welcome has succeeded."""
         self.resume_secret = b""
@@ -363,6 +373,7 @@ class ClientHandshake:
         auth = header + AESGCM(auth_key).encrypt(_ZERO_NONCE, auth_plain, header)
 
         c2w, w2c = _hkdf(ikm, th2, _TRAFFIC_INFO)
+        self.link_secret = _link_secret(ikm, th2)
         self.transcript, self.resume_secret = th2, _resume_secret(ikm, th2)
         self._x25519 = self._mlkem = None
         return auth, Channel(session_id, c2w, w2c, Role.CLIENT), limits
@@ -393,6 +404,8 @@ class WorkerHandshake:
         self.state = WorkerState.START
         self.client_token: bytes | None = None
         """The client's token (empty if none) once receive_auth has succeeded."""
+        self.link_secret = b""
+        """The session's link secret (see the rules above) once receive_hello has succeeded."""
         self._th2 = b""
         self._auth_key = b""
         self._traffic = (b"", b"")
@@ -475,6 +488,7 @@ class WorkerHandshake:
 
         self._th2 = _transcript(hello, welcome)
         self._traffic = _hkdf(ikm, self._th2, _TRAFFIC_INFO)
+        self.link_secret = _link_secret(ikm, self._th2)
         self._resume = _resume_secret(ikm, self._th2)
         return welcome
 

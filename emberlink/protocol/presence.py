@@ -1,11 +1,14 @@
 """Presence: what a worker tells a relay about itself, signed with its key; encoding only, no I/O, no clocks.
 
 Rules (everything that affects how presence is read lives in this file):
-- A presence message is the msgpack array `[2, body, signature]`; `body` is the msgpack array
-  `[ticket, device, free_bytes, sessions, queued, admits_anyone, draining, seq, nonce]` and
+- A presence message is the msgpack array `[3, body, signature]`; `body` is the msgpack array
+  `[ticket, device, free_bytes, sessions, queued, admits_anyone, draining, seq, nonce, cert]` and
   `signature` is the worker's Ed25519 signature over `LABEL ‖ body`. The NodeId in the ticket is
   the key that must verify it, so a presence message cannot speak for a worker whose key the
-  sender lacks.
+  sender lacks. (Version 2 had no `cert`; a reader of version 3 refuses it.)
+- `cert` is empty, or the worker's cluster certificate (protocol/cluster.py) for the ticket's
+  NodeId: decoding checks the cluster's signature and that it names this worker; whether the
+  reader trusts that cluster is the reader's question.
 - Freshness: a query carries a random `NONCE_SIZE`-byte nonce and the answer signs it back, so
   whoever asked knows the answer was made for its query: a recorded answer replayed later (to
   steer clients to a worker that is gone, or loaded) does not carry the new nonce. Periodic
@@ -24,17 +27,18 @@ from dataclasses import dataclass
 import msgpack
 
 from emberlink.errors import AuthError, ProtocolError
+from emberlink.protocol.cluster import Certificate, decode_certificate
 from emberlink.protocol.identity import Identity, public_from_node_id, verify
 from emberlink.protocol.ticket import Ticket
 
-VERSION = 2
-LABEL = b"emberlink presence v2\x00"
+VERSION = 3
+LABEL = b"emberlink presence v3\x00"
 MAX_PRESENCE = 4096
 """An encoded presence message is at most this many bytes (tickets with many addresses included)."""
 MAX_DEVICE = 64
 _MAX_TICKET = 2048
 _MAX_COUNT = 1 << 62
-_FIELDS = 9
+_FIELDS = 10
 NONCE_SIZE = 16
 
 
@@ -51,6 +55,7 @@ class Presence:
     draining: bool = False
     seq: int = 0
     nonce: bytes = b""  # the query's nonce in an answer; empty in a periodic message
+    certificate: Certificate | None = None  # a cluster's word for this worker, if it has one
 
     @property
     def node_id(self) -> str:
@@ -79,6 +84,7 @@ def encode_presence(presence: Presence, identity: Identity) -> bytes:
             presence.draining,
             presence.seq,
             presence.nonce,
+            presence.certificate.encode() if presence.certificate is not None else b"",
         ],
         use_bin_type=True,
     )
@@ -103,14 +109,17 @@ def decode_presence(data: bytes) -> Presence:
     fields = _unpack(body, "presence body")
     if not (isinstance(fields, list) and len(fields) == _FIELDS):
         raise ProtocolError(f"presence body must be an array of {_FIELDS} fields")
-    ticket_text, device, free_bytes, sessions, queued, admits_anyone, draining, seq, nonce = fields
+    ticket_text, device, free_bytes, sessions, queued, admits_anyone, draining, seq, nonce, cert = fields
     if type(ticket_text) is not str or len(ticket_text) > _MAX_TICKET:
         raise ProtocolError(f"presence ticket must be a string of at most {_MAX_TICKET} characters")
     ticket = Ticket.parse(ticket_text)
     if not verify(public_from_node_id(ticket.node_id), signature, LABEL + body):
         raise AuthError(f"presence for worker {ticket.node_id} is not signed by its key")
+    if type(cert) is not bytes:
+        raise ProtocolError("presence cert must be bytes")
+    certificate = decode_certificate(cert) if cert else None
     presence = Presence(
-        ticket_text, device, free_bytes, sessions, queued, admits_anyone, draining, seq, nonce
+        ticket_text, device, free_bytes, sessions, queued, admits_anyone, draining, seq, nonce, certificate
     )
     _check_fields(presence)
     return presence
@@ -144,6 +153,10 @@ def _check_fields(p: Presence) -> None:
         raise ProtocolError("presence admits_anyone and draining must be booleans")
     if type(p.nonce) is not bytes or len(p.nonce) not in (0, NONCE_SIZE):
         raise ProtocolError(f"presence nonce must be empty or {NONCE_SIZE} bytes")
+    if p.certificate is not None and p.certificate.worker_id != p.node_id:
+        raise ProtocolError(
+            f"presence of worker {p.node_id} carries a certificate for {p.certificate.worker_id}"
+        )
 
 
 __all__ = ["LABEL", "MAX_PRESENCE", "NONCE_SIZE", "Presence", "decode_presence", "encode_presence"]

@@ -13,12 +13,14 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from emberlink.errors import ConfigError, DeviceError, EmberlinkError
 from emberlink.graph_replay.backends import parse_device
+from emberlink.protocol.cluster import Certificate
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.ticket import Ticket
 from emberlink.server.detached import DEFAULT_RESUME_WINDOW
@@ -43,6 +45,9 @@ class WorkerConfig:
     ticket_file: Path | None
     max_session_bytes: int | None
     graph_cache_bytes: int
+    nats_creds: Path | None = None
+    nats_ca: Path | None = None
+    cluster_cert: Certificate | None = None
     resume_window: float = DEFAULT_RESUME_WINDOW
 
 
@@ -67,6 +72,12 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         raise ConfigError(f"--relay must be nats://HOST:PORT, got {args.relay!r}")
     if args.max_session_bytes is not None and args.max_session_bytes <= 0:
         raise ConfigError("--max-session-bytes must be positive")
+    nats_creds, nats_ca, cert_path = args.nats_creds, args.nats_ca, args.cluster_cert
+    if args.relay is None and (nats_creds or nats_ca or cert_path):
+        raise ConfigError("--nats-creds, --nats-ca and --cluster-cert are for a worker with --relay")
+    cluster_cert = Certificate.load(cert_path) if cert_path is not None else None
+    if cluster_cert is not None:
+        check_certificate(cluster_cert, identity.node_id, time.time())
     resume_window = DEFAULT_RESUME_WINDOW if args.resume_window is None else args.resume_window
     if not 0 <= resume_window <= 86400:
         raise ConfigError(f"--resume-window must be 0..86400 seconds, got {resume_window:g}")
@@ -83,8 +94,22 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         graph_cache_bytes=args.graph_cache_bytes
         if args.graph_cache_bytes is not None
         else DEFAULT_GRAPH_CACHE_BYTES,
+        nats_creds=nats_creds,
+        nats_ca=nats_ca,
+        cluster_cert=cluster_cert,
         resume_window=resume_window,
     )
+
+
+def check_certificate(cert: Certificate, node_id: str, now: float) -> None:
+    """ConfigError unless `cert` is for this worker and in date."""
+    if cert.worker_id != node_id:
+        raise ConfigError(f"--cluster-cert is for worker {cert.worker_id}, not this one ({node_id})")
+    if cert.not_after and now > cert.not_after:
+        raise ConfigError(
+            f"--cluster-cert expired at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(cert.not_after))}: "
+            "sign a new one with `emberlink cluster sign`"
+        )
 
 
 def worker_command(args: argparse.Namespace) -> int:
@@ -143,7 +168,7 @@ async def serve(config: WorkerConfig) -> int:
         listeners.append(grpc_listener)
         ticket = ticket_for(config, port)
         if config.relay is not None:
-            listeners.append(await start_relay(worker, config.relay, ticket))
+            listeners.append(await start_relay(worker, config, ticket))
         # The file first: a parent that reads the first stdout line may look for the file at once.
         if config.ticket_file is not None:
             write_ticket(config.ticket_file, str(ticket))
@@ -161,13 +186,21 @@ async def serve(config: WorkerConfig) -> int:
     return 0
 
 
-async def start_relay(worker: Worker, url: str, ticket: Ticket) -> Any:
+async def start_relay(worker: Worker, config: WorkerConfig, ticket: Ticket) -> Any:
     """Serve through the NATS relay and publish presence (server/relay.py)."""
+    assert config.relay is not None
     try:
         from emberlink.server.relay import RelayService
+        from emberlink.transport.nats_access import RelayAccess
     except ImportError as e:  # nats-py missing: transport.nats raises ImportError saying so
         raise ConfigError(f"--relay needs the NATS transport: pip install 'emberlink[nats]' ({e})") from e
-    service = RelayService(worker, url, ticket)
+    access = RelayAccess(config.nats_creds, config.nats_ca)
+    access.connect_options()  # a credentials file or CA bundle that cannot be used stops start-up here
+    if config.nats_creds is not None:
+        log.info("logging in to the relay as %s (credentials from %s)", access.user(), config.nats_creds)
+    if config.cluster_cert is not None:
+        log.info("presence carries the certificate of cluster %s", config.cluster_cert.cluster_id)
+    service = RelayService(worker, config.relay, ticket, access=access, certificate=config.cluster_cert)
     await service.start()  # a relay that is down now is retried in the background
     return service
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from emberlink.graph_replay.backend import Backend
+from emberlink.protocol.cluster import Certificate
 from emberlink.protocol.presence import NONCE_SIZE, Presence, encode_presence
 
 if TYPE_CHECKING:
@@ -54,12 +55,20 @@ class PresenceSource:
 
     `serving()` says whether clients can reach the worker through the relay right now; while it
     is false the worker stays silent, so nobody is sent to a relay path that is not there.
+    `certificate` is the worker's cluster certificate, carried in every message.
     """
 
-    def __init__(self, worker: Worker, ticket: str, serving: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        ticket: str,
+        serving: Callable[[], bool] | None = None,
+        certificate: Certificate | None = None,
+    ) -> None:
         self._worker = worker
         self._ticket = ticket
         self._serving = serving
+        self._certificate = certificate
         self._seq = itertools.count(1)
 
     def current(self, nonce: bytes = b"") -> Presence:
@@ -75,6 +84,7 @@ class PresenceSource:
             draining=worker.draining,
             seq=next(self._seq),
             nonce=nonce,
+            certificate=self._certificate,
         )
 
     def __call__(self, query: bytes = b"") -> bytes | None:

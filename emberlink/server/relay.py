@@ -14,10 +14,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from emberlink.errors import ConfigError, ProtocolError, TransportError
+from emberlink.protocol.cluster import Certificate
 from emberlink.protocol.ticket import Ticket
 from emberlink.server.presence import PresenceSource
 from emberlink.transport.backoff import Backoff
-from emberlink.transport.nats import NatsListener, _redact
+from emberlink.transport.nats import NatsListener
+from emberlink.transport.nats_access import RelayAccess, redact
 from emberlink.transport.presence import INTERVAL_S, Beacon
 
 if TYPE_CHECKING:
@@ -32,9 +34,19 @@ def relay_ticket(ticket: Ticket, url: str) -> Ticket:
 
 
 class RelayService:
-    """Serves `worker` through the relay at `url` and publishes its presence (ticket `ticket`)."""
+    """Serves `worker` through the relay at `url` and publishes its presence (ticket `ticket`, and the
+    worker's cluster certificate if it has one), logging in to the relay with `access`."""
 
-    def __init__(self, worker: Worker, url: str, ticket: Ticket, *, interval: float = INTERVAL_S) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        url: str,
+        ticket: Ticket,
+        *,
+        interval: float = INTERVAL_S,
+        access: RelayAccess | None = None,
+        certificate: Certificate | None = None,
+    ) -> None:
         try:
             Ticket(worker.node_id, (), url)
         except ProtocolError as e:
@@ -42,9 +54,14 @@ class RelayService:
         self.worker = worker
         self.url = url
         self.ticket = ticket if ticket.relay == url else relay_ticket(ticket, url)
-        self.listener = NatsListener(url, worker.node_id, worker.handle)
-        self.presence = PresenceSource(worker, str(self.ticket), self.listener.attached.is_set)
-        self.beacon = Beacon(url, worker.node_id, self.presence, interval=interval)
+        if certificate is not None and certificate.worker_id != worker.node_id:
+            raise ConfigError(
+                f"the cluster certificate is for worker {certificate.worker_id}, not this one ({worker.node_id})"
+            )
+        access = access if access is not None else RelayAccess()
+        self.listener = NatsListener(url, worker.node_id, worker.handle, access=access)
+        self.presence = PresenceSource(worker, str(self.ticket), self.listener.attached.is_set, certificate)
+        self.beacon = Beacon(url, worker.node_id, self.presence, interval=interval, access=access)
         self._starter: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -52,12 +69,10 @@ class RelayService:
         try:
             await self.listener.start()
         except TransportError as e:
-            log.warning(
-                "relay %s is not reachable yet (%s); retrying in the background", _redact(self.url), e
-            )
+            log.warning("relay %s is not reachable yet (%s); retrying in the background", redact(self.url), e)
             self._starter = asyncio.get_running_loop().create_task(self._keep_starting(), name="relay start")
         else:
-            log.info("listening through the NATS relay at %s", _redact(self.url))
+            log.info("listening through the NATS relay at %s", redact(self.url))
         await self.beacon.start()
 
     async def _keep_starting(self) -> None:
@@ -67,9 +82,9 @@ class RelayService:
             try:
                 await self.listener.start()
             except TransportError as e:
-                log.debug("relay %s: still unreachable: %s", _redact(self.url), e)
+                log.debug("relay %s: still unreachable: %s", redact(self.url), e)
             else:
-                log.info("listening through the NATS relay at %s", _redact(self.url))
+                log.info("listening through the NATS relay at %s", redact(self.url))
                 return
 
     @property

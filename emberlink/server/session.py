@@ -48,7 +48,7 @@ from emberlink.server.device import DeviceThread
 from emberlink.server.graphs import GraphView
 from emberlink.server.runner import BatchRunner, Incoming, Outgoing
 from emberlink.server.store import Failure, Quota, TensorStore
-from emberlink.transport.base import Link
+from emberlink.transport.base import Link, bind
 
 log = logging.getLogger("emberlink.server")
 
@@ -364,6 +364,7 @@ class Session:
             hello = bytes(await asyncio.wait_for(self._link.recv(), HANDSHAKE_TIMEOUT))
             self.bytes_in += len(hello)
             welcome = hs.receive_hello(hello)
+            await bind(self._link, hs.link_secret)  # before Welcome: see transport/nats.py's rules
             await self._link.send(welcome)
             self.bytes_out += len(welcome)
             auth = bytes(await asyncio.wait_for(self._link.recv(), HANDSHAKE_TIMEOUT))

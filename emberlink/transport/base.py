@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from emberlink.errors import TransportError
 
@@ -30,6 +30,20 @@ class Link(Protocol):
     async def recv(self) -> bytes | memoryview: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class BindableLink(Link, Protocol):
+    """A link that must be tied to the session's keys once the handshake has made them (the relay's:
+    anyone on a relay can publish on it). Its transport's module says when each end binds."""
+
+    async def bind(self, secret: bytes) -> None: ...
+
+
+async def bind(link: Link, secret: bytes) -> None:
+    """Tie `link` to the session's link secret where its transport needs that; nothing otherwise."""
+    if isinstance(link, BindableLink):
+        await link.bind(secret)
 
 
 Handler = Callable[[Link], Awaitable[None]]

@@ -1,4 +1,18 @@
-"""The NATS relay transport; never reads a blob, never puts a client's identity on the relay."""
+"""The NATS relay transport: session requests, the listener and connect; never reads a blob, never puts a
+client's identity on the relay.
+
+Rules (what the relay and anyone on it can see of a session's setting up):
+- Subjects: a worker takes session requests on `emberlink.node.<node-id>`; a session's messages go
+  to the worker on `emberlink.w.<node-id>.<token>` and to the client on `emberlink.c.<user>.<token>`,
+  where <user> is the client's relay user (its public nkey, or "anon" without credentials);
+  replies to a client's requests come to `emberlink.i.<user>.…`. So NATS permissions can keep a
+  worker to its own subjects and a client to its own inboxes (transport/nats_permissions.py).
+- A session request is the version byte, 16 random bytes (the worker's inbox token), 16 random
+  bytes (the client's), then <user>; the worker answers it with its version byte, or a refusal.
+  Where permissions are in force only the worker can read it.
+- Once the handshake is done the session leaves these subjects for ones derived from its keys
+  (transport/nats_link.py has those rules).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +20,6 @@ import asyncio
 import logging
 import re
 import secrets
-from collections import deque
-from collections.abc import Awaitable, Callable
-from urllib.parse import urlsplit, urlunsplit
 
 try:
     import nats.errors
@@ -20,225 +31,34 @@ except ImportError as e:  # nats-py is an optional dependency
 
 from emberlink.errors import TransportError, TransportTimeout
 from emberlink.transport.backoff import Backoff
-from emberlink.transport.base import MAX_BLOB, Blob, Handler, check_size
-from emberlink.transport.fragment import Fragmenter, FragmentError, Kind, Reassembler
+from emberlink.transport.base import Handler
+from emberlink.transport.nats_access import RelayAccess, open_connection, redact
+from emberlink.transport.nats_link import SILENCE_S, TICK_S, TOKEN_BYTES, NatsLink
 from emberlink.transport.sessions import SessionSet
 
 log = logging.getLogger("emberlink.transport.nats")
 
 NODE_PREFIX = "emberlink.node."
-SESSION_PREFIX = "emberlink.s."
+TO_WORKER_PREFIX = "emberlink.w."
+TO_CLIENT_PREFIX = "emberlink.c."
+INBOX_PREFIX = "emberlink.i."
 
-#: An idle link sends a heartbeat every TICK_S; a link that heard nothing for SILENCE_S is dead.
-TICK_S = 0.25
-SILENCE_S = 1.5
-#: How often the NATS client itself pings the server, and how many unanswered pings end it.
-_PING_INTERVAL_S = 1
-_MAX_OUTSTANDING_PINGS = 2
-
-# A session request is one version byte and 16 random bytes; the reply one byte, then a reason.
-_VERSION = 1
-_SESSION_ID_BYTES = 16
+_VERSION = 2
 _ACCEPT = bytes([_VERSION])
 _REFUSE = b"\x00"
+_MAX_REQUEST = 1 + 2 * TOKEN_BYTES + 128
 
 _TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
-def _redact(url: str) -> str:
-    """The url without user:password, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urlunsplit(parts._replace(netloc=netloc))
+def _token(text: str, what: str) -> str:
+    if not _TOKEN.fullmatch(text):
+        raise TransportError(f"{what} {text!r} cannot be a NATS subject token")
+    return text
 
 
 def _node_subject(node_id: str) -> str:
-    if not _TOKEN.fullmatch(node_id):
-        raise TransportError(f"node id {node_id!r} cannot be a NATS subject token")
-    return NODE_PREFIX + node_id
-
-
-def _session_subjects(session_id: bytes) -> tuple[str, str]:
-    """(client → worker, worker → client) subjects of one session."""
-    base = SESSION_PREFIX + session_id.hex()
-    return base + ".w", base + ".c"
-
-
-async def _open(url: str, timeout: float, on_lost: Callable[[Client], Awaitable[None]]) -> Client:
-    """A NATS connection that never reconnects by itself: a lost relay ends it, and `on_lost` runs."""
-    nc = Client()
-
-    async def lost() -> None:
-        await on_lost(nc)
-
-    errors_seen: list[Exception] = []
-
-    async def error(e: Exception) -> None:
-        errors_seen[:] = [e]
-        log.debug("nats %s: %s: %s", _redact(url), type(e).__name__, e)
-
-    try:
-        await nc.connect(
-            servers=[url],
-            allow_reconnect=False,
-            connect_timeout=timeout,  # type: ignore[arg-type]
-            # 0 would mean "forever" to nats-py's first connect; 1 means two quick tries, then give up.
-            max_reconnect_attempts=1,
-            reconnect_time_wait=0.05,  # type: ignore[arg-type]
-            ping_interval=_PING_INTERVAL_S,
-            max_outstanding_pings=_MAX_OUTSTANDING_PINGS,
-            disconnected_cb=lost,
-            closed_cb=lost,
-            error_cb=error,
-        )
-    except (OSError, TimeoutError, nats.errors.Error) as e:
-        # nats-py reports "no servers" after its attempts; the last attempt's error says why.
-        cause = errors_seen[0] if isinstance(e, nats.errors.NoServersError) and errors_seen else e
-        await nc.close()
-        what = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
-        raise TransportError(f"cannot reach NATS relay at {_redact(url)}: {what}") from e
-    return nc
-
-
-class NatsLink:
-    """One end of a relayed session: publishes on one subject, listens on the other."""
-
-    def __init__(self, nc: Client, out_subject: str, in_subject: str, peer: str, *, owns_nc: bool) -> None:
-        self._nc = nc
-        self._out = out_subject
-        self._in = in_subject
-        self.peer = peer
-        self._owns_nc = owns_nc
-        self._fragmenter = Fragmenter()
-        self._reassembler = Reassembler(MAX_BLOB)
-        self._send_lock = asyncio.Lock()
-        self._inbox: deque[bytes | memoryview] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._sub: Subscription | None = None
-        self._ticker: asyncio.Task[None] | None = None
-        self._closed = False
-        self._peer_closed = False
-        self._error: str | None = None
-        loop = asyncio.get_running_loop()
-        self._last_heard = self._last_sent = loop.time()
-
-    async def _attach(self) -> None:
-        """Subscribe before the other side learns the subjects, so nothing it sends is missed."""
-        try:
-            self._sub = await self._nc.subscribe(self._in, cb=self._on_message)
-        except nats.errors.Error as e:
-            raise TransportError(f"cannot subscribe for session with {self.peer}: {e}") from e
-        self._ticker = asyncio.get_running_loop().create_task(
-            self._tick(), name=f"nats heartbeat {self.peer}"
-        )
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    def _fail(self, why: str) -> None:
-        if self._error is None and not self._closed:
-            self._error = why
-            log.debug("nats link %s failed: %s", self.peer, why)
-        self._wake()
-
-    async def _on_message(self, msg: Msg) -> None:
-        self._last_heard = asyncio.get_running_loop().time()
-        if self._error is not None or self._closed:
-            return
-        try:
-            kind, blob = self._reassembler.feed(msg.data)
-        except FragmentError as e:
-            self._fail(f"session with {self.peer} broke: {e}")
-            return
-        if blob is not None:
-            self._inbox.append(blob)
-            self._wake()
-        elif kind is Kind.CLOSE:
-            self._peer_closed = True
-            self._wake()
-
-    async def _tick(self) -> None:
-        loop = asyncio.get_running_loop()
-        last_tick = loop.time()
-        while not self._closed and self._error is None:
-            await asyncio.sleep(TICK_S)
-            now = loop.time()
-            # After our own loop stalled, heartbeats may be sitting unread in the socket: judge next tick.
-            stalled = now - last_tick > 2 * TICK_S
-            last_tick = now
-            if now - self._last_sent >= TICK_S and not self._send_lock.locked():
-                try:
-                    async with self._send_lock:
-                        await self._publish(self._fragmenter.control(Kind.BEAT))
-                except TransportError as e:
-                    self._fail(str(e))
-                    return
-            if not stalled and now - self._last_heard > SILENCE_S and not self._peer_closed:
-                self._fail(f"no word from {self.peer} for {SILENCE_S} s: the peer or the relay is gone")
-
-    async def _publish(self, message: bytes) -> None:
-        try:
-            await self._nc.publish(self._out, message)
-        except nats.errors.Error as e:
-            raise TransportError(f"send to {self.peer} failed: {type(e).__name__}: {e}") from e
-        self._last_sent = asyncio.get_running_loop().time()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportError(f"link to {self.peer} is closed")
-        if self._error is not None:
-            raise TransportError(self._error)
-
-    async def send(self, blob: Blob) -> None:
-        check_size(blob)  # no copy: the fragmenter copies once, prepending its header
-        self._check_open()
-        if self._peer_closed:
-            raise TransportError(f"peer {self.peer} closed the session")
-        async with self._send_lock:
-            # Read the limit from the live connection: servers are configured differently.
-            for message in self._fragmenter.fragments(blob, self._nc.max_payload):
-                await self._publish(message)
-
-    async def recv(self) -> bytes | memoryview:
-        while True:
-            if self._closed:
-                raise TransportError(f"link to {self.peer} is closed")
-            if self._inbox:
-                return self._inbox.popleft()
-            if self._error is not None:
-                raise TransportError(self._error)
-            if self._peer_closed:
-                raise TransportError(f"peer {self.peer} closed the session")
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        if self._error is None and not self._nc.is_closed:
-            try:
-                async with self._send_lock:
-                    await self._publish(self._fragmenter.control(Kind.CLOSE))
-            except TransportError:
-                pass
-        self._closed = True
-        self._wake()
-        if self._ticker is not None and self._ticker is not asyncio.current_task():
-            self._ticker.cancel()
-        if self._sub is not None and not self._nc.is_closed:
-            try:
-                await self._sub.unsubscribe()
-            except nats.errors.Error:
-                pass
-        if self._owns_nc:
-            await self._nc.close()  # flushes what is still pending, CLOSE included
+    return NODE_PREFIX + _token(node_id, "node id")
 
 
 class NatsListener:
@@ -248,9 +68,19 @@ class NatsListener:
     the listener keeps trying to re-attach, with backoff, until `stop()`.
     """
 
-    def __init__(self, url: str, node_id: str, handler: Handler, *, connect_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        node_id: str,
+        handler: Handler,
+        *,
+        connect_timeout: float = 5.0,
+        access: RelayAccess | None = None,
+    ) -> None:
         self.url = url
         self.subject = _node_subject(node_id)
+        self._inbox_base = TO_WORKER_PREFIX + node_id
+        self._access = access if access is not None else RelayAccess()
         self._connect_timeout = connect_timeout
         self._sessions = SessionSet(handler, "nats")
         self._links: dict[Client, set[NatsLink]] = {}
@@ -268,21 +98,21 @@ class NatsListener:
         return self.subject
 
     async def _attach(self) -> None:
-        nc = await _open(self.url, self._connect_timeout, self._on_lost)
+        nc = await open_connection(self.url, self._connect_timeout, self._on_lost, self._access)
         self._links[nc] = set()
         try:
             node_sub = await nc.subscribe(self.subject, cb=self._on_request)
             await nc.flush(self._connect_timeout)  # type: ignore[arg-type]  # nats-py takes any number
         except (TimeoutError, nats.errors.Error) as e:
             await nc.close()
-            raise TransportError(f"cannot subscribe on NATS relay at {_redact(self.url)}: {e}") from e
+            raise TransportError(f"cannot subscribe on NATS relay at {redact(self.url)}: {e}") from e
         self._nc, self._node_sub = nc, node_sub
         self._lost.clear()
         self.attached.set()
 
     async def _on_lost(self, nc: Client) -> None:
         for link in self._links.pop(nc, ()):
-            link._fail(f"lost the NATS relay at {_redact(self.url)}")
+            link._fail(f"lost the NATS relay at {redact(self.url)}")
         if nc is self._nc:
             self._nc = None
             self.attached.clear()
@@ -297,22 +127,24 @@ class NatsListener:
             try:
                 await self._attach()
             except TransportError as e:
-                log.debug("re-attaching to %s failed: %s", _redact(self.url), e)
+                log.debug("re-attaching to %s failed: %s", redact(self.url), e)
                 await backoff.sleep()
             else:
-                log.info("re-attached to NATS relay at %s", _redact(self.url))
+                log.info("re-attached to NATS relay at %s", redact(self.url))
                 backoff.reset()
 
     async def _on_request(self, msg: Msg) -> None:
         nc = self._nc
-        data = msg.data
-        if not msg.reply or len(data) != 1 + _SESSION_ID_BYTES or data[0] != _VERSION:
+        subjects = self._session_subjects(msg.data) if msg.reply else None
+        if subjects is None:
             return  # not ours to answer; a client with another version times out with a clear message
         if nc is None or self._stopping:
             await msg.respond(_REFUSE + b"worker is shutting down")
             return
-        to_worker, to_client = _session_subjects(data[1:])
-        link = NatsLink(nc, to_client, to_worker, f"nats-session:{data[1:5].hex()}", owns_nc=False)
+        to_client, to_worker = subjects
+        link = NatsLink(
+            nc, to_client, to_worker, f"nats-session:{msg.data[1:5].hex()}", owns_nc=False, initiator=False
+        )
         try:
             await link._attach()
             await msg.respond(_ACCEPT)
@@ -322,17 +154,28 @@ class NatsListener:
             return
         links = self._links.get(nc)
         if links is None:  # the relay went away meanwhile
-            link._fail(f"lost the NATS relay at {_redact(self.url)}")
+            link._fail(f"lost the NATS relay at {redact(self.url)}")
         else:
             links.add(link)
         task = self._sessions.spawn(link)
         task.add_done_callback(lambda _: self._links.get(nc, set()).discard(link))
 
+    def _session_subjects(self, data: bytes) -> tuple[str, str] | None:
+        """(to client, to worker) of a well-formed session request, else None."""
+        if not 1 + 2 * TOKEN_BYTES < len(data) <= _MAX_REQUEST or data[0] != _VERSION:
+            return None
+        user = data[1 + 2 * TOKEN_BYTES :].decode("ascii", errors="replace")
+        if not _TOKEN.fullmatch(user):
+            return None
+        to_worker = f"{self._inbox_base}.{data[1 : 1 + TOKEN_BYTES].hex()}"
+        to_client = f"{TO_CLIENT_PREFIX}{user}.{data[1 + TOKEN_BYTES : 1 + 2 * TOKEN_BYTES].hex()}"
+        return to_client, to_worker
+
     async def publish(self, subject: str, data: bytes) -> None:
         """Publish one message (e.g. presence) on the listener's connection; at most max_payload bytes."""
         nc = self._nc
         if nc is None:
-            raise TransportError(f"not attached to NATS relay at {_redact(self.url)}")
+            raise TransportError(f"not attached to NATS relay at {redact(self.url)}")
         try:
             await nc.publish(subject, data)
         except nats.errors.Error as e:
@@ -361,54 +204,63 @@ class NatsListener:
         self.attached.clear()
 
 
-async def connect(url: str, node_id: str, *, timeout: float = 10.0) -> NatsLink:
-    """Open a session through the relay at `url` to the worker listening as `node_id`."""
+async def connect(
+    url: str, node_id: str, *, timeout: float = 10.0, access: RelayAccess | None = None
+) -> NatsLink:
+    """Open a session through the relay at `url` to the worker listening as `node_id`; `access` (default:
+    the client's settings in the environment, see transport/nats_access.py) says how to log in."""
     subject = _node_subject(node_id)
+    access = access if access is not None else RelayAccess.from_env()
+    user = access.user()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     link: NatsLink | None = None
 
     async def lost(_nc: Client) -> None:
         if link is not None:
-            link._fail(f"lost the NATS relay at {_redact(url)}")
+            link._fail(f"lost the NATS relay at {redact(url)}")
 
-    nc = await _open(url, timeout, lost)
-    session_id = secrets.token_bytes(_SESSION_ID_BYTES)
-    to_worker, to_client = _session_subjects(session_id)
-    link = NatsLink(nc, to_worker, to_client, f"nats:{node_id}@{_redact(url)}", owns_nc=True)
+    nc = await open_connection(url, timeout, lost, access, inbox_prefix=INBOX_PREFIX + user)
+    worker_token, client_token = secrets.token_bytes(TOKEN_BYTES), secrets.token_bytes(TOKEN_BYTES)
+    to_worker = f"{TO_WORKER_PREFIX}{node_id}.{worker_token.hex()}"
+    to_client = f"{TO_CLIENT_PREFIX}{user}.{client_token.hex()}"
+    link = NatsLink(nc, to_worker, to_client, f"nats:{node_id}@{redact(url)}", owns_nc=True, initiator=True)
+    request = bytes([_VERSION]) + worker_token + client_token + user.encode()
     try:
         await link._attach()
         remaining = max(deadline - loop.time(), 0.001)
-        reply = await nc.request(subject, bytes([_VERSION]) + session_id, timeout=remaining)
+        reply = await nc.request(subject, request, timeout=remaining)
     except nats.errors.NoRespondersError:
         await link.close()
-        raise TransportError(f"no worker {node_id} is listening on NATS relay {_redact(url)}") from None
+        raise TransportError(f"no worker {node_id} is listening on NATS relay {redact(url)}") from None
     except TimeoutError:
         await link.close()
         raise TransportTimeout(
-            f"worker {node_id} did not answer on NATS relay {_redact(url)} within {timeout} s"
+            f"worker {node_id} did not answer on NATS relay {redact(url)} within {timeout} s"
         ) from None
     except (TransportError, nats.errors.Error) as e:
         await link.close()
-        raise TransportError(f"cannot open a session with {node_id} on {_redact(url)}: {e}") from e
+        raise TransportError(f"cannot open a session with {node_id} on {redact(url)}: {e}") from e
     except BaseException:
         await link.close()
         raise
     if reply.data != _ACCEPT:
         await link.close()
         reason = reply.data[1:].decode(errors="replace") or "no reason given"
-        raise TransportError(f"worker {node_id} on NATS relay {_redact(url)} refused the session: {reason}")
+        raise TransportError(f"worker {node_id} on NATS relay {redact(url)} refused the session: {reason}")
     return link
 
 
-async def collect(url: str, subject: str, *, window: float, timeout: float = 5.0) -> list[tuple[str, bytes]]:
+async def collect(
+    url: str, subject: str, *, window: float, timeout: float = 5.0, access: RelayAccess | None = None
+) -> list[tuple[str, bytes]]:
     """Every message published on `subject` (wildcards allowed) during `window` seconds, e.g. presence."""
     got: list[tuple[str, bytes]] = []
 
     async def lost(_nc: Client) -> None:
         return None
 
-    nc = await _open(url, timeout, lost)
+    nc = await open_connection(url, timeout, lost, access if access is not None else RelayAccess.from_env())
 
     async def keep(msg: Msg) -> None:
         got.append((msg.subject, msg.data))
@@ -417,10 +269,10 @@ async def collect(url: str, subject: str, *, window: float, timeout: float = 5.0
         await nc.subscribe(subject, cb=keep)
         await asyncio.sleep(window)
     except nats.errors.Error as e:
-        raise TransportError(f"cannot subscribe to {subject} on {_redact(url)}: {e}") from e
+        raise TransportError(f"cannot subscribe to {subject} on {redact(url)}: {e}") from e
     finally:
         await nc.close()
     return got
 
 
-__all__ = ["NatsLink", "NatsListener", "collect", "connect"]
+__all__ = ["SILENCE_S", "TICK_S", "NatsLink", "NatsListener", "RelayAccess", "collect", "connect"]

@@ -19,7 +19,8 @@ from nats.aio.msg import Msg
 
 from emberlink.errors import TransportError
 from emberlink.transport.backoff import Backoff
-from emberlink.transport.nats import _node_subject, _open, _redact
+from emberlink.transport.nats import INBOX_PREFIX, _node_subject
+from emberlink.transport.nats_access import RelayAccess, open_connection, redact
 
 log = logging.getLogger("emberlink.transport.presence")
 
@@ -45,9 +46,17 @@ class Beacon:
     """
 
     def __init__(
-        self, url: str, node_id: str, payload: Payload, *, interval: float = INTERVAL_S, timeout: float = 5.0
+        self,
+        url: str,
+        node_id: str,
+        payload: Payload,
+        *,
+        interval: float = INTERVAL_S,
+        timeout: float = 5.0,
+        access: RelayAccess | None = None,
     ) -> None:
         self.url = url
+        self._access = access if access is not None else RelayAccess()
         self.subject = presence_subject(node_id)
         self._payload = payload
         self._interval = interval
@@ -63,13 +72,13 @@ class Beacon:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"presence {self.subject}")
 
     async def _attach(self) -> None:
-        nc = await _open(self.url, self._timeout, self._on_lost)
+        nc = await open_connection(self.url, self._timeout, self._on_lost, self._access)
         try:
             await nc.subscribe(QUERY_SUBJECT, cb=self._on_query)
             await nc.flush(self._timeout)  # type: ignore[arg-type]  # nats-py takes any number
         except (TimeoutError, nats.errors.Error) as e:
             await nc.close()
-            raise TransportError(f"cannot subscribe on NATS relay at {_redact(self.url)}: {e}") from e
+            raise TransportError(f"cannot subscribe on NATS relay at {redact(self.url)}: {e}") from e
         self._nc = nc
         self._lost.clear()
         self.attached.set()
@@ -87,7 +96,7 @@ class Beacon:
                 try:
                     await self._attach()
                 except TransportError as e:
-                    log.debug("presence: attaching to %s failed: %s", _redact(self.url), e)
+                    log.debug("presence: attaching to %s failed: %s", redact(self.url), e)
                     await backoff.sleep()
                     continue
                 backoff.reset()
@@ -142,10 +151,17 @@ class Heard:
 
 
 async def query(
-    url: str, *, window: float, quiet: float, timeout: float = 5.0, payload: bytes = b""
+    url: str,
+    *,
+    window: float,
+    quiet: float,
+    timeout: float = 5.0,
+    payload: bytes = b"",
+    access: RelayAccess | None = None,
 ) -> list[Heard]:
     """Ask every worker on the relay for its presence (the query carries `payload`) and collect the
     answers. (Periodic messages are not collected: an asker cannot tell when they were made.)
+    `access` defaults to the client's settings in the environment.
 
     Returns after `window` seconds, or earlier once some worker answered and no further answer
     came for `quiet` seconds. TransportError if the relay cannot be reached.
@@ -158,7 +174,8 @@ async def query(
     async def lost(_nc: Client) -> None:
         arrived.set()
 
-    nc = await _open(url, timeout, lost)
+    access = access if access is not None else RelayAccess.from_env()
+    nc = await open_connection(url, timeout, lost, access, inbox_prefix=INBOX_PREFIX + access.user())
     inbox = nc.new_inbox()
 
     nobody: list[bool] = []
@@ -189,12 +206,12 @@ async def query(
             except TimeoutError:
                 pass
     except (TimeoutError, nats.errors.Error) as e:
-        raise TransportError(f"cannot query presence on {_redact(url)}: {type(e).__name__}: {e}") from e
+        raise TransportError(f"cannot query presence on {redact(url)}: {type(e).__name__}: {e}") from e
     finally:
         closed = nc.is_closed
         await nc.close()
     if closed:
-        raise TransportError(f"lost the NATS relay at {_redact(url)} while collecting presence")
+        raise TransportError(f"lost the NATS relay at {redact(url)} while collecting presence")
     return heard
 
 

@@ -89,7 +89,11 @@ def test_metadata_reaches_the_header_as_safetensors_reads_it(tmp_path: Path) -> 
         assert f.metadata() == {"format": "pt"}
     assert list(el.load(tmp_path / "ck.safetensors")) == ["w"]
     with pytest.raises(CheckpointError, match="metadata must map strings to strings"):
-        el.save({"w": np.zeros(2)}, tmp_path / "other.safetensors", metadata={"epoch": 3})
+        el.save(
+            {"w": np.zeros(2)},
+            tmp_path / "other.safetensors",
+            metadata={"epoch": 3},  # type: ignore[dict-item]  # an int value on purpose
+        )
 
 
 def test_load_reads_what_the_safetensors_package_writes(dev: Device, tmp_path: Path) -> None:
@@ -266,7 +270,8 @@ def test_a_dtype_emberlink_cannot_hold_is_named_with_what_to_do(tmp_path: Path, 
 def test_saving_an_entry_that_is_not_a_tensor_names_it(tmp_path: Path) -> None:
     for value in (3, [1.0, 2.0], {"momentum": np.zeros(2)}):
         with pytest.raises(CheckpointError, match=r"state\['step'\] is a \w+, not a Tensor or NumPy array"):
-            el.save({"w": np.zeros(2), "step": value}, tmp_path / "ck.safetensors")
+            state = {"w": np.zeros(2), "step": value}
+            el.save(state, tmp_path / "ck.safetensors")  # type: ignore[arg-type]  # not a tensor on purpose
     assert not list(tmp_path.iterdir())  # checked before anything is written
 
 
@@ -274,9 +279,9 @@ def test_saving_refuses_names_the_format_cannot_hold(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="'__metadata__' is reserved"):
         el.save({"__metadata__": np.zeros(2)}, tmp_path / "ck.safetensors")
     with pytest.raises(CheckpointError, match="names must be strings, got int 0"):
-        el.save({0: np.zeros(2)}, tmp_path / "ck.safetensors")
+        el.save({0: np.zeros(2)}, tmp_path / "ck.safetensors")  # type: ignore[dict-item]  # an int on purpose
     with pytest.raises(CheckpointError, match="mapping of names to tensors"):
-        el.save(nn.Linear(2, 2), tmp_path / "ck.safetensors")
+        el.save(nn.Linear(2, 2), tmp_path / "ck.safetensors")  # type: ignore[arg-type]  # a Module on purpose
 
 
 def test_saving_a_dtype_a_checkpoint_cannot_hold_names_the_entry(tmp_path: Path) -> None:

@@ -16,6 +16,12 @@ from tests.graph_replay.cases import UNARY
 F = el.nn.functional
 
 
+def gradient(x: el.Tensor) -> el.Tensor:
+    """`x.grad`, which the test's backward() must have set."""
+    assert x.grad is not None, "backward() left no gradient"
+    return x.grad
+
+
 def gradcheck(
     dev: Device, fn: Callable[..., el.Tensor], *arrays: np.ndarray, eps: float = 1e-6, tol: float = 1e-6
 ) -> None:
@@ -27,7 +33,7 @@ def gradcheck(
     out = fn(*xs)
     w = np.random.default_rng(0).uniform(0.5, 1.5, out.shape)
     (out * dev.tensor(w)).sum().backward()
-    analytic = [x.grad.numpy() for x in xs]
+    analytic = [gradient(x).numpy() for x in xs]
 
     def value(args: list[np.ndarray]) -> float:
         with el.no_grad():
@@ -41,7 +47,8 @@ def gradcheck(
             minus[i][j] -= eps
             numeric[j] = (value(plus) - value(minus)) / (2 * eps)
         np.testing.assert_allclose(analytic[i], numeric, rtol=tol, atol=tol, err_msg=f"input {i}")
-        assert xs[i].grad.shape == a.shape and xs[i].grad.dtype == "float64"
+        grad = gradient(xs[i])
+        assert grad.shape == a.shape and grad.dtype == "float64"
 
 
 def u(rng: np.random.Generator, *shape: int, lo: float = -2.0, hi: float = 2.0) -> np.ndarray:
@@ -50,7 +57,8 @@ def u(rng: np.random.Generator, *shape: int, lo: float = -2.0, hi: float = 2.0) 
 
 def away_from_zero(rng: np.random.Generator, *shape: int) -> np.ndarray:
     a = u(rng, *shape, lo=0.3, hi=2.0)
-    return a * rng.choice([-1.0, 1.0], size=shape)
+    signed: np.ndarray = a * rng.choice([-1.0, 1.0], size=shape)
+    return signed
 
 
 DIFFERENTIABLE_UNARY = [name for name in names("unary") if name in DIFFERENTIABLE]
@@ -61,7 +69,8 @@ def in_domain(rng: np.random.Generator, name: str) -> np.ndarray:
     kinks of abs and relu) where the domain allows."""
     row = UNARY[name]
     a = away_from_zero(rng, 3, 4)
-    return np.clip(np.abs(a) if row.lo >= 0 else a, row.lo, row.hi)
+    clipped: np.ndarray = np.clip(np.abs(a) if row.lo >= 0 else a, row.lo, row.hi)
+    return clipped
 
 
 @pytest.mark.parametrize("name", DIFFERENTIABLE_UNARY)
@@ -87,7 +96,7 @@ def test_rounding_passes_a_zero_gradient_and_its_result_requires_grad(dev: Devic
     y = getattr(x, name)()
     assert y.requires_grad  # as in PyTorch: the result takes part in autograd, with gradient 0
     (y * 3.0 + x).sum().backward()
-    np.testing.assert_array_equal(x.grad.numpy(), [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(gradient(x).numpy(), [1.0, 1.0, 1.0])
 
 
 @pytest.mark.parametrize("name", ["isnan", "isinf", "isfinite", "sign"])
@@ -141,7 +150,7 @@ def test_max_gradient_is_shared_between_ties(dev: Device) -> None:
     x = dev.tensor(np.array([1.0, 3.0, 3.0, 2.0]))
     x.requires_grad = True
     x.max().backward()
-    np.testing.assert_allclose(x.grad.numpy(), [0.0, 0.5, 0.5, 0.0])
+    np.testing.assert_allclose(gradient(x).numpy(), [0.0, 0.5, 0.5, 0.0])
 
 
 @pytest.mark.parametrize(
@@ -222,11 +231,11 @@ def test_implicit_seed_of_a_scalar_loss(dev: Device) -> None:
     x = dev.tensor([1.0, 2.0, 3.0])
     x.requires_grad = True
     x.sum().backward()
-    np.testing.assert_array_equal(x.grad.numpy(), [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(gradient(x).numpy(), [1.0, 1.0, 1.0])
     y = dev.tensor([1.0, 2.0])
     y.requires_grad = True
     (y * y).mean().backward()
-    np.testing.assert_allclose(y.grad.numpy(), [1.0, 2.0])
+    np.testing.assert_allclose(gradient(y).numpy(), [1.0, 2.0])
 
 
 def test_backward_of_a_non_scalar_needs_a_gradient(dev: Device) -> None:
@@ -236,7 +245,7 @@ def test_backward_of_a_non_scalar_needs_a_gradient(dev: Device) -> None:
     with pytest.raises(el.ShapeError, match="one-element"):
         y.backward()
     y.backward(dev.tensor([1.0, 10.0]))
-    np.testing.assert_array_equal(x.grad.numpy(), [3.0, 30.0])
+    np.testing.assert_array_equal(gradient(x).numpy(), [3.0, 30.0])
 
 
 def test_gradients_accumulate_across_backward_calls_until_cleared(dev: Device) -> None:
@@ -244,10 +253,10 @@ def test_gradients_accumulate_across_backward_calls_until_cleared(dev: Device) -
     x.requires_grad = True
     (x * x).sum().backward()
     (x * 3.0).sum().backward()
-    np.testing.assert_array_equal(x.grad.numpy(), [7.0])
+    np.testing.assert_array_equal(gradient(x).numpy(), [7.0])
     x.grad = None
     (x * 1.0).sum().backward()
-    np.testing.assert_array_equal(x.grad.numpy(), [1.0])
+    np.testing.assert_array_equal(gradient(x).numpy(), [1.0])
 
 
 def test_a_tensor_used_twice_gets_both_contributions(dev: Device) -> None:
@@ -255,7 +264,7 @@ def test_a_tensor_used_twice_gets_both_contributions(dev: Device) -> None:
     x.requires_grad = True
     y = x * 2.0
     (y * y + y).sum().backward()  # d/dx (4x^2 + 2x) = 8x + 2
-    np.testing.assert_array_equal(x.grad.numpy(), [26.0])
+    np.testing.assert_array_equal(gradient(x).numpy(), [26.0])
 
 
 def test_no_grad_and_detach_stop_history(dev: Device) -> None:
@@ -308,8 +317,8 @@ def test_leaf_used_in_float16_gets_a_gradient_of_its_own_dtype(dev: Device) -> N
     x.requires_grad = True
     y = dev.tensor(np.array([3.0, 4.0], dtype="float32"))
     (x * y).sum().backward()
-    assert x.grad.dtype == "float16"
-    np.testing.assert_array_equal(x.grad.numpy(), [3.0, 4.0])
+    assert gradient(x).dtype == "float16"
+    np.testing.assert_array_equal(gradient(x).numpy(), [3.0, 4.0])
 
 
 def test_no_grad_in_one_thread_leaves_other_threads_recording(dev: Device) -> None:
@@ -329,7 +338,7 @@ def test_no_grad_in_one_thread_leaves_other_threads_recording(dev: Device) -> No
         x = dev.tensor([1.0, 2.0, 3.0])
         x.requires_grad = True
         (x * x).sum().backward()  # would find no history if no_grad were process-wide
-        np.testing.assert_allclose(x.grad.numpy(), [2.0, 4.0, 6.0])
+        np.testing.assert_allclose(gradient(x).numpy(), [2.0, 4.0, 6.0])
     finally:
         release.set()
         other.join()

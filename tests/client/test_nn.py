@@ -26,6 +26,7 @@ def test_linear_init_is_deterministic_per_seed_and_kaiming_bounded() -> None:
     wa, wb, wc = (m.weight.numpy() for m in (a, b, c))
     np.testing.assert_array_equal(wa, wb)
     assert not np.array_equal(wa, wc)
+    assert a.bias is not None  # Linear has a bias unless bias=False
     assert wa.shape == (50, 20) and wa.dtype == np.float32 and a.bias.shape == (20,)
     bound = 1 / math.sqrt(50)
     assert np.abs(wa).max() <= bound and np.abs(a.bias.numpy()).max() <= bound
@@ -34,6 +35,7 @@ def test_linear_init_is_deterministic_per_seed_and_kaiming_bounded() -> None:
 def test_linear_forward_matches_numpy(dev: Device, rng) -> None:
     layer = nn.Linear(4, 3, seed=0).to(dev)
     x = rng.standard_normal((5, 4)).astype("float32")
+    assert layer.bias is not None  # Linear has a bias unless bias=False
     w, b = layer.weight.numpy(), layer.bias.numpy()
     np.testing.assert_allclose(layer(dev.tensor(x)).numpy(), x @ w + b, rtol=1e-5)
     no_bias = nn.Linear(4, 3, bias=False, seed=0, device=dev)
@@ -49,7 +51,8 @@ class Block(nn.Module):
         self.scale = nn.Parameter(np.ones(2, dtype="float32"))
 
     def forward(self, x: el.Tensor) -> el.Tensor:
-        return self.head(self.body(x)) * self.scale
+        y: el.Tensor = self.head(self.body(x))
+        return y * self.scale
 
 
 def test_named_parameters_are_dotted_attribute_paths_in_order() -> None:
@@ -149,6 +152,7 @@ def test_embedding_takes_rows_and_accumulates_repeated_gradients(dev: Device) ->
     w = emb.weight.numpy()
     np.testing.assert_array_equal(out.numpy(), w[np.array([[1, 4], [1, 1]])])
     out.sum().backward()
+    assert emb.weight.grad is not None  # set by the backward() above
     np.testing.assert_array_equal(emb.weight.grad.numpy()[:, 0], [0, 3, 0, 0, 1])
 
 

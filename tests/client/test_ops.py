@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 import emberlink as el
@@ -18,12 +20,12 @@ def arr(rng: np.random.Generator, *shape: int, dtype: str = "float32", lo: float
     return rng.uniform(lo, hi, size=shape).astype(dtype)
 
 
-def check(t: el.Tensor, expected: np.ndarray, *, rtol: float = 1e-6, atol: float = 1e-6) -> None:
-    expected = np.asarray(expected)
+def check(t: el.Tensor, expected: npt.ArrayLike, *, rtol: float = 1e-6, atol: float = 1e-6) -> None:
+    want = np.asarray(expected)
     got = t.numpy()
-    assert t.shape == expected.shape == got.shape
+    assert t.shape == want.shape == got.shape
     assert t.dtype == str(got.dtype)
-    np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
 # -- unary ------------------------------------------------------------------------------------------
@@ -207,7 +209,13 @@ def test_float16_arithmetic_stays_float16(dev: Device, rng) -> None:
 
 # -- reductions -------------------------------------------------------------------------------------
 
-REDUCTIONS = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}
+REDUCTIONS: dict[str, Callable[..., np.ndarray]] = {
+    "sum": np.sum,
+    "mean": np.mean,
+    "max": np.max,
+    "min": np.min,
+    "prod": np.prod,
+}
 
 
 @pytest.mark.parametrize("keepdims", [False, True])
@@ -497,7 +505,8 @@ def test_to_another_device_reads_and_uploads(dev: Device, device_factory) -> Non
 
 def _log_softmax(a: np.ndarray, axis: int) -> np.ndarray:
     s = a - a.max(axis=axis, keepdims=True)
-    return s - np.log(np.exp(s).sum(axis=axis, keepdims=True))
+    out: np.ndarray = s - np.log(np.exp(s).sum(axis=axis, keepdims=True))
+    return out
 
 
 def test_softmax_log_softmax_and_one_hot(dev: Device, rng) -> None:

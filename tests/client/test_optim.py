@@ -15,7 +15,8 @@ START = np.array([[1.0, 2.0, -1.0], [0.0, 0.5, 1.0]])
 
 
 def grad_of(w: np.ndarray) -> np.ndarray:
-    return 2 * (w - TARGET) * np.arange(1, 4)  # loss = sum((w - t)^2 * [1, 2, 3])
+    grad: np.ndarray = 2 * (w - TARGET) * np.arange(1, 4)  # loss = sum((w - t)^2 * [1, 2, 3])
+    return grad
 
 
 def run(dev: Device, opt_cls, steps: int, **kw) -> np.ndarray:

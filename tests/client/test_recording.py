@@ -131,6 +131,7 @@ def test_values_saved_for_backward_are_outputs_until_backward_runs(dev: Device) 
     kept = dev.stats()["outputs_kept"]
     assert kept == 2
     loss.backward()
+    assert w.grad is not None  # set by the backward() above
     np.testing.assert_allclose(w.grad.numpy(), 3.0 * np.exp([3.0, 6.0]), rtol=1e-6)
 
 

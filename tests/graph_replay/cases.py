@@ -164,6 +164,46 @@ def _scatter_add(g: np.ndarray, idx: np.ndarray, axis: int | None, size: int) ->
     return np.moveaxis(out, 0, axis)
 
 
+def unfold_ref(
+    x: np.ndarray, kernel_size: tuple[int, int], dilation=(1, 1), padding=(0, 0), stride=(1, 1)
+) -> np.ndarray:
+    """torch.nn.functional.unfold by its definition, one element at a time."""
+    (kh, kw), (dh, dw), (ph, pw), (sh, sw) = kernel_size, dilation, padding, stride
+    n, c, h, w = x.shape
+    oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    out = np.zeros((n, c * kh * kw, oh * ow), x.dtype)
+    for b, ch, i, j, r, q in np.ndindex(n, c, kh, kw, oh, ow):
+        y, z = r * sh - ph + i * dh, q * sw - pw + j * dw
+        if 0 <= y < h and 0 <= z < w:
+            out[b, (ch * kh + i) * kw + j, r * ow + q] = x[b, ch, y, z]
+    return out
+
+
+def fold_ref(
+    cols: np.ndarray,
+    output_size: tuple[int, int],
+    kernel_size: tuple[int, int],
+    dilation=(1, 1),
+    padding=(0, 0),
+    stride=(1, 1),
+) -> np.ndarray:
+    """torch.nn.functional.fold by its definition: each column entry added to its pixel (float64
+    accumulation, then the input's dtype)."""
+    (h, w), (kh, kw), (dh, dw), (ph, pw), (sh, sw) = output_size, kernel_size, dilation, padding, stride
+    n, ck, _ = cols.shape
+    c = ck // (kh * kw)
+    oh = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    ow = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    acc = np.float64 if cols.dtype.kind == "f" else cols.dtype
+    out = np.zeros((n, c, h, w), acc)
+    for b, ch, i, j, r, q in np.ndindex(n, c, kh, kw, oh, ow):
+        y, z = r * sh - ph + i * dh, q * sw - pw + j * dw
+        if 0 <= y < h and 0 <= z < w:
+            out[b, ch, y, z] += cols[b, (ch * kh + i) * kw + j, r * ow + q]
+    return out.astype(cols.dtype)
+
+
 # -- the table -------------------------------------------------------------------------------------
 
 F16, F32, F64 = "float16", "float32", "float64"
@@ -762,6 +802,62 @@ def _cases() -> list[Case]:
             lambda y: np.eye(4, dtype=bool)[y],
         )
     )
+    c.extend(_window_cases())
+    return c
+
+
+def _window_cases() -> list[Case]:
+    """unfold and fold: kernel, stride, padding and dilation combinations, one block, dtypes."""
+    c: list[Case] = []
+    combos: list[tuple[str, tuple[int, int, int, int], dict[str, Any]]] = [
+        ("k3", (2, 3, 5, 6), {"kernel_size": (3, 3)}),
+        ("k2-s2", (1, 2, 6, 6), {"kernel_size": (2, 2), "stride": (2, 2)}),
+        ("k3-pad1", (2, 2, 4, 5), {"kernel_size": (3, 3), "padding": (1, 1)}),
+        ("k2x3-dil2-s2x1-pad1x2", (1, 3, 7, 6), {"kernel_size": (2, 3), "dilation": (2, 2),
+                                                  "stride": (2, 1), "padding": (1, 2)}),
+        ("k3-s2-overlap-pad1", (2, 1, 5, 5), {"kernel_size": (3, 3), "stride": (2, 2), "padding": (1, 1)}),
+        ("k1", (2, 3, 2, 3), {"kernel_size": (1, 1)}),
+        ("whole-image", (3, 2, 3, 4), {"kernel_size": (3, 4)}),
+        ("s3-skips-pixels", (1, 1, 7, 7), {"kernel_size": (2, 2), "stride": (3, 3)}),
+    ]  # fmt: skip
+    for name, shape, attrs in combos:
+        x = f(*shape)
+        add_u = Case(f"unfold-{name}", "unfold", (x,), attrs, lambda x, a=attrs: unfold_ref(x, **a))
+        cols = unfold_ref(x, **attrs)
+        fattrs = {**attrs, "output_size": shape[2:]}
+        add_f = Case(
+            f"fold-{name}",
+            "fold",
+            (f(*cols.shape),),
+            fattrs,
+            lambda g, a=attrs, size=shape[2:]: fold_ref(g, size, **a),
+        )
+        c += [add_u, add_f]
+    k3p1 = {"kernel_size": (3, 3), "padding": (1, 1)}
+    c.append(Case("unfold-f16", "unfold", (f(1, 2, 4, 4, dtype=F16),), k3p1, lambda x: unfold_ref(x, **k3p1)))
+    c.append(
+        Case(
+            "fold-f16-accumulates-wide",
+            "fold",
+            (f(1, 18, 16, dtype=F16),),
+            {**k3p1, "output_size": (4, 4)},
+            lambda g: fold_ref(g, (4, 4), **k3p1),
+        )
+    )
+    c.append(Case("unfold-u8", "unfold", (i(1, 1, 4, 4, lo=0, hi=256, dtype="uint8"),), k3p1,
+                  lambda x: unfold_ref(x, **k3p1)))  # fmt: skip
+    c.append(
+        Case(
+            "fold-int32",
+            "fold",
+            (i(2, 9, 4),),
+            {"kernel_size": (3, 3), "output_size": (4, 4), "stride": (1, 1), "padding": (1, 1),
+             "dilation": (2, 2)},
+            lambda g: fold_ref(g, (4, 4), (3, 3), (2, 2), (1, 1)),
+        )
+    )  # fmt: skip
+    c.append(Case("unfold-f64-empty-batch", "unfold", (f(0, 2, 4, 4, dtype=F64),), k3p1,
+                  lambda x: np.zeros((0, 18, 16))))  # fmt: skip
     return c
 
 

@@ -134,6 +134,18 @@ def test_both_sides_derive_the_same_keys() -> None:
     assert client_channel.open(worker_channel.seal(b"pong")) == (MESSAGE, b"pong")
 
 
+def test_both_sides_derive_the_same_link_secret_fresh_for_each_session() -> None:
+    c, w = client(), worker()
+    assert (c.link_secret, w.link_secret) == (b"", b"")
+    welcome = w.receive_hello(c.hello())
+    assert len(w.link_secret) == 32  # the worker knows it before the client has answered
+    c.receive_welcome(welcome)
+    assert c.link_secret == w.link_secret
+    c2, w2 = client(seed=11), worker(seed=12)
+    handshake(c2, w2)
+    assert c2.link_secret == w2.link_secret != c.link_secret
+
+
 def test_client_may_send_frames_together_with_auth() -> None:
     c, w = client(), worker()
     auth, client_channel, _ = c.receive_welcome(w.receive_hello(c.hello()))

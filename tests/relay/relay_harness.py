@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
+import struct
 import sys
 import threading
 import time
@@ -16,10 +18,13 @@ import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from emberlink.client.trust import KNOWN_WORKERS_ENV
+from emberlink.protocol.cluster import Certificate
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.ticket import Ticket
 from emberlink.server.background import BackgroundWorker
 from emberlink.server.relay import RelayService
+from emberlink.transport.nats_access import RelayAccess
 
 from ..process_harness import Process
 
@@ -73,12 +78,18 @@ def _with_tests_importable() -> dict[str, str]:
 
 @contextlib.contextmanager
 def relay_worker(
-    url: str, allow: AllowPolicy | None = None, *, grpc: bool = True
+    url: str,
+    allow: AllowPolicy | None = None,
+    *,
+    grpc: bool = True,
+    identity: Identity | None = None,
+    certificate: Certificate | None = None,
+    access: RelayAccess | None = None,
 ) -> Iterator[BackgroundWorker]:
     """An in-process worker serving through the relay at `url` (and on loopback gRPC)."""
-    worker = BackgroundWorker(allow=allow, grpc=grpc)
+    worker = BackgroundWorker(identity, allow=allow, grpc=grpc)
     ticket = Ticket(worker.node_id, ((worker.host, worker.port),) if worker.port else (), url)
-    service = RelayService(worker.worker, url, ticket)
+    service = RelayService(worker.worker, url, ticket, certificate=certificate, access=access)
     try:
         worker.call(service.start())
         # start() returns before the beacon has subscribed to queries (it attaches in the
@@ -90,6 +101,14 @@ def relay_worker(
         with contextlib.suppress(Exception):
             worker.call(service.stop(1.0))
         worker.stop()
+
+
+def trust_workers(*node_ids: str, clusters: tuple[str, ...] = ()) -> Path:
+    """Write this client's known-workers file (the path tests/relay/conftest.py put in the environment)."""
+    path = Path(os.environ[KNOWN_WORKERS_ENV])
+    lines = [*node_ids, *(f"@cluster {c}" for c in clusters)]
+    path.write_text("# written by the test\n" + "".join(f"{line}\n" for line in lines))
+    return path
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -104,8 +123,9 @@ class Eavesdropper:
     """Everything published on a NATS server (`>`), subjects, reply subjects and payloads, captured
     by a plain nats-py client on its own thread."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, creds: Path | None = None) -> None:
         self.url = url
+        self.creds = creds
         self.messages: list[tuple[str, str, bytes]] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -113,7 +133,8 @@ class Eavesdropper:
         self._nc = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
 
     async def _start(self) -> Client:
-        nc = await nats.connect(self.url, allow_reconnect=False)
+        seed = str(self.creds) if self.creds is not None else None
+        nc = await nats.connect(self.url, allow_reconnect=False, nkeys_seed=seed)
 
         async def keep(msg: Msg) -> None:
             self.messages.append((msg.subject, msg.reply, bytes(msg.data)))
@@ -129,6 +150,97 @@ class Eavesdropper:
     def close(self) -> None:
         async def stop() -> None:
             await self._nc.flush()
+            await self._nc.close()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+
+_NOT_SESSIONS = ("emberlink.node.", "emberlink.presence.", "emberlink.discover", "emberlink.i.", "_INBOX.")
+_FRAGMENT = struct.Struct(">BI")  # a relayed message starts with kind and sequence number
+_BEAT, _CLOSE, _MORE, _LAST = 2, 3, 0, 1
+
+
+class Attacker:
+    """Someone who can reach the relay (no credentials asked, or stolen ones with `>`): it sees every
+    session's subjects and messages, and publishes what it likes on them, over and over, while on.
+
+    Modes: "beat" (a heartbeat carrying the next sequence number), "close" (a close, likewise),
+    "inject" (payload fragments with the next numbers), "replay" (the latest message again, and an
+    older one: a duplicate and a reordering), "flood" (many messages of every size and shape).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.mode: str | None = None
+        self.published = 0
+        self.subjects: set[str] = set()
+        self._history: dict[str, list[bytes]] = {}
+        self._rng = random.Random(7)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._nc = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        self._task = asyncio.run_coroutine_threadsafe(self._attack(), self._loop)
+
+    async def _start(self) -> Client:
+        nc = await nats.connect(self.url, allow_reconnect=False)
+
+        async def keep(msg: Msg) -> None:
+            if msg.subject.startswith("emberlink.") and not msg.subject.startswith(_NOT_SESSIONS):
+                history = self._history.setdefault(msg.subject, [])
+                history.append(bytes(msg.data))
+                del history[:-50]
+
+        await nc.subscribe(">", cb=keep)
+        await nc.flush()
+        return nc
+
+    def _forgeries(self, history: list[bytes]) -> list[bytes]:
+        last = history[-1]
+        if len(last) < _FRAGMENT.size:
+            return []
+        seq = _FRAGMENT.unpack_from(last)[1]
+        nxt = [(seq + i) & 0xFFFFFFFF for i in (1, 2, 3)]
+        rand = self._rng.randbytes
+        if self.mode == "beat":
+            return [_FRAGMENT.pack(_BEAT, s) for s in nxt]
+        if self.mode == "close":
+            return [_FRAGMENT.pack(_CLOSE, s) for s in nxt]
+        if self.mode == "inject":
+            return [_FRAGMENT.pack(_MORE, nxt[0]) + rand(100), _FRAGMENT.pack(_LAST, nxt[1]) + rand(300)]
+        if self.mode == "replay":
+            return [last, history[self._rng.randrange(len(history))]]
+        if self.mode == "flood":
+            shapes = [
+                lambda: rand(self._rng.randrange(0, 64)),
+                lambda: _FRAGMENT.pack(self._rng.randrange(256), self._rng.choice(nxt)) + rand(40),
+                lambda: _FRAGMENT.pack(_LAST, self._rng.choice(nxt)) + rand(self._rng.randrange(20_000)),
+                lambda: self._rng.choice(history),
+            ]
+            return [self._rng.choice(shapes)() for _ in range(50)]
+        return []
+
+    async def _attack(self) -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            if self.mode is None:
+                continue
+            for subject, history in list(self._history.items()):
+                forged = self._forgeries(history)
+                for data in forged:
+                    await self._nc.publish(subject, data)
+                if forged:
+                    self.published += len(forged)
+                    self.subjects.add(subject)
+
+    def close(self) -> None:
+        self._task.cancel()
+
+        async def stop() -> None:
             await self._nc.close()
 
         with contextlib.suppress(Exception):

@@ -13,7 +13,15 @@ from emberlink.client.discovery import survey
 from emberlink.errors import AuthError, TransportError
 from emberlink.protocol.identity import AllowPolicy
 
-from .relay_harness import allow_file, client_process, new_key, relay_worker, wait_until, worker_process
+from .relay_harness import (
+    allow_file,
+    client_process,
+    new_key,
+    relay_worker,
+    trust_workers,
+    wait_until,
+    worker_process,
+)
 
 
 def _seen(url: str) -> set[str]:
@@ -39,6 +47,7 @@ def test_discovery_gives_each_of_three_clients_its_own_worker_and_a_killed_worke
             )
             workers[ticket.node_id] = proc
         wait_until(lambda: _seen(nats_server.url) == set(workers), 15, "every worker's presence")
+        trust_workers(*workers)
 
         picked = []
         for i in range(3):  # one after another: each sees the sessions of the ones before
@@ -72,6 +81,7 @@ def test_discovery_skips_a_worker_that_refuses_this_client(nats_server, tmp_path
         el.Device.remote(admitting.ticket, key=str(other_key)) as busy,
     ):
         wait_until(lambda: _seen(nats_server.url) == {refusing.node_id, admitting.node_id}, 10, "presence")
+        trust_workers(refusing.node_id, admitting.node_id)
         with el.Device.remote(nats_server.url, key=str(client_key)) as dev:
             assert dev.stats()["worker"] == admitting.node_id
         wait_until(lambda: refusing.worker.sessions_refused == 1, 5, "the refusing worker was tried")
@@ -88,7 +98,8 @@ def test_discovery_where_no_worker_admits_this_client_raises_auth_error_saying_h
         relay_worker(nats_server.url, AllowPolicy.of([stranger.node_id])) as b,
     ):
         wait_until(lambda: _seen(nats_server.url) == {a.node_id, b.node_id}, 10, "presence")
-        with pytest.raises(AuthError, match=r"none of the 2 worker\(s\) seen"):
+        trust_workers(a.node_id, b.node_id)
+        with pytest.raises(AuthError, match=r"none of the 2 trusted worker\(s\) seen"):
             el.Device.remote(nats_server.url, key=str(client_key))
 
 
@@ -98,9 +109,10 @@ def test_discovery_on_a_relay_without_workers_says_none_was_seen(nats_server, tm
         el.Device.remote(nats_server.url, key=str(client_key))
 
 
-def test_cluster_ls_prints_a_row_per_worker_with_device_memory_load_addresses_and_relay(nats_server):
+def test_cluster_ls_prints_a_row_per_worker_with_device_memory_load_addresses_relay_and_trust(nats_server):
     with relay_worker(nats_server.url) as a, relay_worker(nats_server.url, grpc=False) as b:
         wait_until(lambda: _seen(nats_server.url) == {a.node_id, b.node_id}, 10, "presence")
+        trust_workers(a.node_id)
         out = subprocess.run(
             [sys.executable, "-m", "emberlink", "cluster", "ls", "--nats", nats_server.url],
             capture_output=True,
@@ -110,7 +122,7 @@ def test_cluster_ls_prints_a_row_per_worker_with_device_memory_load_addresses_an
         ).stdout
     header, *lines = out.splitlines()
     names = header.split()
-    assert names == ["node", "device", "free", "load", "addresses", "relay", "admits"]
+    assert names == ["node", "device", "free", "load", "addresses", "relay", "admits", "trusted"]
     starts = [header.index(name) for name in names]
     rows = [
         {name: line[start:end].strip() for name, start, end in zip(names, starts, [*starts[1:], None])}
@@ -123,6 +135,8 @@ def test_cluster_ls_prints_a_row_per_worker_with_device_memory_load_addresses_an
         assert (row["relay"], row["admits"]) == (nats_server.url, "anyone")
     assert by_node[a.node_id[:12]]["addresses"] == f"127.0.0.1:{a.port}"
     assert by_node[b.node_id[:12]]["addresses"] == "-"  # relay-only: no direct address
+    assert by_node[a.node_id[:12]]["trusted"] == "known worker"
+    assert by_node[b.node_id[:12]]["trusted"] == "no"
 
 
 def test_presence_load_counts_open_sessions_and_work_waiting_for_the_device(nats_server):

@@ -48,7 +48,7 @@ def test_presence_round_trips_and_orders_by_sessions_then_queued_work():
 def test_presence_signed_by_another_key_than_the_tickets_is_refused():
     with pytest.raises(ProtocolError):
         encode_presence(presence(), OTHER)
-    body = msgpack.packb([presence().ticket, "cpu", 1, 0, 0, True, False, 1, b""])
+    body = msgpack.packb([presence().ticket, "cpu", 1, 0, 0, True, False, 1, b"", b""])
     forged = msgpack.packb([VERSION, body, OTHER.sign(LABEL + body)])
     with pytest.raises(AuthError):
         decode_presence(forged)
@@ -65,16 +65,18 @@ def test_presence_whose_body_was_changed_after_signing_is_refused():
 @pytest.mark.parametrize(
     "fields",
     [
-        ["not a ticket", "cpu", 1, 0, 0, True, False, 1, b""],
-        [None, "cpu", 1, 0, 0, True, False, 1, b""],
-        ["T", "", 1, 0, 0, True, False, 1, b""],
-        ["T", "cpu", -1, 0, 0, True, False, 1, b""],
-        ["T", "cpu", 1, 0.5, 0, True, False, 1, b""],
-        ["T", "cpu", 1, 0, 0, 1, False, 1, b""],
-        ["T", "cpu", 1, 0, 0, True, False, 1, b"short nonce"],
-        ["T", "cpu", 1, 0, 0, True, False, 1, "a str nonce, not bytes"],
-        ["T", "cpu", 1, 0, 0, True, False, 1],
-        ["T", "cpu", 1, 0, 0, True, False, 1, b"", "extra"],
+        ["not a ticket", "cpu", 1, 0, 0, True, False, 1, b"", b""],
+        [None, "cpu", 1, 0, 0, True, False, 1, b"", b""],
+        ["T", "", 1, 0, 0, True, False, 1, b"", b""],
+        ["T", "cpu", -1, 0, 0, True, False, 1, b"", b""],
+        ["T", "cpu", 1, 0.5, 0, True, False, 1, b"", b""],
+        ["T", "cpu", 1, 0, 0, 1, False, 1, b"", b""],
+        ["T", "cpu", 1, 0, 0, True, False, 1, b"short nonce", b""],
+        ["T", "cpu", 1, 0, 0, True, False, 1, "a str nonce, not bytes", b""],
+        ["T", "cpu", 1, 0, 0, True, False, 1, b"", "a str cert, not bytes"],
+        ["T", "cpu", 1, 0, 0, True, False, 1, b"", b"not a certificate"],
+        ["T", "cpu", 1, 0, 0, True, False, 1, b""],  # a version 2 body: no cert
+        ["T", "cpu", 1, 0, 0, True, False, 1, b"", b"", "extra"],
     ],
 )
 def test_malformed_presence_is_a_protocol_error(fields):
@@ -95,7 +97,7 @@ def test_garbage_presence_is_a_protocol_error(data):
 def test_discovery_ignores_presence_published_for_a_worker_without_its_key(nats_server):
     async def forge() -> None:
         nc = await nats.connect(nats_server.url)
-        body = msgpack.packb([presence(WORKER).ticket, "cuda:0", 1 << 40, 0, 0, True, False, 1, b""])
+        body = msgpack.packb([presence(WORKER).ticket, "cuda:0", 1 << 40, 0, 0, True, False, 1, b"", b""])
         for _ in range(40):
             await nc.publish(
                 PRESENCE_PREFIX + WORKER.node_id, msgpack.packb([VERSION, body, OTHER.sign(LABEL + body)])

@@ -12,14 +12,24 @@ def test_inline_work_is_declined_while_posted_work_is_queued_or_running() -> Non
     try:
         release = threading.Event()
         started = threading.Event()
-        device.post(lambda: (started.set(), release.wait(5)))
+
+        def block() -> None:
+            started.set()
+            release.wait(5)
+
+        device.post(block)
         device.post(lambda: None)
         started.wait(5)
         assert device.run_here_if_idle(lambda: True) is False
         release.set()
         device.submit(lambda: None).result(5)
         ran_on: list[threading.Thread] = []
-        assert device.run_here_if_idle(lambda: ran_on.append(threading.current_thread()) or True) is True
+
+        def note_thread() -> bool:
+            ran_on.append(threading.current_thread())
+            return True
+
+        assert device.run_here_if_idle(note_thread) is True
         assert ran_on == [threading.current_thread()]
         assert device.run_here_if_idle(lambda: False) is False  # the work itself may decline
     finally:

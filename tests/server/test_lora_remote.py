@@ -8,7 +8,7 @@ import numpy as np
 
 import emberlink as el
 from emberlink import nn
-from emberlink.server.background import BackgroundWorker
+from emberlink.testing import InProcessWorker
 
 from .server_harness import memory_device
 
@@ -48,7 +48,7 @@ def step_bytes(dev: el.Device, model: nn.Module, steps: int) -> list[int]:
     return sent
 
 
-def test_a_lora_step_sends_no_base_weights_whatever_their_size(worker: BackgroundWorker) -> None:
+def test_a_lora_step_sends_no_base_weights_whatever_their_size(worker: InProcessWorker) -> None:
     sent = {}
     for hidden in (16, 512):
         with memory_device(worker) as dev:
@@ -64,7 +64,7 @@ def test_a_lora_step_sends_no_base_weights_whatever_their_size(worker: Backgroun
 
 
 def test_qlora_base_weights_take_under_0_3_of_their_float32_bytes_on_the_worker(
-    worker: BackgroundWorker,
+    worker: InProcessWorker,
 ) -> None:
     with memory_device(worker) as dev:
         start = dev.memory_stats()["in_use_bytes"]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 
 import emberlink as el
 from emberlink.client import remote
-from emberlink.client.executor import Call
+from emberlink.client.executor import Call, DeviceStats
 from emberlink.errors import AuthError, ExecutionError, GoingAway, QuotaExceeded, WorkerLost
 from emberlink.graph_replay.canonical import encode_graph, graph_id
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
@@ -29,6 +30,13 @@ from .server_harness import executor_of, grpc_device, memory_device, new_identit
 
 DeviceMaker = Callable[[InProcessWorker], el.Device]
 TRANSPORTS = [pytest.param(memory_device, id="memory"), pytest.param(grpc_device, id="grpc")]
+
+
+def buffer_of(t: el.Tensor) -> int:
+    """The buffer id of a flushed tensor (a pending one has none yet)."""
+    buf = t._v.buf
+    assert buf is not None, "the tensor is not flushed"
+    return buf
 
 
 def mlp_losses(dev: el.Device, steps: int, seed: int = 0) -> list[float]:
@@ -111,6 +119,18 @@ def test_stats_report_the_path_and_the_worker_answers_memory_stats(worker: InPro
             assert key in stats
 
 
+def test_device_stats_hold_only_the_declared_keys_with_their_declared_types(
+    worker: InProcessWorker,
+) -> None:
+    declared = typing.get_type_hints(DeviceStats)
+    for dev in (el.Device.cpu(), memory_device(worker)):
+        with dev:
+            float(dev.tensor([1.0, 2.0]).sum())
+            stats = dev.stats()
+        assert DeviceStats.__required_keys__ <= stats.keys() <= declared.keys(), (dev, stats)
+        assert all(isinstance(v, declared[k]) for k, v in stats.items()), (dev, stats)
+
+
 @pytest.mark.parametrize("make_device", TRANSPORTS)
 def test_every_dtype_and_odd_shape_survives_the_round_trip(
     worker: InProcessWorker, make_device: DeviceMaker
@@ -148,7 +168,7 @@ def test_async_reads_overlap_and_resolve_in_any_order(worker: InProcessWorker) -
     with grpc_device(worker) as dev:
         xs = [dev.tensor(np.full(4, i, np.float32)) * 2.0 for i in range(10)]
         dev.flush()
-        futures = [executor_of(dev).read(x._v.buf) for x in xs]
+        futures = [executor_of(dev).read(buffer_of(x)) for x in xs]
         for i, f in reversed(list(enumerate(futures))):
             np.testing.assert_array_equal(f.result(timeout=10), np.full(4, 2 * i, np.float32))
 
@@ -282,7 +302,7 @@ def test_draining_finishes_queued_work_then_ends_sessions_going_away(worker: InP
         received = session.bytes_in
         y = x * 2.0
         dev.flush()
-        pending = executor_of(dev).read(y._v.buf)
+        pending = executor_of(dev).read(buffer_of(y))
         # The batch is queued behind the held device thread when the drain starts.
         deadline = time.monotonic() + 10
         while session.bytes_in == received and time.monotonic() < deadline:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -34,7 +36,10 @@ def upload(tid: int, array: np.ndarray) -> m.Upload:
 X = np.array([1.0, 2.0, 3.0], np.float32)
 
 
-def run(worker: InProcessWorker, coro):
+T = TypeVar("T")
+
+
+def run(worker: InProcessWorker, coro: Coroutine[Any, Any, T]) -> T:
     return worker.call(coro, 20)
 
 
@@ -115,7 +120,7 @@ def test_batches_out_of_order_are_refused(worker: InProcessWorker) -> None:
         return got
 
     (error,) = run(worker, go())
-    assert error.code == "refused" and "order" in error.message
+    assert type(error) is m.Error and error.code == "refused" and "order" in error.message
 
 
 def test_unknown_graph_applies_nothing_of_its_batch_and_discards_later_batches(
@@ -193,6 +198,7 @@ def test_clients_see_neither_each_others_graphs_nor_their_cache_figures(worker: 
         (after,) = await b.reply_until(2)
         await a.close()
         await b.close()
+        assert type(before) is m.StatsReply and type(after) is m.StatsReply
         return unknown, before.stats, after.stats
 
     unknown, before, after = run(worker, go())
@@ -200,7 +206,8 @@ def test_clients_see_neither_each_others_graphs_nor_their_cache_figures(worker: 
     cache_before = {k: v for k, v in before.items() if k.startswith("cache_") and k != "cache_misses"}
     cache_after = {k: v for k, v in after.items() if k.startswith("cache_") and k != "cache_misses"}
     assert cache_before == cache_after  # a's register and hit changed nothing b can see
-    assert after["cache_misses"] == before["cache_misses"] + 1  # b's own miss only
+    misses_before = before["cache_misses"]
+    assert type(misses_before) is int and after["cache_misses"] == misses_before + 1  # b's own miss only
 
 
 def test_another_clients_registrations_never_evict_my_graphs(make_worker) -> None:
@@ -268,6 +275,7 @@ def test_reading_an_unknown_or_dropped_tensor_answers_unknown_tensor(worker: InP
         return got
 
     a, b = run(worker, go())
+    assert type(a) is m.Error and type(b) is m.Error
     assert (a.code, b.code) == ("unknown_tensor", "unknown_tensor")
 
 
@@ -337,5 +345,6 @@ def test_a_client_that_ignores_flow_control_is_cut_off(
         client, messages = run(worker, refused())
     finally:
         gate.set()  # the session frees its memory on the device thread before it closes
-    assert messages[-1].code == "refused" and "without waiting for acks" in messages[-1].message
+    last = messages[-1]
+    assert type(last) is m.Error and last.code == "refused" and "without waiting for acks" in last.message
     assert run(worker, client.ended())

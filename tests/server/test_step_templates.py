@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
 import numpy as np
 import pytest
 
@@ -12,8 +15,10 @@ from emberlink.testing import InProcessWorker
 
 from .server_harness import RawClient, executor_of, memory_device, worker_stats
 
+T = TypeVar("T")
 
-def run(worker: InProcessWorker, coro):
+
+def run(worker: InProcessWorker, coro: Coroutine[Any, Any, T]) -> T:
     return worker.call(coro, 20)
 
 
@@ -199,16 +204,17 @@ def test_repeat_that_does_not_fit_its_template_is_refused(worker: InProcessWorke
 def test_repeat_applies_the_previous_batch_shifted(worker: InProcessWorker) -> None:
     x = np.arange(4, dtype=np.float32)
 
-    async def go() -> list[m.WorkerMessage]:
+    async def go() -> tuple[m.Reply, list[np.ndarray]]:
         c = await RawClient.connect(worker)
         await c.send(1, [m.Upload(1, "float32", (4,), 16, True), m.Read(1, 1)], tail=x.tobytes())
         await c.reply_until(1)
         await c.send(2, [m.Repeat(5, 10)], tail=(x + 1).tobytes())
-        reply, arrays = await c.reply()
+        reply = await c.reply()
         await c.close()
-        return [*reply.messages, *arrays]
+        return reply
 
-    result, array = run(worker, go())
+    reply, (array,) = run(worker, go())
+    (result,) = reply.messages
     assert result == m.Result(11, "float32", (4,), 16)
     np.testing.assert_array_equal(array, x + 1)
 

@@ -125,9 +125,12 @@ async def test_relay_sees_no_client_identity_only_random_subjects(nats_server) -
     assert f"emberlink.node.{NODE}" in subjects
     for subject, data, headers in seen:
         assert headers is None
-        assert subject.startswith(("emberlink.node.", "emberlink.s.", "_INBOX."))
+        assert subject.startswith(
+            ("emberlink.node.", "emberlink.w.", "emberlink.c.anon.", "emberlink.i.anon.")
+        )
         if subject.startswith("emberlink.node."):
-            assert len(data) == 17  # a version byte and 16 random bytes, nothing else
+            # A version byte, two random tokens, and the relay user (none here): nothing else.
+            assert len(data) == 1 + 32 + len("anon") and data.endswith(b"anon")
 
 
 async def test_client_close_makes_worker_recv_raise_after_its_last_blob(nats_server) -> None:
@@ -308,4 +311,39 @@ async def test_frozen_relay_fails_links_by_silence_and_sessions_resume_after(nat
     assert fresh is not None
     assert await ping_pong(fresh, [b"thawed"]) == [b"thawed"]
     await fresh.close()
+    await listener.stop(1)
+
+
+SECRET = bytes(range(32))
+
+
+async def bind_then_echo(link) -> None:
+    """The worker's order: read the first blob, bind, answer on the request's subjects, then echo."""
+    first = await link.recv()
+    await link.bind(SECRET)
+    await link.send(first)
+    await echo(link)
+
+
+async def test_bound_links_move_to_subjects_named_by_the_secret_and_ignore_the_old_ones(nats_server) -> None:
+    listener = await listening(nats_server.url, bind_then_echo)
+    link = await nats_transport.connect(nats_server.url, NODE)
+    old_out, old_in = link._out, link._in
+    assert await ping_pong(link, [b"hello"]) == [b"hello"]
+    await link.bind(SECRET)
+    assert link.bound and {link._out, link._in}.isdisjoint({old_out, old_in})
+    assert link._out.startswith(f"emberlink.w.{NODE}.") and link._in.startswith("emberlink.c.anon.")
+    intruder = await nats.connect(nats_server.url)
+    for subject in (old_out, old_in):  # an untagged close and heartbeat with the next numbers
+        await intruder.publish(subject, bytes([3, 0, 0, 0, 2]))
+        await intruder.publish(subject, bytes([2, 0, 0, 0, 2]))
+    await intruder.publish(link._in, bytes([3, 0, 0, 0, 0]))
+    await intruder.flush()
+    sent = blobs([10, 3 << 20, 5])
+    assert await ping_pong(link, sent) == sent
+    await asyncio.sleep(3 * nats_transport.SILENCE_S)  # idle, bound heartbeats keep it up
+    assert await ping_pong(link, [b"still"]) == [b"still"]
+    assert link.dropped == 1
+    await intruder.close()
+    await link.close()
     await listener.stop(1)
