@@ -108,6 +108,13 @@ def add_worker(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--advertise", metavar="HOST:PORT", help="the address put in the ticket")
     p.add_argument("--relay", metavar="nats://HOST:PORT", help="also serve through this NATS relay")
     p.add_argument(
+        "--resume-window",
+        type=float,
+        metavar="SECONDS",
+        help="how long a session whose link dropped keeps its tensors for its client to resume "
+        "(default 30; 0: a dropped link ends the session)",
+    )
+    p.add_argument(
         "--nats-creds",
         type=Path,
         metavar="FILE",

@@ -73,20 +73,31 @@ class InProcessWorker:
         return identity
 
     def device(
-        self, *, identity: Identity | None = None, transport: Transport = "memory", timeout: float = 10.0
+        self,
+        *,
+        identity: Identity | None = None,
+        transport: Transport = "memory",
+        timeout: float = 10.0,
+        resume_window: float | None = None,
     ) -> Device:
         """A remote Device on this worker: a new session as `identity` (default `self.client`).
 
         An identity not on the allow-list is refused with AuthError, as a real worker refuses it.
+        A dropped link is resumed on a new one for `resume_window` seconds (see `Device.remote`).
         """
         who = identity if identity is not None else self.client
         if transport == "grpc":
-            return Device(
-                connect_ticket(Ticket.parse(self.ticket), who, timeout=timeout), f"remote({self.ticket})"
+            executor = connect_ticket(
+                Ticket.parse(self.ticket), who, timeout=timeout, resume_window=resume_window
             )
+            return Device(executor, f"remote({self.ticket})")
         if transport != "memory":
             raise ConfigError(f"transport must be 'memory' or 'grpc', got {transport!r}")
         background = self._background
+
+        async def reconnect(_timeout: float) -> tuple[str, Link]:
+            return "memory", await self.open_link()
+
         executor = connect_link(
             self.open_link,
             self.node_id,
@@ -94,6 +105,8 @@ class InProcessWorker:
             path="memory",
             loop_thread=background.loop_thread,
             timeout=timeout,
+            reconnect=reconnect,
+            resume_window=resume_window,
         )
         return Device(executor, f"remote(memory:{background.memory_name})")
 

@@ -11,13 +11,21 @@ from emberlink.protocol.ticket import Ticket
 
 
 def open_remote(
-    address: str, *, key: str | os.PathLike[str] | None = None, timeout: float = 30.0
+    address: str,
+    *,
+    key: str | os.PathLike[str] | None = None,
+    timeout: float = 30.0,
+    resume_window: float | None = None,
 ) -> RemoteExecutor:
     """Connect to a worker: `address` is a ticket (`emberlink://<node-id>@host:port[...]`) or
     `nats://host:port` (discovery on the relay). Returns the Executor of a remote Device."""
     if address.startswith("nats://"):
-        return open_discovered(address, key=key, timeout=timeout)
-    return connect_ticket(Ticket.parse(address), load_client_identity(key), timeout=timeout)
+        executor = open_discovered(address, key=key, timeout=timeout)
+        if resume_window is not None:
+            executor.set_resume_window(resume_window)
+        return executor
+    identity = load_client_identity(key)
+    return connect_ticket(Ticket.parse(address), identity, timeout=timeout, resume_window=resume_window)
 
 
 __all__ = ["open_remote"]

@@ -105,15 +105,25 @@ class Device:
         return cls(LocalExecutor(create_backend(device)), str(device))
 
     @classmethod
-    def remote(cls, address: str, *, key: str | None = None, timeout: float = 30.0) -> Device:
+    def remote(
+        cls,
+        address: str,
+        *,
+        key: str | None = None,
+        timeout: float = 30.0,
+        resume_window: float | None = None,
+    ) -> Device:
         """A worker's device: `address` is a ticket (`emberlink://...`) or `nats://host:port`.
 
         `key` is the client's key file (default `$EMBERLINK_KEY`, else
-        `~/.config/emberlink/client.key`, created on first use).
+        `~/.config/emberlink/client.key`, created on first use). When the link drops, the session
+        is resumed on a new one (any path) for `resume_window` seconds (default
+        `$EMBERLINK_RESUME_WINDOW`, else 30; at most the worker's `--resume-window`; 0: never), with
+        every tensor intact; after that, calls raise `WorkerLost`.
         """
         from emberlink.client.address import open_remote  # the remote stack loads on first use only
 
-        executor = open_remote(address, key=key, timeout=timeout)
+        executor = open_remote(address, key=key, timeout=timeout, resume_window=resume_window)
         return cls(executor, f"remote({address})")
 
     # -- lifetime ---------------------------------------------------------------------------------

@@ -51,6 +51,8 @@ class ExecutorStats(_CommonStats, total=False):
     batches_resent: int
     batches_repeated: int
     graph_cache_misses: int
+    resumes: int  # remote: times the session was resumed on a new link (client/reconnect.py)
+    resume_ms: int  # remote: how long the last resume took
 
 
 class DeviceStats(ExecutorStats):

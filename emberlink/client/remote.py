@@ -3,7 +3,8 @@
 The user's thread records messages into a pending batch and hands whole batches to the I/O loop
 thread (`transport.loop`), which owns the Link and the Channel (`client.session`). Only reads,
 `sync()` and `memory_stats()` wait, each on its own future. Between flushes every message goes out
-as one batch, normally in one transport blob.
+as one batch, normally in one transport blob. A session opened with a way to reconnect survives a
+dropped link for the resume window (client/reconnect.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 
 from emberlink.client import paths
 from emberlink.client.executor import Call, ExecutorStats
+from emberlink.client.reconnect import DIRECT_HEAD_START_S, Connect, Resumer, resume_window_setting
 from emberlink.client.session import ClientSession, Counters, Flow
 from emberlink.errors import (
     AuthError,
@@ -41,6 +43,7 @@ from emberlink.protocol.dtypes import DTYPES
 from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity, default_key_path, load_or_create
 from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
+from emberlink.protocol.resume import Credential
 from emberlink.protocol.ticket import Ticket
 from emberlink.transport.base import Link, bind
 from emberlink.transport.loop import LoopThread, io_loop
@@ -78,11 +81,19 @@ def load_client_identity(key: str | os.PathLike[str] | None) -> Identity:
     return identity
 
 
-def connect_ticket(ticket: Ticket, identity: Identity, *, timeout: float = 30.0) -> RemoteExecutor:
+def connect_ticket(
+    ticket: Ticket, identity: Identity, *, timeout: float = 30.0, resume_window: float | None = None
+) -> RemoteExecutor:
     """Open a session with the worker a ticket names, over the path `paths.open_link` picks: direct
     first, the relay when direct fails or stalls for about a second; a relay-only ticket goes
     straight to the relay. If the handshake fails on the direct path for a transport reason, the
-    relay is tried once more."""
+    relay is tried once more. A dropped link is resumed, on whichever path answers, for
+    `resume_window` seconds (default $EMBERLINK_RESUME_WINDOW, else 30; at most the worker's)."""
+
+    async def reconnect(within: float) -> tuple[str, Link]:
+        return await paths.open_link(ticket, timeout=within, head_start=DIRECT_HEAD_START_S)
+
+    window = resume_window_setting(resume_window)
     loop_thread = io_loop()
     opening = loop_thread.submit(paths.open_link(ticket, timeout=timeout))
     try:
@@ -94,7 +105,14 @@ def connect_ticket(ticket: Ticket, identity: Identity, *, timeout: float = 30.0)
         raise TransportTimeout(f"no path to worker {ticket.node_id} within {timeout} s") from e
     try:
         return connect_link(
-            _given(link), ticket.node_id, identity, path=path, timeout=timeout, loop_thread=loop_thread
+            _given(link),
+            ticket.node_id,
+            identity,
+            path=path,
+            timeout=timeout,
+            loop_thread=loop_thread,
+            reconnect=reconnect,
+            resume_window=window,
         )
     except (TransportError, WorkerLost) as e:
         if path != paths.GRPC or ticket.relay is None:
@@ -108,6 +126,8 @@ def connect_ticket(ticket: Ticket, identity: Identity, *, timeout: float = 30.0)
         path=paths.RELAY,
         timeout=timeout,
         loop_thread=loop_thread,
+        reconnect=reconnect,
+        resume_window=window,
     )
 
 
@@ -128,16 +148,20 @@ def connect_link(
     path: str,
     timeout: float = 30.0,
     loop_thread: LoopThread | None = None,
+    reconnect: Connect | None = None,
+    resume_window: float | None = None,
 ) -> RemoteExecutor:
     """Open a session over the Link `factory` makes (on `loop_thread`, default the process's I/O loop).
 
     The worker must prove it holds `worker_node_id`'s key (AuthError otherwise, before anything but
-    the handshake is sent); then one round trip confirms the worker admitted this client.
+    the handshake is sent); then one round trip confirms the worker admitted this client. With
+    `reconnect` (a new Link within a timeout), a dropped link is resumed for `resume_window`
+    seconds (default $EMBERLINK_RESUME_WINDOW, else 30), at most the window the worker announced.
     """
     loop_thread = loop_thread if loop_thread is not None else io_loop()
     pending = loop_thread.submit(_handshake(factory, worker_node_id, identity, timeout))
     try:
-        link, channel, limits = pending.result(timeout + 1)
+        link, channel, limits, secret = pending.result(timeout + 1)
     except TimeoutError as e:
         if isinstance(e, TransportTimeout):
             raise
@@ -145,12 +169,16 @@ def connect_link(
         raise TransportTimeout(f"no handshake with worker {worker_node_id} within {timeout} s") from e
     executor = RemoteExecutor(loop_thread, link, channel, limits, worker_node_id, identity.node_id, path)
     executor._confirm(timeout)
+    if reconnect is not None:  # only now: a worker that refuses this client closes the link at once
+        resumer = Resumer(reconnect, worker_node_id, identity, Credential(secret), 0.0)
+        executor._session.resumer = resumer
+        executor.set_resume_window(resume_window_setting(resume_window))
     return executor
 
 
 async def _handshake(
     factory: LinkFactory, worker_node_id: str, identity: Identity, timeout: float
-) -> tuple[Link, Any, dict[str, int]]:
+) -> tuple[Link, Any, dict[str, int], bytes]:
     link = await factory()
     try:
         hs = ClientHandshake(identity, worker_node_id, os.urandom)
@@ -172,7 +200,7 @@ async def _handshake(
     except BaseException:
         await link.close()
         raise
-    return link, channel, limits
+    return link, channel, limits, hs.resume_secret
 
 
 class RemoteExecutor:
@@ -380,22 +408,22 @@ class RemoteExecutor:
         stats = self.worker_stats()
         return {k: int(v) for k, v in stats.items() if k.endswith("_bytes") and isinstance(v, int)}
 
+    def set_resume_window(self, seconds: float) -> None:
+        """How long a dropped link is resumed for from now on: at most what the worker announced
+        (0: a dropped link ends the session with WorkerLost)."""
+        resumer = self._session.resumer
+        if resumer is not None:
+            announced = self.limits.get("resume_window_ms", 0) / 1000
+            resumer.window = max(min(resume_window_setting(seconds), announced), 0.0)
+
     def close(self) -> None:
         """End the session (the worker frees everything it held for it). Idempotent, never raises."""
         if self._closed:
             return
         self._closed = True
         self._finalizer.detach()
-        session = self._session
-
-        async def shutdown() -> None:
-            if session.dead is None:
-                session.submit([m.Close("client closed")], [], 0)
-                await session.drain(CLOSE_TIMEOUT)
-            await session.close()
-
         try:
-            self._loop_thread.call(shutdown(), CLOSE_TIMEOUT + 1)
+            self._loop_thread.call(self._session.shutdown(CLOSE_TIMEOUT), CLOSE_TIMEOUT + 1)
         except (EmberlinkError, TimeoutError, RuntimeError) as e:  # closing must not fail a `with` block
             log.debug("closing the session with %s: %s", self.worker_node_id, e)
         self._dead = self._dead or WorkerLost(f"the session with worker {self.worker_node_id} is closed")
@@ -422,7 +450,7 @@ def _abandon(loop: asyncio.AbstractEventLoop, session: ClientSession) -> None:
     if session.dead is not None:
         return
     try:
-        loop.call_soon_threadsafe(lambda: loop.create_task(session.close()))
+        loop.call_soon_threadsafe(lambda: loop.create_task(session.shutdown(CLOSE_TIMEOUT)))
     except RuntimeError:
         pass  # the loop is gone: the process is exiting, and the link with it
 

@@ -6,6 +6,11 @@ previous one with ids shifted as a Repeat, and packs them into as few blobs as t
 straight into preallocated arrays; keeps every unacknowledged batch, and on `GraphUnknown`
 resends from that batch with the graph registered first. User threads never touch it except
 through `call_soon_threadsafe` (and the futures it resolves).
+
+When the link drops and a `resumer` is set (client/reconnect.py), the session is resumed on a new
+link instead of failing: the worker says which batch it applied last, every later batch goes again
+in full, in order, and the worker sends again the replies this side had not taken in whole (each
+batch tells it, as `received`, the last Reply ack taken in with all its bytes).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any, cast
 import numpy as np
 
 from emberlink.client.executor import ExecutorStats
+from emberlink.client.reconnect import Resumed, Resumer
 from emberlink.errors import EmberlinkError, ProtocolError, RemoteError, TransportError, WorkerLost
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import (
@@ -67,6 +73,8 @@ class Counters:
     graphs_registered: int = 0
     graph_replays: int = 0
     graph_cache_misses: int = 0
+    resumes: int = 0  # times the session was resumed on a new link
+    resume_ms: int = 0  # how long the last resume took, from the drop noticed to the worker's answer
 
     def as_dict(self) -> ExecutorStats:
         # Each field is a key of ExecutorStats of its type (checked by a test, see ExecutorStats).
@@ -136,6 +144,13 @@ class ClientSession:
         self._template: tuple[m.ClientMessage, ...] | None = None
         self.dead: EmberlinkError | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        # Resume: the last Reply ack taken in whole (told to the worker with every batch), the one of
+        # a reply whose result bytes are still coming, and the reconnection in progress.
+        self.resumer: Resumer | None = None
+        self.closing = False  # a Close went out: a dropped link now ends the session
+        self._received = 0
+        self._receiving = 0
+        self._resuming: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._tasks = [
@@ -151,6 +166,8 @@ class ClientSession:
             return
         batch = OutBatch(self._next_seq, messages, bulks, nbytes)
         self._next_seq += 1
+        if messages and type(messages[-1]) is m.Close:
+            self.closing = True
         self._unacked[batch.seq] = batch
         self._queue.append(batch)
         self._wake.set()
@@ -170,7 +187,7 @@ class ClientSession:
                 await self._send_frames(self._frames(batch, resent))
                 self._finished_upto = max(self._finished_upto, batch.seq)
         except TransportError as e:
-            self.fail(WorkerLost(f"lost worker {self._worker} while sending: {e}"))
+            self._link_lost(f"lost worker {self._worker} while sending: {e}")
         except EmberlinkError as e:
             self.fail(e)
 
@@ -212,11 +229,11 @@ class ClientSession:
             if repeat is not None:
                 wire = (repeat,)
                 self._counters.batches_repeated += 1
-        head = m.encode_batch(m.Batch(batch.seq, wire))
+        head = m.encode_batch(m.Batch(batch.seq, wire, self._received))
         if tail and len(head) + sum(a.nbytes for a in tail) > MAX_PLAINTEXT:
             messages, tail, bulks = self._layout(batch, False)  # a huge batch: every upload in BULK
             wire = messages
-            head = m.encode_batch(m.Batch(batch.seq, wire))
+            head = m.encode_batch(m.Batch(batch.seq, wire, self._received))
             if repeat is not None:
                 self._counters.batches_repeated -= 1
         self._template = messages
@@ -251,7 +268,7 @@ class ClientSession:
                     else:
                         self._on_reply(frame)
         except TransportError as e:
-            self.fail(WorkerLost(f"lost worker {self._worker}: {e}"))
+            self._link_lost(f"lost worker {self._worker}: {e}")
         except EmberlinkError as e:
             self.fail(e)
 
@@ -279,6 +296,10 @@ class ClientSession:
                     self._on_error(msg)
                 case m.GraphUnknown():
                     self._resend(msg)
+        if self._results:
+            self._receiving = reply.ack  # taken in whole once its results' bytes are in
+        else:
+            self._received = max(self._received, reply.ack)
 
     def _acknowledge(self, ack: int) -> None:
         batches = nbytes = 0
@@ -334,6 +355,8 @@ class ClientSession:
             if target.bar is not None:
                 target.bar.close()
             self._resolve(target.rid, target.array)
+            if not self._results:
+                self._received = max(self._received, self._receiving)
 
     def _resend(self, msg: m.GraphUnknown) -> None:
         """The worker lacks a graph that batch `msg.seq` executes: register it there and resend."""
@@ -348,6 +371,60 @@ class ClientSession:
         resend = [b for seq, b in self._unacked.items() if msg.seq <= seq <= self._sent_upto]
         seqs = {b.seq for b in resend}
         self._queue = deque(resend + [b for b in self._queue if b.seq not in seqs])
+        self._wake.set()
+
+    # -- resuming --------------------------------------------------------------------------------------
+
+    def _link_lost(self, why: str) -> None:
+        """The link broke: resume on a new one if this session may, else the session is over."""
+        if self.dead is not None or self._resuming is not None:
+            return
+        if self.resumer is None or self.closing or self.resumer.window <= 0:
+            self.fail(WorkerLost(why))
+            return
+        self._resuming = asyncio.get_running_loop().create_task(
+            self._resume(why), name=f"resume {self._worker}"
+        )
+
+    async def _resume(self, why: str) -> None:
+        assert self.resumer is not None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        for task in self._tasks:
+            task.cancel()
+        loop.create_task(self._link.close())  # a dead link may take a while to close: not waited for
+        log.warning("%s; resuming the session on a new link", why)
+        try:
+            resumed = await self.resumer.resume(self._received, why)
+        except EmberlinkError as e:
+            self._resuming = None
+            self.fail(e)
+            return
+        self._resuming = None
+        self._counters.resumes += 1
+        self._counters.resume_ms = round((loop.time() - started) * 1000)
+        self._take_up(resumed)
+        log.warning(
+            "resumed the session with worker %s over %s after %.2f s (it had applied batch %d)",
+            self._worker,
+            resumed.path,
+            loop.time() - started,
+            resumed.applied,
+        )
+
+    def _take_up(self, resumed: Resumed) -> None:
+        """Carry on over a resumed link: everything the worker had not applied goes again, in full."""
+        self._link, self._channel = resumed.link, resumed.channel
+        self._counters.path = resumed.path
+        for target in self._results:  # a result cut short: the worker sends it again
+            if target.bar is not None:
+                target.bar.close()
+        self._results.clear()
+        self._template = None  # the worker's template is gone with the old link
+        self._acknowledge(resumed.applied)
+        self._queue = deque(self._unacked.values())
+        self._finished_upto = min(self._finished_upto, resumed.applied)
+        self.start()
         self._wake.set()
 
     # -- ending ----------------------------------------------------------------------------------------
@@ -369,8 +446,8 @@ class ClientSession:
             if fut is not None and not fut.done():
                 fut.set_exception(error)
         self._flow.on_dead(error)
-        for task in self._tasks:
-            if task is not asyncio.current_task():
+        for task in [*self._tasks, self._resuming]:
+            if task is not None and task is not asyncio.current_task():
                 task.cancel()
         asyncio.get_running_loop().create_task(self._link.close())
 
@@ -383,9 +460,19 @@ class ClientSession:
                 return
             await asyncio.sleep(0.005)
 
+    async def shutdown(self, timeout: float) -> None:
+        """End the session politely: a Close (so the worker frees it at once rather than keeping it
+        for a resume), at most `timeout` s to send what is queued, then close."""
+        if self.dead is None and not self.closing:
+            self.submit([m.Close("client closed")], [], 0)
+        await self.drain(timeout)
+        await self.close()
+
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        self.closing = True
+        for task in [*self._tasks, self._resuming]:
+            if task is not None:
+                task.cancel()
         await self._link.close()
         if self.dead is None:
             self.dead = WorkerLost(f"the session with worker {self._worker} is closed")

@@ -18,6 +18,8 @@ Rules (everything that affects the handshake's state machines lives in this file
   Link secret = HKDF-SHA256(ikm, salt=th2, another label): 32 bytes that a transport which needs
   its own keys (the relay's fragment tags and session subjects) derives them from, never the
   traffic keys themselves. The worker knows it once Welcome is made, the client once it is read.
+  Resume secret = HKDF-SHA256(ikm, salt=th2, its own label): what protocol/resume.py's credentials
+  grow from; both sides expose it with th2 (`resume_secret`, `transcript`) once done.
 - The worker signs th1; the client signs th2 and its token. Labels keep the two roles apart.
 - The client pins the worker key it expected (from the ticket): any other key is an AuthError.
   The worker refuses a Hello aimed at another key and a client its AllowPolicy does not admit
@@ -89,6 +91,7 @@ _CLIENT_SIG_LABEL = b"emberlink v1 client signature\x00"
 _HANDSHAKE_INFO = b"emberlink v1 handshake keys"
 _TRAFFIC_INFO = b"emberlink v1 traffic keys"
 _LINK_INFO = b"emberlink v1 link secret"
+_RESUME_INFO = b"emberlink v1 resume secret"
 _ZERO_NONCE = bytes(12)  # each handshake key seals exactly one message
 _U16 = struct.Struct(">H")
 
@@ -175,6 +178,10 @@ def _link_secret(ikm: bytes, th2: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=th2, info=_LINK_INFO).derive(ikm)
 
 
+def _resume_secret(ikm: bytes, th2: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=th2, info=_RESUME_INFO).derive(ikm)
+
+
 def _transcript(*parts: bytes) -> bytes:
     h = hashlib.sha256(_TRANSCRIPT_LABEL)
     for part in parts:
@@ -243,7 +250,10 @@ def _check_suites(suites: Sequence[Suite]) -> tuple[Suite, ...]:
 
 
 class ClientHandshake:
-    """The client's side: `hello()`, then `receive_welcome(welcome)` -> (auth, channel, limits)."""
+    """The client's side: `hello()`, then `receive_welcome(welcome)` -> (auth, channel, limits).
+
+    `token_for`, if given, makes the Auth's token from th2 (a resume token proves itself over the
+    new transcript: protocol/resume.py); it replaces `token`."""
 
     def __init__(
         self,
@@ -253,6 +263,7 @@ class ClientHandshake:
         token: bytes | None = None,
         *,
         suites: Sequence[Suite] = DEFAULT_SUITES,
+        token_for: Callable[[bytes], bytes] | None = None,
     ) -> None:
         if token is not None and len(token) > MAX_TOKEN:
             raise ValueError(f"a token is at most {MAX_TOKEN} bytes")
@@ -260,10 +271,15 @@ class ClientHandshake:
         self._expected = public_from_node_id(expected_node_id)
         self._rng = rng
         self._token = bytes(token or b"")
+        self._token_for = token_for
         self._suites = _check_suites(suites)
         self.state = ClientState.START
         self.link_secret = b""
         """The session's link secret (see the rules above) once receive_welcome has succeeded."""
+        self.transcript = b""
+        """th2, once receive_welcome has succeeded."""
+        self.resume_secret = b""
+        """This handshake's resume secret, once receive_welcome has succeeded."""
         self._hello = b""
         self._x25519: X25519PrivateKey | None = None
         self._mlkem: MLKEM768PrivateKey | None = None
@@ -347,7 +363,10 @@ class ClientHandshake:
         session_id, limits = plain[:SESSION_ID_SIZE], decode_limits(plain[SESSION_ID_SIZE:])
 
         th2 = _transcript(self._hello, welcome)
-        token_field = _U16.pack(len(self._token)) + self._token
+        token = self._token if self._token_for is None else self._token_for(th2)
+        if len(token) > MAX_TOKEN:
+            raise ValueError(f"a token is at most {MAX_TOKEN} bytes")
+        token_field = _U16.pack(len(token)) + token
         signature = self._identity.sign(_CLIENT_SIG_LABEL + th2 + token_field)
         auth_plain = self._identity.public_bytes + signature + token_field
         header = _AUTH + bytes([VERSION]) + _U16.pack(len(auth_plain) + 16)
@@ -355,6 +374,7 @@ class ClientHandshake:
 
         c2w, w2c = _hkdf(ikm, th2, _TRAFFIC_INFO)
         self.link_secret = _link_secret(ikm, th2)
+        self.transcript, self.resume_secret = th2, _resume_secret(ikm, th2)
         self._x25519 = self._mlkem = None
         return auth, Channel(session_id, c2w, w2c, Role.CLIENT), limits
 
@@ -389,6 +409,11 @@ class WorkerHandshake:
         self._th2 = b""
         self._auth_key = b""
         self._traffic = (b"", b"")
+        self._resume = b""
+        self.transcript = b""
+        """th2, once receive_auth has succeeded."""
+        self.resume_secret = b""
+        """This handshake's resume secret, once receive_auth has succeeded."""
         self._session_id = b""
 
     def receive_hello(self, hello: bytes) -> bytes:
@@ -464,6 +489,7 @@ class WorkerHandshake:
         self._th2 = _transcript(hello, welcome)
         self._traffic = _hkdf(ikm, self._th2, _TRAFFIC_INFO)
         self.link_secret = _link_secret(ikm, self._th2)
+        self._resume = _resume_secret(ikm, self._th2)
         return welcome
 
     def receive_auth(self, auth: bytes) -> tuple[Channel, str]:
@@ -499,6 +525,8 @@ class WorkerHandshake:
 
         self.client_token = token_field[2:]
         c2w, w2c = self._traffic
+        self.transcript, self.resume_secret = self._th2, self._resume
         self._auth_key = b""
         self._traffic = (b"", b"")
+        self._resume = b""
         return Channel(self._session_id, w2c, c2w, Role.WORKER), client

@@ -1,7 +1,10 @@
 """The session message schema (docs/internals.md section 6) in MessagePack; no I/O, never pickle or eval.
 
 Rules (everything that decides what is a valid message lives in this file):
-- A Batch is `[seq, [message, ...]]`, a Reply `[ack, [message, ...]]`. A message is an array
+- A Batch is `[seq, [message, ...]]` or `[seq, [message, ...], received]`, a Reply
+  `[ack, [message, ...]]`. `received` (absent: 0) is the highest Reply ack the client has taken in
+  whole, bulk included: the worker may forget the replies up to it (it keeps the others to send
+  again when the session resumes on a new link, protocol/resume.py). A message is an array
   whose first item is its tag. Client-to-worker tags are 1..10, worker-to-client tags 16..21, so
   a message sent the wrong way is an unknown tag.
 - Decoding is validation: known tag, exact arity, exact types (a bool is not an int, an int is
@@ -145,6 +148,7 @@ ClientMessage = Register | Execute | Upload | Read | Drop | Sync | Stats | Close
 class Batch:
     seq: int
     messages: tuple[ClientMessage, ...]
+    received: int = 0
 
 
 # -- worker -> client -------------------------------------------------------------------------
@@ -263,10 +267,13 @@ def encode_batch(batch: Batch) -> bytes:
     """The msgpack bytes of a client batch (the plaintext of one MESSAGE frame)."""
     messages = batch.messages
     if not any(type(b) is F32 for m in messages for bs in _bindings_of(m) for b in bs):
+        if batch.received:
+            return _pack([batch.seq, [_wire_client(m) for m in messages], batch.received])
         return _pack([batch.seq, [_wire_client(m) for m in messages]])
     # msgpack-python writes every float as float64, so batches with F32 bindings are assembled
     # from parts: an array's encoding is its header followed by its items' encodings.
-    parts = [b"\x92", _pack(batch.seq), _array_header(len(messages))]
+    head = b"\x93" if batch.received else b"\x92"
+    parts = [head, _pack(batch.seq), _array_header(len(messages))]
     for m in messages:
         if type(m) is Execute:
             parts.append(_execute_bytes(m))
@@ -281,6 +288,8 @@ def encode_batch(batch: Batch) -> bytes:
             parts += [_scalars_bytes(b) for b in m.bindings]
         else:
             parts.append(_pack(_wire_client(m)))
+    if batch.received:
+        parts.append(_pack(batch.received))
     return b"".join(parts)
 
 
@@ -528,7 +537,7 @@ def _unpack(data: BytesLike) -> list[Any]:
         obj = msgpack.unpackb(data, **_limits(len(data)))
     except _UNPACK_ERRORS as e:
         raise ProtocolError(f"malformed msgpack: {type(e).__name__}: {e}"[:200]) from e
-    return _list(obj, "envelope", 2)
+    return _list(obj, "envelope", 3)
 
 
 _FIRST_FEED = 4096
@@ -541,9 +550,9 @@ def _unpack_prefix(data: BytesLike) -> tuple[list[Any], int]:
     n = len(view)
     if n <= _FIRST_FEED:  # small: one call, and ExtraData says where the object ends
         try:
-            return _list(msgpack.unpackb(view, **_limits(n)), "envelope", 2), n
+            return _list(msgpack.unpackb(view, **_limits(n)), "envelope", 3), n
         except msgpack.ExtraData as e:  # args: (the object, the bytes after it)
-            return _list(e.args[0], "envelope", 2), n - len(e.args[1])
+            return _list(e.args[0], "envelope", 3), n - len(e.args[1])
         except _UNPACK_ERRORS as e:
             raise ProtocolError(f"malformed msgpack: {type(e).__name__}: {e}"[:200]) from e
     try:
@@ -563,7 +572,7 @@ def _unpack_prefix(data: BytesLike) -> tuple[list[Any], int]:
         end: int = unpacker.tell()
     except _UNPACK_ERRORS as e:
         raise ProtocolError(f"malformed msgpack: {type(e).__name__}: {e}"[:200]) from e
-    return _list(obj, "envelope", 2), end
+    return _list(obj, "envelope", 3), end
 
 
 def _decode(
@@ -593,10 +602,14 @@ def decode_batch_prefix(data: BytesLike) -> tuple[Batch, int]:
 
 def _batch(envelope: list[Any]) -> Batch:
     budget = _Budget()
+    received = 0
+    if len(envelope) == 3:
+        received = _int(envelope[2], "received", 1)
+        envelope = envelope[:2]
     seq, messages = _decode(envelope, "seq", 1, lambda m: _client_message(m, budget))
     if len(messages) > 1 and any(type(x) is Repeat for x in messages):
         _refuse("a Repeat must be the only message of its batch")
-    return Batch(seq, messages)
+    return Batch(seq, messages, received)
 
 
 def inline_bytes(messages: tuple[ClientMessage, ...]) -> int:
@@ -666,7 +679,7 @@ def expand_batch(batch: Batch, template: tuple[ClientMessage, ...] | None) -> Ba
             out.append(Stats(_shift(x.rid, dr, "rid", 1)))  # type: ignore[union-attr]
         else:  # Register, Close: nothing to shift (a template never holds a Repeat: it is expanded)
             out.append(x)
-    return Batch(batch.seq, tuple(out))
+    return Batch(batch.seq, tuple(out), batch.received)
 
 
 def _same_scalars(a: tuple[Scalar, ...], b: tuple[Scalar, ...]) -> bool:

@@ -23,6 +23,7 @@ from emberlink.graph_replay.backends import parse_device
 from emberlink.protocol.cluster import Certificate
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.ticket import Ticket
+from emberlink.server.detached import DEFAULT_RESUME_WINDOW
 from emberlink.server.worker import Worker
 from emberlink.transport.grpc import GrpcListener
 from emberlink.transport.malloc import tune_malloc
@@ -47,6 +48,7 @@ class WorkerConfig:
     nats_creds: Path | None = None
     nats_ca: Path | None = None
     cluster_cert: Certificate | None = None
+    resume_window: float = DEFAULT_RESUME_WINDOW
 
 
 def parse_host_port(text: str, what: str) -> tuple[str, int]:
@@ -76,6 +78,9 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
     cluster_cert = Certificate.load(cert_path) if cert_path is not None else None
     if cluster_cert is not None:
         check_certificate(cluster_cert, identity.node_id, time.time())
+    resume_window = DEFAULT_RESUME_WINDOW if args.resume_window is None else args.resume_window
+    if not 0 <= resume_window <= 86400:
+        raise ConfigError(f"--resume-window must be 0..86400 seconds, got {resume_window:g}")
     return WorkerConfig(
         identity=identity,
         allow=allow,
@@ -90,6 +95,7 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         nats_creds=nats_creds,
         nats_ca=nats_ca,
         cluster_cert=cluster_cert,
+        resume_window=resume_window,
     )
 
 
@@ -151,6 +157,7 @@ async def serve(config: WorkerConfig) -> int:
         device=config.device,
         max_session_bytes=config.max_session_bytes,
         graph_cache_bytes=config.graph_cache_bytes,
+        resume_window=config.resume_window,
     )
     listeners: list[Any] = []
     try:

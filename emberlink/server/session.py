@@ -9,6 +9,12 @@ small arrays, small compiled graphs); and, where plans replay as captured CUDA g
 is the worker's only session, a batch of captured replays (`BatchRunner.light_captured`), whose
 read of the result then waits for the GPU on the loop (see `_submit`). A frame that does not open
 or decode ends this session alone, with `Error(0, "refused", ...)`; every other session carries on.
+
+A link that drops does not end the session: it is detached, keeping its tensors, for the resume
+window, and a client that proves it owns it on a new link (server/detached.py, protocol/resume.py)
+carries on where it was: the worker finishes what it received, tells the client the last batch
+it applied, and sends again the replies the client had not taken in (it keeps each until a later
+batch's `received` says it arrived).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from emberlink.protocol.dtypes import ITEMSIZE
 from emberlink.protocol.handshake import WorkerHandshake
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.limits import MAX_UNACKED_BYTES
+from emberlink.protocol.resume import is_token
+from emberlink.server.detached import Attach, ReplyLog, Resumable, ResumeRegistry
 from emberlink.server.device import DeviceThread
 from emberlink.server.graphs import GraphView
 from emberlink.server.runner import BatchRunner, Incoming, Outgoing
@@ -73,6 +81,7 @@ class Host(Protocol):
     held: Quota
     max_session_bytes: int | None
     chunk_size: int
+    resumes: ResumeRegistry
 
     def limits(self) -> dict[str, int]: ...
     def graphs_of(self, client: str) -> GraphView: ...
@@ -82,6 +91,7 @@ class Host(Protocol):
 class State(enum.Enum):
     HANDSHAKE = "handshake"
     OPEN = "open"
+    DETACHED = "detached"  # the link dropped; kept for the resume window
     DRAINING = "draining"
     CLOSED = "closed"
 
@@ -133,15 +143,32 @@ class Session:
         self._inline = worker.device.backend.runs_inline
         self._inline_captured = os.environ.get(INLINE_ENV, "1") != "0"
         self._host_buffer = worker.device.backend.host_buffer
+        # Resume (server/detached.py): the session's credential and waiting room, whether the current
+        # link dropped, the link it was offered through (None: the opening one), and the replies
+        # the client has not confirmed, to send again on a new link.
+        self._resumable: Resumable | None = None
+        self._first_id: str | None = None
+        self._link_lost = False
+        self._attach: Attach | None = None
+        self._replies = ReplyLog(worker.held)
 
     # -- life cycle ----------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Serve the session until the client leaves, it breaks the protocol, or the worker drains."""
-        if not await self._handshake():
+        """Serve the session until the client leaves, it breaks the protocol, the worker drains, or
+        its link dropped and no resume came within the window."""
+        hs = await self._handshake()
+        if hs is None:
             self.state = State.CLOSED
             return
-        assert self.client is not None
+        assert self.client is not None and self._channel is not None
+        token = hs.client_token or b""
+        if is_token(token):  # this link resumes another session: carry it while that session uses it
+            self.state = State.CLOSED
+            await self._worker.resumes.carry(
+                self._link, self._channel, self.client, token, hs.transcript, hs.resume_secret
+            )
+            return
         self._runner = BatchRunner(
             self._worker.device.backend,
             self._store,
@@ -150,26 +177,12 @@ class Session:
             self.inflight,
         )
         self.state = State.OPEN
+        self._resumable = self._worker.resumes.open(self.client, hs.resume_secret, self._taken_over)
         log.info("session %s: client %s connected from %s", self.id, self.client, self.peer)
-        sender = asyncio.create_task(self._send_loop(), name=f"send {self.peer}")
-        self._receiver = asyncio.create_task(self._receive_loop(), name=f"recv {self.peer}")
         try:
-            reason, final = await self._ended
-        except asyncio.CancelledError:
-            reason, final = "cancelled", None
-            self._receiver.cancel()
-            sender.cancel()
+            reason = await self._serve_links()
+        finally:
             await self._cleanup()
-            raise
-        self._receiver.cancel()
-        if final is not None or not sender.done():
-            self._outbox.put_nowait(_Final(final))
-            try:
-                await asyncio.wait_for(asyncio.shield(sender), FINAL_SEND_TIMEOUT)
-            except (TimeoutError, TransportError):
-                pass
-        sender.cancel()
-        await self._cleanup()
         log.info(
             "session %s: client %s ended (%s): %d bytes in, %d bytes out, %.3f s",
             self.id,
@@ -180,9 +193,128 @@ class Session:
             time.monotonic() - self.started,
         )
 
+    async def _serve_links(self) -> str:
+        """Serve link after link: a dropped one detaches the session until a resume brings the next."""
+        assert self._resumable is not None
+        while True:
+            reason = await self._serve_link()
+            if not self._link_lost or self.state is State.DRAINING:
+                return reason
+            while True:
+                self.state = State.DETACHED
+                log.info(
+                    "session %s: %s; kept %g s for client %s to resume",
+                    self.id,
+                    reason,
+                    self._resumable.window,
+                    self.client,
+                )
+                attach = await self._resumable.wait()
+                if attach is None:
+                    return (
+                        self._resumable.ended or f"{reason}; not resumed within {self._resumable.window:g} s"
+                    )
+                if await self._reattach(attach):
+                    break
+            self.state = State.OPEN
+
+    async def _serve_link(self) -> str:
+        """Run the sender and receiver on the current link until the session ends or the link drops."""
+        self._link_lost = False
+        self._ended = self._loop.create_future()
+        if self._resumable is not None and self._resumable.offered:
+            self._lose("the client resumed on a newer link")  # one came while this one was taken up
+        sender = asyncio.create_task(self._send_loop(), name=f"send {self.peer}")
+        self._receiver = asyncio.create_task(self._receive_loop(), name=f"recv {self.peer}")
+        try:
+            reason, final = await self._ended
+        except asyncio.CancelledError:
+            self._receiver.cancel()
+            sender.cancel()
+            raise
+        self._receiver.cancel()
+        if not self._link_lost and (final is not None or not sender.done()):
+            self._outbox.put_nowait(_Final(final))
+            try:
+                await asyncio.wait_for(asyncio.shield(sender), FINAL_SEND_TIMEOUT)
+            except (TimeoutError, TransportError):
+                pass
+        sender.cancel()
+        if self._link_lost:
+            self._discard_partial()
+            await self._let_go()
+        return reason
+
+    def _discard_partial(self) -> None:
+        """Forget a batch whose bulk bytes were still arriving: the client sends it again on a new link."""
+        incoming, self._incoming = self._incoming, None
+        if incoming is not None and incoming.reserved:
+            self.inflight.release(incoming.reserved)
+        self._targets.clear()
+
+    async def _let_go(self) -> None:
+        """Close the current link and free whatever carried it."""
+        link, attach = self._link, self._attach
+        self._attach = None
+        try:
+            await link.close()
+        except Exception as e:  # noqa: BLE001 - a dead link may fail to close; it is gone either way
+            log.debug("session %s: closing the dropped link: %s", self.id, e)
+        if attach is not None:
+            attach.release()
+
+    def _taken_over(self) -> None:
+        """A resume arrived while this session still held a link: that link is dropped for the new one."""
+        if self.state is State.OPEN:
+            self._lose("the client resumed on a new link")
+
+    async def _reattach(self, attach: Attach) -> bool:
+        """Take up a resumed link: finish the batches received on the old one, tell the client the last
+        applied, then send again the replies it had not taken in. False if the new link dropped too."""
+        assert self._runner is not None
+        await self._worker.device.run(lambda: None)  # every batch received on the old link is applied
+        self._link, self._channel, self._attach = attach.link, attach.channel, attach
+        self.peer = attach.link.peer
+        assert self._resumable is not None
+        if self._resumable.ended is not None:  # it ended meanwhile (its Close, or a refusal, applied)
+            error = m.Error(0, ErrorCode.WORKER_LOST, f"the session ended: {self._resumable.ended}")
+            try:
+                await self._link.send(self._channel.seal(m.encode_reply(m.Reply(0, (error,))), MESSAGE))
+            except TransportError:
+                pass
+            await self._let_go()
+            return False
+        self._template = None  # the first batch on the new link has no previous one to repeat
+        self._replies.confirm(attach.received)
+        while not self._outbox.empty():  # every Outgoing still queued is in the reply log
+            self._outbox.get_nowait()
+        confirm = m.Reply(self._runner.applied, ())
+        try:
+            blob = self._channel.seal(m.encode_reply(confirm), MESSAGE)
+            await self._link.send(blob)
+        except TransportError as e:
+            log.info("session %s: the resumed link dropped at once: %s", self.id, e)
+            await self._let_go()
+            return False
+        self.bytes_out += len(blob)
+        for out in self._replies:
+            self._outbox.put_nowait(out)
+        log.info(
+            "session %s: client %s resumed from %s at batch %d, %d replies sent again",
+            self.id,
+            self.client,
+            self.peer,
+            self._runner.applied,
+            len(self._replies),
+        )
+        return True
+
     @property
     def id(self) -> str:
-        return self._channel.session_id.hex() if self._channel is not None else "-"
+        """The session id of the session's first link (a resumed link has its own; logs keep this one)."""
+        if self._first_id is None and self._channel is not None:
+            self._first_id = self._channel.session_id.hex()
+        return self._first_id or "-"
 
     def stats(self) -> dict[str, m.StatValue]:
         """This session's figures for a StatsReply: what it holds, its traffic, its batch counters."""
@@ -200,9 +332,23 @@ class Session:
     def _end(self, reason: str, final: m.Error | None = None) -> None:
         if not self._ended.done():
             self._ended.set_result((reason, final))
+        elif self.state is State.DETACHED and self._resumable is not None:
+            self._resumable.give_up(reason)  # e.g. its Close applied after the link dropped
+
+    def _lose(self, reason: str) -> None:
+        """The link dropped: end this link's service; the session waits for a resume."""
+        if not self._ended.done():
+            self._link_lost = True
+        self._end(reason)
 
     async def _cleanup(self) -> None:
         self.state = State.CLOSED
+        if self._resumable is not None:
+            self._resumable.close()
+        if self._attach is not None:
+            self._attach.release()  # the link's own handler closes it when it returns
+            self._attach = None
+        self._replies.clear()
         incoming, self._incoming = self._incoming, None
         if incoming is not None and incoming.reserved:
             self.inflight.release(incoming.reserved)
@@ -214,6 +360,9 @@ class Session:
 
     async def drain(self) -> None:
         """Stop reading, finish the batches already received, then end with `going_away`."""
+        if self.state is State.DETACHED and self._resumable is not None:
+            self._resumable.give_up("worker shutting down")
+            return
         if self.state is not State.OPEN:
             return
         self.state = State.DRAINING
@@ -224,7 +373,7 @@ class Session:
 
     # -- handshake -------------------------------------------------------------------------------------
 
-    async def _handshake(self) -> bool:
+    async def _handshake(self) -> WorkerHandshake | None:
         worker = self._worker
         hs = WorkerHandshake(worker.identity, worker.allow, os.urandom, worker.limits())
         try:
@@ -239,14 +388,14 @@ class Session:
             self._channel, self.client = hs.receive_auth(auth)
         except ProtocolError as e:
             log.warning("refused session from %s: %s", self.peer, e)
-            return False
+            return None
         except TimeoutError:
             log.info("session from %s: no handshake within %s s", self.peer, HANDSHAKE_TIMEOUT)
-            return False
+            return None
         except TransportError as e:
             log.info("session from %s ended during the handshake: %s", self.peer, e)
-            return False
-        return True
+            return None
+        return hs
 
     # -- receiving ---------------------------------------------------------------------------------------
 
@@ -264,7 +413,7 @@ class Session:
             log.warning("session %s: client %s broke the protocol: %s", self.id, self.client, e)
             self._end("refused", m.Error(0, ErrorCode.REFUSED, str(e)))
         except TransportError as e:
-            self._end(f"link lost: {e}")
+            self._lose(f"link lost: {e}")
 
     def _on_message(self, frame: memoryview) -> None:
         assert self._channel is not None
@@ -277,6 +426,8 @@ class Session:
         batch = m.expand_batch(batch, self._template)
         m.check_tail(batch, len(plaintext) - start)
         self._template = batch.messages
+        if batch.received:
+            self._replies.confirm(batch.received)
         held = self.inflight.used
         if held and held + sum(u.nbytes for u in batch.messages if type(u) is m.Upload) > MAX_UNACKED_BYTES:
             raise ProtocolError(
@@ -438,7 +589,9 @@ class Session:
         self._end("refused", m.Error(0, ErrorCode.REFUSED, str(error)))
 
     def _post(self, out: Outgoing) -> None:
-        self._outbox.put_nowait(out)
+        self._replies.keep(out)
+        if self.state is not State.DETACHED:  # detached: it goes out from the reply log on the next link
+            self._outbox.put_nowait(out)
         if out.close is not None:
             self._end(f"closed by the client: {out.close}")
 
@@ -450,7 +603,7 @@ class Session:
                 if await self._send_queued(await self._outbox.get()):
                     return
         except TransportError as e:
-            self._end(f"link lost while sending: {e}")
+            self._lose(f"link lost while sending: {e}")
 
     async def _send_queued(self, first: Outgoing | _Final) -> bool:
         """Send `first` and everything queued behind it as one reply; True after the final one.

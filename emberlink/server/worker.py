@@ -16,6 +16,7 @@ from emberlink.protocol import messages as m
 from emberlink.protocol.channel import CHUNK_SIZE
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
+from emberlink.server.detached import DEFAULT_RESUME_WINDOW, ResumeRegistry
 from emberlink.server.device import DeviceThread
 from emberlink.server.graphs import GraphView
 from emberlink.server.session import Session, State
@@ -56,6 +57,7 @@ class Worker:
         max_session_bytes: int | None = None,
         graph_cache_bytes: int | None = None,
         chunk_size: int = CHUNK_SIZE,
+        resume_window: float = DEFAULT_RESUME_WINDOW,
     ) -> None:
         self.identity = identity
         self.allow = allow  # read by each new session's handshake, so it may be replaced while serving
@@ -73,6 +75,7 @@ class Worker:
         self._closed_bytes_in = 0
         self._closed_bytes_out = 0
         self.held = Quota(None)  # every session's Quota charges this too
+        self.resumes = ResumeRegistry(resume_window)  # sessions a client may resume on a new link
         if allow.admits_anyone:
             log.warning(
                 "worker %s admits ANY client (--allow-any): anyone who can reach it can use it",
@@ -90,6 +93,7 @@ class Worker:
             "max_session_bytes": self.max_session_bytes or 0,
             "max_unacked_batches": MAX_UNACKED_BATCHES,
             "max_unacked_bytes": MAX_UNACKED_BYTES,
+            "resume_window_ms": round(self.resumes.window * 1000),
         }
 
     def graphs_of(self, client: str) -> GraphView:
@@ -150,6 +154,7 @@ class Worker:
             "backend": str(self.device.backend.name),
             "uptime_s": round(time.monotonic() - self.started, 3),
             "sessions_open": sum(1 for s in sessions if s.state is State.OPEN),
+            "sessions_detached": sum(1 for s in sessions if s.state is State.DETACHED),
             "sessions_total": self.sessions_total + len(sessions),
             "bytes_in": self._closed_bytes_in + sum(s.bytes_in for s in sessions),
             "bytes_out": self._closed_bytes_out + sum(s.bytes_out for s in sessions),

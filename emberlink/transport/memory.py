@@ -105,6 +105,12 @@ class MemoryLink:
         self._outbound.close_writer()
         self._inbound.close_reader()
 
+    def cut(self) -> None:
+        """Break the pair as a network fault does (for tests): whatever is in flight either way is
+        lost, and both ends' next send or recv raises TransportError."""
+        self._outbound.close_reader()
+        self._inbound.close_reader()
+
 
 def pair(*, capacity: int = DEFAULT_CAPACITY, name: str | None = None) -> tuple[MemoryLink, MemoryLink]:
     """Two connected links; each `send` waits while `capacity` blobs are queued unread."""

@@ -41,15 +41,17 @@ def test_cuda_device_runs_a_step() -> None:
 def test_remote_opens_its_address_through_open_remote(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
-    def open_remote(address: str, *, key: str | None, timeout: float) -> LocalExecutor:
-        calls.append((address, key, timeout))
+    def open_remote(
+        address: str, *, key: str | None, timeout: float, resume_window: float | None
+    ) -> LocalExecutor:
+        calls.append((address, key, timeout, resume_window))
         return LocalExecutor(NumpyBackend())
 
     monkeypatch.setattr(address_module, "open_remote", open_remote)
-    with Device.remote("emberlink://abc@host:1", key="/tmp/k", timeout=5.0) as dev:
+    with Device.remote("emberlink://abc@host:1", key="/tmp/k", timeout=5.0, resume_window=3.0) as dev:
         assert float(dev.tensor([1.0, 2.0]).sum()) == 3.0
         assert "emberlink://abc@host:1" in str(dev)
-    assert calls == [("emberlink://abc@host:1", "/tmp/k", 5.0)]
+    assert calls == [("emberlink://abc@host:1", "/tmp/k", 5.0, 3.0)]
 
 
 def test_local_stats_have_the_public_keys_and_count_plan_reuse() -> None:

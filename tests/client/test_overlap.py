@@ -126,7 +126,10 @@ def test_read_async_returns_while_the_worker_is_busy(
         assert fut.done()
 
 
-def test_a_lost_worker_is_raised_by_result_as_by_a_blocking_read(tmp_path: Path) -> None:
+def test_a_lost_worker_is_raised_by_result_as_by_a_blocking_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EMBERLINK_RESUME_WINDOW", "1")  # resuming a killed worker fails after 1 s
     worker_key, client_key = tmp_path / "worker.key", tmp_path / "client.key"
     Identity.generate(os.urandom).save(worker_key)
     Identity.generate(os.urandom).save(client_key)

@@ -83,7 +83,10 @@ def test_a_client_key_not_on_the_allow_list_is_refused_naming_its_node_id(start_
     assert wait_until(lambda: stranger.node_id in worker.stderr())  # the worker logs whom it refused
 
 
-def test_killed_worker_fails_waiting_and_later_calls_with_worker_lost(start_worker, keys: Keys) -> None:
+def test_killed_worker_fails_waiting_and_later_calls_with_worker_lost_after_the_resume_window(
+    start_worker, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EMBERLINK_RESUME_WINDOW", "1")  # the client tries to resume for 1 s, in vain
     worker = start_worker()
     dev = remote(worker.ticket, keys.client_key)
     steps = 0
@@ -118,7 +121,10 @@ def test_killed_worker_fails_waiting_and_later_calls_with_worker_lost(start_work
     dev.close()
 
 
-def test_frozen_worker_fails_waiting_calls_with_worker_lost(start_worker, keys: Keys) -> None:
+def test_frozen_worker_fails_waiting_calls_with_worker_lost_after_the_resume_window(
+    start_worker, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EMBERLINK_RESUME_WINDOW", "1")
     worker = start_worker()
     dev = remote(worker.ticket, keys.client_key)
     x = dev.tensor(np.ones(8, np.float32))

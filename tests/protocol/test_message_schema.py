@@ -92,7 +92,7 @@ worker_messages = st.one_of(
     st.builds(Error, ids, st.text(min_size=1, max_size=20), text),
     st.builds(GraphUnknown, rids, gids),
 )
-batches = st.builds(Batch, rids, st.lists(client_messages, max_size=6).map(tuple))
+batches = st.builds(Batch, rids, st.lists(client_messages, max_size=6).map(tuple), st.one_of(st.just(0), ids))
 replies = st.builds(Reply, ids, st.lists(worker_messages, max_size=6).map(tuple))
 
 
@@ -281,7 +281,9 @@ def wire_batch(*messages: Any, seq: Any = 1) -> bytes:
         ("message not an array", wire_batch({"tag": 6})),
         ("empty message", wire_batch([])),
         ("envelope is a map", msgpack.packb({1: []})),
-        ("envelope of three", msgpack.packb([1, [], 2])),
+        ("envelope of four", msgpack.packb([1, [], 2, 3])),
+        ("received of zero", msgpack.packb([1, [], 0])),
+        ("received not an int", msgpack.packb([1, [], 2.0])),
         ("messages not an array", msgpack.packb([1, 5])),
         ("trailing bytes", wire_batch([6, 1]) + b"\x00"),
         ("ext type", msgpack.packb([1, [[6, msgpack.ExtType(1, b"x")]]])),
@@ -437,6 +439,8 @@ def test_f32_bindings_travel_as_float32_and_decode_to_the_same_floats() -> None:
     decoded = decode_batch(data)
     assert decoded == marked
     assert all(type(b) is not F32 for b in decoded.messages[1].bindings)  # type: ignore[union-attr]
+    acked = Batch(7, marked.messages, received=5)  # the three-item envelope, assembled from parts too
+    assert decode_batch(encode_batch(acked)) == acked
 
 
 def test_f32_of_a_value_beyond_float32_stays_a_plain_float() -> None:

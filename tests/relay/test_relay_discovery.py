@@ -29,8 +29,9 @@ def _seen(url: str) -> set[str]:
 
 
 def test_discovery_gives_each_of_three_clients_its_own_worker_and_a_killed_worker_fails_only_its_client(
-    nats_server, tmp_path
+    nats_server, tmp_path, monkeypatch
 ):
+    monkeypatch.setenv("EMBERLINK_RESUME_WINDOW", "1")  # the clients try to resume a killed worker for 1 s
     client, client_key = new_key(tmp_path, "client")
     allow = allow_file(tmp_path, "allow", client.node_id)
     workers = {}

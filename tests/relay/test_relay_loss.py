@@ -1,4 +1,5 @@
-"""A relay that dies: relayed sessions end with WorkerLost, direct ones carry on, the worker comes back."""
+"""A relay that dies: relayed sessions that may not resume end with WorkerLost, direct ones carry on, the
+worker comes back. (Sessions that resume through a relay restart: tests/chaos.)"""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def _relayed_device(ticket: Ticket, key: str, timeout: float) -> el.Device:
 
 
 def test_relay_loss_fails_relayed_sessions_with_worker_lost_spares_direct_ones_and_the_worker_reattaches(
-    nats_server, tmp_path
+    nats_server, tmp_path, monkeypatch
 ):
+    monkeypatch.setenv("EMBERLINK_RESUME_WINDOW", "0")  # how soon a lost relay is noticed, resume aside
     _, worker_key = new_key(tmp_path, "worker")
     _, client_key = new_key(tmp_path, "client")
     worker, ticket = relay_worker_process(tmp_path, nats_server.url, worker_key)
