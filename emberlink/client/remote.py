@@ -97,7 +97,7 @@ def connect_ticket(ticket: Ticket, identity: Identity, *, timeout: float = 30.0)
             _given(link), ticket.node_id, identity, path=path, timeout=timeout, loop_thread=loop_thread
         )
     except (TransportError, WorkerLost) as e:
-        if path != paths.GRPC or ticket.relay is None:
+        if path == paths.RELAY or ticket.relay is None:
             raise
         log.info("worker %s: handshake over the direct path failed (%s); trying the relay", ticket.node_id, e)
     relay_link = loop_thread.call(paths.connect_relay(ticket, timeout), timeout + 1)

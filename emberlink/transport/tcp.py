@@ -27,6 +27,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import cast
 
 from emberlink.errors import TransportError, TransportTimeout
 from emberlink.transport.base import MAX_BLOB, Blob, Handler, check_size
@@ -81,13 +82,12 @@ class TcpLink(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
-        sock = transport.get_extra_info("socket")
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
+        sock = self._transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.peer == "tcp:?":
-            name = transport.get_extra_info("peername")
+            name = self._transport.get_extra_info("peername")
             if isinstance(name, tuple):
                 self.peer = f"tcp:{_address(name[0], name[1])}"
         self._timer = self._loop.call_later(KEEPALIVE_S, self._tick)
