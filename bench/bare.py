@@ -16,6 +16,7 @@ import functools
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -330,25 +331,29 @@ async def _serve_bare_tcp() -> None:
 
 @asynccontextmanager
 async def _server_process(flag: str) -> AsyncIterator[int]:
-    """This file run with `flag` in another process (on the event loop emberlink would use); its port."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(Path(__file__).resolve()),
-        flag,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
+    """This file run with `flag` in another process (on the event loop emberlink would use); its port.
+    Started with subprocess.Popen, not the loop's subprocess support: uvloop's forks the whole
+    process, gRPC threads included, and the child sometimes died before printing its port."""
+    loop = asyncio.get_running_loop()
+    proc = subprocess.Popen(  # noqa: ASYNC220 (see the docstring)
+        [sys.executable, str(Path(__file__).resolve()), flag], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     try:
         assert proc.stdout is not None and proc.stdin is not None
-        yield int(await proc.stdout.readline())
+        line = await loop.run_in_executor(None, proc.stdout.readline)
+        if not line.strip():
+            raise RuntimeError(f"bench server {flag} exited before it was ready (rc={proc.wait(10)})")
+        yield int(line)
     finally:
         if proc.stdin is not None:
             proc.stdin.close()
         try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
+            await loop.run_in_executor(None, proc.wait, 10)
+        except subprocess.TimeoutExpired:
             proc.kill()
-            await proc.wait()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 async def tcp_bare_pingpong_process(n: int, size: int = 64) -> float:
