@@ -319,6 +319,10 @@ async def _bare_tcp_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWri
             writer.write(head + await reader.readexactly(int.from_bytes(head, "big")))
     except (asyncio.IncompleteReadError, ConnectionError):
         writer.close()
+    except asyncio.CancelledError:
+        # The server is going away (stdin closed); returning keeps asyncio.streams (3.11) from
+        # logging the cancelled handler as an error.
+        writer.close()
 
 
 async def _serve_bare_tcp() -> None:
