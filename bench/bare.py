@@ -16,6 +16,7 @@ import functools
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +37,9 @@ from emberlink.protocol.channel import Channel
 from emberlink.transport import grpc as grpc_link
 from emberlink.transport import memory
 from emberlink.transport import nats as nats_link
+from emberlink.transport import tcp as tcp_link
 from emberlink.transport.base import Link
+from emberlink.transport.loop import new_event_loop
 
 MiB = 1024 * 1024
 NODE = "benchnode"
@@ -282,25 +285,8 @@ async def _serve_bare_grpc() -> None:
 @asynccontextmanager
 async def bare_grpc_call_process() -> AsyncIterator[grpc.aio.StreamStreamCall]:
     """Like `bare_grpc_call`, but the server runs in its own process, as emberlink's worker does."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--serve",
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-    )
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-        async with _bare_stream(int(await proc.stdout.readline())) as call:
-            yield call
-    finally:
-        if proc.stdin is not None:
-            proc.stdin.close()
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
+    async with _server_process("--serve") as port, _bare_stream(port) as call:
+        yield call
 
 
 async def grpc_bare_pingpong_process(n: int, size: int = 64) -> float:
@@ -320,6 +306,75 @@ async def grpc_bare_stream_process(total: int, chunk: int = MiB) -> tuple[float,
     """Like `grpc_bare_stream`, with the server in another process (as emberlink's worker is)."""
     async with bare_grpc_call_process() as call:
         return await _measure_stream(call.write, call.read, total, chunk)
+
+
+# --- bare asyncio TCP ---------------------------------------------------------------------------
+# Plain asyncio streams, a 4-byte length before each message: the least a framed TCP echo can do.
+
+
+async def _bare_tcp_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            head = await reader.readexactly(4)
+            writer.write(head + await reader.readexactly(int.from_bytes(head, "big")))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+    except asyncio.CancelledError:
+        # The server is going away (stdin closed); returning keeps asyncio.streams (3.11) from
+        # logging the cancelled handler as an error.
+        writer.close()
+
+
+async def _serve_bare_tcp() -> None:
+    """The bare asyncio TCP echo server alone (--serve-tcp): prints its port, serves until stdin closes."""
+    server = await asyncio.start_server(_bare_tcp_echo, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    server.close()
+
+
+@asynccontextmanager
+async def _server_process(flag: str) -> AsyncIterator[int]:
+    """This file run with `flag` in another process (on the event loop emberlink would use); its port.
+    Started with subprocess.Popen, not the loop's subprocess support: uvloop's forks the whole
+    process, gRPC threads included, and the child sometimes died before printing its port."""
+    loop = asyncio.get_running_loop()
+    proc = subprocess.Popen(  # noqa: ASYNC220 (see the docstring)
+        [sys.executable, str(Path(__file__).resolve()), flag], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        line = await loop.run_in_executor(None, proc.stdout.readline)
+        if not line.strip():
+            raise RuntimeError(f"bench server {flag} exited before it was ready (rc={proc.wait(10)})")
+        yield int(line)
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            await loop.run_in_executor(None, proc.wait, 10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+async def tcp_bare_pingpong_process(n: int, size: int = 64) -> float:
+    """Median µs per round trip of `size` bytes over plain asyncio streams to an echo server in another
+    process, each message behind a 4-byte length."""
+    async with _server_process("--serve-tcp") as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        message = len(_payload(size)).to_bytes(4, "big") + _payload(size)
+
+        async def round_trip() -> None:
+            writer.write(message)
+            await reader.readexactly(len(message))
+
+        try:
+            return await median_round_trip_us(round_trip, n)
+        finally:
+            writer.close()
 
 
 # --- bare nats-py --------------------------------------------------------------------------------
@@ -385,7 +440,7 @@ async def _bench_handler(link: Link) -> None:
 @asynccontextmanager
 async def open_link(kind: str, url: str | None = None) -> AsyncIterator[Link]:
     """A client Link to a `_bench_handler` worker over `kind`: memory, grpc or nats."""
-    listener: memory.MemoryListener | grpc_link.GrpcListener | nats_link.NatsListener
+    listener: memory.MemoryListener | grpc_link.GrpcListener | nats_link.NatsListener | tcp_link.TcpListener
     link: Link
     if kind == "memory":
         hub = memory.MemoryHub()
@@ -396,6 +451,10 @@ async def open_link(kind: str, url: str | None = None) -> AsyncIterator[Link]:
         listener = grpc_link.GrpcListener("127.0.0.1", 0, _bench_handler)
         port = await listener.start()
         link = await grpc_link.connect("127.0.0.1", port)
+    elif kind == "tcp":
+        listener = tcp_link.TcpListener("127.0.0.1", 0, _bench_handler)
+        port = await listener.start()
+        link = await tcp_link.connect("127.0.0.1", port)
     elif kind == "nats":
         assert url is not None
         listener = nats_link.NatsListener(url, NODE, _bench_handler)
@@ -462,6 +521,16 @@ async def measure(n: int = 2000, total: int = 64 * MiB, repeats: int = 5) -> lis
     rows.append(Row("grpc.aio bare (bidi stream)", _med(pp_bare), _med(bulk_bare, 0), _med(bulk_bare, 1)))
     rows.append(Row("grpc.aio bare, server in another process", _med(pp_proc), None, None))
     rows.append(Row("emberlink gRPC Link", _med(pp_link), _med(bulk_link, 0), _med(bulk_link, 1)))
+    pp_tcp_proc, pp_link, bulk_link = await _interleaved(
+        [
+            lambda: tcp_bare_pingpong_process(n),
+            lambda: link_pingpong("tcp", n),
+            lambda: link_stream("tcp", total),
+        ],
+        repeats,
+    )
+    rows.append(Row("asyncio TCP bare, server in another process", _med(pp_tcp_proc), None, None))
+    rows.append(Row("emberlink raw TCP Link", _med(pp_link), _med(bulk_link, 0), _med(bulk_link, 1)))
     async with nats_server() as url:
         pp_bare, pp_link, bulk_bare, bulk_link = await _interleaved(
             [
@@ -504,14 +573,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer round trips, 16 MiB, one repeat")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the other process
+    parser.add_argument("--serve-tcp", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve:
-        asyncio.run(_serve_bare_grpc())
-        return
-    n, total, repeats = (300, 16 * MiB, 1) if args.quick else (2000, 64 * MiB, 5)
-    rows = asyncio.run(measure(n, total, repeats))
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:  # uvloop where installed, as emberlink
+        if args.serve or args.serve_tcp:
+            runner.run(_serve_bare_tcp() if args.serve_tcp else _serve_bare_grpc())
+            return
+        n, total, repeats = (300, 16 * MiB, 1) if args.quick else (2000, 64 * MiB, 5)
+        rows = runner.run(measure(n, total, repeats))
+        loop_name = type(runner.get_loop()).__module__.split(".")[0]
     print(
-        f"python {sys.version.split()[0]}, grpcio {grpc.__version__}, {os.cpu_count()} CPUs, loopback, one process"
+        f"python {sys.version.split()[0]}, grpcio {grpc.__version__}, {os.cpu_count()} CPUs, loopback, "
+        f"one process, {loop_name} event loop"
     )
     print()
     print(markdown(rows, n, total))

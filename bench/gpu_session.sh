@@ -39,14 +39,20 @@ EMBERLINK_KEY="$tmp/client.key" python3 examples/train_mlp.py --device "$ticket"
 kill -TERM $worker; wait $worker; echo "worker exit $?"; tail -3 "$OUT/worker.log"
 
 echo "== 4. MLP steps: PyTorch, CuPy, Device.cuda(0) and a cuda:0 worker on loopback; where a remote step's time goes"
-python3 bench/gpu_step.py 2>"$OUT/gpu_step.err" | tee "$OUT/gpu_step.md"
-python3 bench/step_trace.py 2>"$OUT/step_trace.err" | tee "$OUT/step_trace.md"
+timeout 200 python3 bench/gpu_step.py 2>"$OUT/gpu_step.err" | tee "$OUT/gpu_step.md"
+[ "${EMBERLINK_STEP_TRACE:-1}" = 1 ] && timeout 60 python3 bench/step_trace.py 2>"$OUT/step_trace.err" | tee "$OUT/step_trace.md"
+
+echo "== 5. models on Device.cuda(0): the examples, the CNN memory bench, conv and attention against PyTorch"
+timeout 60 python3 examples/cnn_digits.py --device cuda:0 2>&1 | tee "$OUT/cnn_digits.log" | tail -3
+timeout 60 python3 examples/lora_finetune.py --device cuda:0 2>&1 | tee "$OUT/lora_finetune.log" | tail -8
+timeout 60 python3 bench/cnn_memory.py --device cuda:0 2>&1 | tee "$OUT/cnn_memory.md" | tail -12
+timeout 120 python3 bench/gpu_models.py --deadline 85 --steps 25 2>"$OUT/gpu_models.err" | tee "$OUT/gpu_models.md"
 
 # EMBERLINK_HOST_BENCHES=1 runs them all; a list of names (e.g. "remote_step local_step") runs those.
 benches=${EMBERLINK_HOST_BENCHES:-0}
 [ "$benches" = 1 ] && benches="local_step protocol remote_step replay relay"
 if [ "$benches" != 0 ]; then
-    echo "== 5. the CPU benchmarks on this (quieter, 16-core) host"
+    echo "== 6. the CPU benchmarks on this (quieter, 16-core) host"
     for b in $benches; do
         echo "-- bench/$b.py"
         timeout 240 python3 bench/$b.py >"$OUT/bench_$b.md" 2>"$OUT/bench_$b.err"; echo "exit $?"

@@ -1,6 +1,7 @@
 """A remote device on loopback against the bare transport and against local execution.
 
     .venv/bin/python bench/remote_step.py [--quick] [--worker process|thread]
+    EMBERLINK_UVLOOP=0 .venv/bin/python bench/remote_step.py   # asyncio's loop even where uvloop is installed
 
 Rows, each a median over interleaved repeats so machine noise hits both sides alike:
 - tiny step: one 64-byte input upload, one op (`sum`), one scalar read, against a bare grpc.aio
@@ -13,13 +14,17 @@ Rows, each a median over interleaved repeats so machine noise hits both sides al
 - MLP training step: batch 128, 784-512-512-10, SGD (bench/local_step.py's model), remote against
   the same step on Device.cpu(); and the same step jitted (bench/local_step.py's JitMLP), remote
   against jitted on Device.cpu().
+- the same tiny, jitted tiny and MLP steps over the raw TCP transport (`--tcp-listen`, transport/tcp.py)
+  against the same bare grpc.aio ping-pong (server in another process), and a bare asyncio TCP
+  ping-pong (streams, 4-byte length, server in another process; bench/bare.py) for scale.
 - 64 MiB upload (`dev.tensor(a)` then `sync()`) and download (`t.numpy()`), against bare
   grpc.aio streaming of the same bytes in 1 MiB messages, the server in this process and in
   another one. Goal: at least 0.7x the bare rate.
 - what bounds the tiny step: the bare ping-pong (server in another process) plus only the work a
   tiny step cannot skip, in three steps (see `floor_rows`).
 
-The worker runs as an `emberlink worker` process (default; as a user would run it) or in this
+Both sides run on the event loop emberlink picks (transport/loop.py: uvloop where installed, unless
+EMBERLINK_UVLOOP=0); the bare servers in other processes too. The worker runs as an `emberlink worker` process (default; as a user would run it) or in this
 process on the client's I/O loop (`--worker thread`). The first bare gRPC ping-pong row is one
 process, one event loop, no encryption and no thread hand-offs: a floor, not a peer; the second
 (server in another process) is the honest peer of `--worker process`.
@@ -48,14 +53,22 @@ import local_step
 
 import emberlink as el
 from emberlink.protocol.identity import AllowPolicy, Identity
+from emberlink.protocol.ticket import Ticket
 from emberlink.transport.loop import io_loop
 
 MiB = 1 << 20
 
 
+def split_ticket(text: str) -> tuple[str, str]:
+    """(a ticket with only the gRPC address, one with only the tcp address) of a worker that has both."""
+    ticket = Ticket.parse(text)
+    return str(Ticket(ticket.node_id, ticket.addrs)), str(Ticket(ticket.node_id, (), tcp=ticket.tcp))
+
+
 @contextmanager
 def worker_process(client: Identity) -> Any:
-    """An `emberlink worker` process on 127.0.0.1:0 admitting `client`; yields its ticket."""
+    """An `emberlink worker` process on 127.0.0.1:0 (gRPC) and 127.0.0.1:0 (raw TCP) admitting
+    `client`; yields its ticket."""
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "worker.key"
         Identity.generate(os.urandom).save(key)
@@ -63,7 +76,7 @@ def worker_process(client: Identity) -> Any:
         allow.write_text(client.node_id + "\n")
         proc = subprocess.Popen(
             [sys.executable, "-m", "emberlink", "worker", "--listen", "127.0.0.1:0", "--key", str(key)]
-            + ["--allow", str(allow)],
+            + ["--allow", str(allow), "--tcp-listen", "127.0.0.1:0"],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -81,7 +94,7 @@ def worker_process(client: Identity) -> Any:
 def worker_thread(client: Identity) -> Any:
     from emberlink.server.background import BackgroundWorker
 
-    with BackgroundWorker(allow=AllowPolicy.of([client.node_id])) as worker:
+    with BackgroundWorker(allow=AllowPolicy.of([client.node_id]), tcp=True) as worker:
         yield worker.ticket
 
 
@@ -128,15 +141,17 @@ def transfer_gbps(dev: el.Device, total: int) -> tuple[float, float]:
     return up, down
 
 
-def mlp_ms(cpu: el.Device, dev: el.Device, dev_jit: el.Device, steps: int) -> dict[str, float]:
-    """Median ms of the MLP step, eager and jitted, on Device.cpu() and remote (eager and jit each
-    in its own session, so each step can go as a Repeat of its own previous one); the four sides
-    take turns every few steps, so the machine's load hits them alike."""
+def mlp_ms(cpu: el.Device, devs: dict[str, el.Device], steps: int) -> dict[str, float]:
+    """Median ms of the MLP step, eager and jitted, on Device.cpu() and remote over gRPC and tcp
+    (eager and jit each in its own session, so each step can go as a Repeat of its own previous
+    one); the sides take turns every few steps, so the machine's load hits them alike."""
     sides = {
         "mlp_cpu": local_step.EmberlinkMLP(cpu),
-        "mlp": local_step.EmberlinkMLP(dev),
+        "mlp": local_step.EmberlinkMLP(devs["grpc"]),
         "mlp_jit_cpu": local_step.JitMLP(cpu),
-        "mlp_jit": local_step.JitMLP(dev_jit),
+        "mlp_jit": local_step.JitMLP(devs["grpc_jit"]),
+        "mlp_tcp": local_step.EmberlinkMLP(devs["tcp"]),
+        "mlp_jit_tcp": local_step.JitMLP(devs["tcp_jit"]),
     }
     batches = local_step._batches(4)
     times: dict[str, list[float]] = {k: [] for k in sides}
@@ -178,14 +193,21 @@ def main() -> None:
         key = Path(tmp) / "client.key"
         client.save(key)
         with (worker_process if args.worker == "process" else worker_thread)(client) as ticket:
-            dev = el.Device.remote(ticket, key=str(key))
-            dev_jit = el.Device.remote(ticket, key=str(key))
+            grpc_ticket, tcp_ticket = split_ticket(ticket)
+            devs = {
+                "grpc": el.Device.remote(grpc_ticket, key=str(key)),
+                "grpc_jit": el.Device.remote(grpc_ticket, key=str(key)),
+                "tcp": el.Device.remote(tcp_ticket, key=str(key)),
+                "tcp_jit": el.Device.remote(tcp_ticket, key=str(key)),
+            }
+            dev, dev_tcp = devs["grpc"], devs["tcp"]
             cpu = el.Device.cpu()
             rows: dict[str, list[float]] = {
                 k: []
                 for k in (
                     "bare_pp",
                     "bare_pp_proc",
+                    "bare_tcp_proc",
                     "floor_step",
                     "floor_proto",
                     "floor_both",
@@ -195,8 +217,14 @@ def main() -> None:
                     "mlp",
                     "mlp_jit_cpu",
                     "mlp_jit",
+                    "tiny_tcp",
+                    "tiny_jit_tcp",
+                    "mlp_tcp",
+                    "mlp_jit_tcp",
                     "up",
                     "down",
+                    "up_tcp",
+                    "down_tcp",
                 )
             }
             bare_up: list[float] = []
@@ -207,14 +235,18 @@ def main() -> None:
             # into existence (seen here: 0.3 GB/s cold, 1.2-1.6 GB/s after), on both sides alike.
             loop.call(bare.grpc_bare_stream(total))
             transfer_gbps(dev, total)
+            transfer_gbps(dev_tcp, total)
             for _ in range(repeats):  # interleaved
                 rows["bare_pp"].append(loop.call(bare.grpc_bare_pingpong(n)))
                 rows["bare_pp_proc"].append(loop.call(bare.grpc_bare_pingpong_process(n)))
+                rows["bare_tcp_proc"].append(loop.call(bare.tcp_bare_pingpong_process(n)))
                 for row, us in floor_rows(n, cpu).items():
                     rows[row].append(us)
                 rows["tiny"].append(median_us(tiny_step(dev), n))
                 rows["tiny_jit"].append(median_us(jit_tiny_step(dev), n))
-                for row, ms in mlp_ms(cpu, dev, dev_jit, steps).items():
+                rows["tiny_tcp"].append(median_us(tiny_step(dev_tcp), n))
+                rows["tiny_jit_tcp"].append(median_us(jit_tiny_step(dev_tcp), n))
+                for row, ms in mlp_ms(cpu, devs, steps).items():
                     rows[row].append(ms)
                 up, down = loop.call(bare.grpc_bare_stream(total))
                 bare_up.append(up)
@@ -225,16 +257,19 @@ def main() -> None:
                 up, down = transfer_gbps(dev, total)
                 rows["up"].append(up)
                 rows["down"].append(down)
-            stats = dev.stats()
-            dev.close()
-            dev_jit.close()
+                up, down = transfer_gbps(dev_tcp, total)
+                rows["up_tcp"].append(up)
+                rows["down_tcp"].append(down)
+            paths = f"{dev.stats()['path']} and {dev_tcp.stats()['path']}"
+            for d in devs.values():
+                d.close()
             cpu.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
     b_up, b_down = statistics.median(bare_up), statistics.median(bare_down)
     p_up, p_down = statistics.median(proc_up), statistics.median(proc_down)
     print(
         f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, loopback, worker as a {args.worker}, "
-        f"{repeats} interleaved repeat(s), path {stats['path']}"
+        f"{repeats} interleaved repeat(s), paths {paths}, {type(loop.loop).__module__.split('.')[0]} event loop"
     )
     print()
     print("| measurement | emberlink remote | baseline | ratio | goal |")
@@ -264,9 +299,41 @@ def main() -> None:
         f"| MLP step jit vs the same eager, both remote, median ms "
         f"| {med['mlp_jit']:.2f} | {med['mlp']:.2f} | {med['mlp_jit'] / med['mlp']:.2f}x | – |"
     )
+    bp = med["bare_pp_proc"]
+    for what, row in (
+        ("tiny step over tcp", "tiny_tcp"),
+        ("jitted tiny step over tcp", "tiny_jit_tcp"),
+        (
+            "bare asyncio TCP 64 B ping-pong (streams, 4-byte length), server in another process",
+            "bare_tcp_proc",
+        ),
+    ):
+        print(
+            f"| {what} vs bare grpc.aio 64 B ping-pong, server in another process, median µs "
+            f"| {med[row]:.0f} | {bp:.0f} | {med[row] / bp:.2f}x | {'≤ 1.5x' if 'step' in what else '–'} |"
+        )
+    print(
+        f"| jitted tiny step over tcp vs bare asyncio TCP ping-pong, server in another process, median µs "
+        f"| {med['tiny_jit_tcp']:.0f} | {med['bare_tcp_proc']:.0f} "
+        f"| {med['tiny_jit_tcp'] / med['bare_tcp_proc']:.2f}x | – |"
+    )
+    print(
+        f"| MLP step over tcp vs the same over gRPC, median ms "
+        f"| {med['mlp_tcp']:.2f} | {med['mlp']:.2f} | {med['mlp_tcp'] / med['mlp']:.2f}x | – |"
+    )
+    print(
+        f"| MLP step jit over tcp vs the same over gRPC, median ms "
+        f"| {med['mlp_jit_tcp']:.2f} | {med['mlp_jit']:.2f} | {med['mlp_jit_tcp'] / med['mlp_jit']:.2f}x | – |"
+    )
+    print(
+        f"| MLP step jit over tcp vs the same jitted on Device.cpu(), median ms "
+        f"| {med['mlp_jit_tcp']:.2f} | {med['mlp_jit_cpu']:.2f} | {med['mlp_jit_tcp'] / med['mlp_jit_cpu']:.2f}x | – |"
+    )
     for what, ours, one, two in (
         ("upload", med["up"], b_up, p_up),
         ("download", med["down"], b_down, p_down),
+        ("upload over tcp", med["up_tcp"], b_up, p_up),
+        ("download over tcp", med["down_tcp"], b_down, p_down),
     ):
         print(
             f"| {total // MiB} MiB {what} vs bare grpc.aio 1 MiB messages, one process, GB/s "
@@ -301,6 +368,9 @@ def main() -> None:
         ("+ both: a floor for any design in Python on grpc.aio", "floor_both"),
         ("emberlink tiny step (sessions, store, quotas, flow control, replay)", "tiny"),
         ("emberlink jitted tiny step (the same, without recording)", "tiny_jit"),
+        ("bare asyncio TCP ping-pong, server in another process (for scale)", "bare_tcp_proc"),
+        ("emberlink tiny step over tcp", "tiny_tcp"),
+        ("emberlink jitted tiny step over tcp", "tiny_jit_tcp"),
     ):
         print(f"| {what} | {med[row]:.0f} | {med[row] / bare_us:.2f}x |")
 

@@ -1,9 +1,11 @@
 """Where a remote jitted step's time goes: timestamps on both sides of one step, by stage.
 
-    python bench/step_trace.py [--device cuda:0] [--steps 300]
+    python bench/step_trace.py [--device cuda:0] [--steps 300] [--transport grpc|tcp] [--step mlp|tiny]
 
 The small MLP step of bench/gpu_step.py, jitted, against an `emberlink worker` process on
-127.0.0.1 (host batches, then resident data). The bench wraps methods of the client (in this
+127.0.0.1 (host batches, then resident data); or, with `--step tiny`, bench/remote_step.py's jitted
+tiny step (64 B upload, sum, scalar read). `--transport tcp` serves and connects over the raw TCP
+transport (transport/tcp.py) instead of gRPC; the "gRPC" stages are then that transport's. The bench wraps methods of the client (in this
 process) and of the worker (its process starts with the same wrappers installed) to record
 `time.perf_counter_ns()` (CLOCK_MONOTONIC, shared by both processes) as each step passes, then
 prints the median of each stage over the steps, in the order a step goes through them. The
@@ -33,6 +35,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 EVENTS: list[tuple[str, int]] = []
 OUT_ENV = "STEP_TRACE_OUT"
+TRANSPORT_ENV = "STEP_TRACE_TRANSPORT"
 
 
 def mark(tag: str) -> None:
@@ -67,9 +70,20 @@ def wrap(cls: Any, name: str, before: str | None, after: str | None = None) -> N
     setattr(cls, name, traced)
 
 
+def link_classes() -> tuple[Any, Any]:
+    """(the client's Link class, the worker's) of the transport named by TRANSPORT_ENV."""
+    if os.environ.get(TRANSPORT_ENV, "grpc") == "tcp":
+        from emberlink.transport.tcp import TcpLink
+
+        return TcpLink, TcpLink
+    from emberlink.transport import grpc as g
+
+    return g.GrpcClientLink, g.GrpcServerLink
+
+
 def install(side: str) -> None:
     """Wrap the methods a step passes through on one side ("client" or "worker")."""
-    from emberlink.transport import grpc as g
+    client_link, server_link = link_classes()
 
     if side == "client":
         from emberlink.client.remote import RemoteExecutor
@@ -77,8 +91,8 @@ def install(side: str) -> None:
 
         wrap(RemoteExecutor, "_flush", "c.flush")
         wrap(ClientSession, "submit", "c.submit")
-        wrap(g.GrpcClientLink, "send", "c.write", "c.written")
-        wrap(g.GrpcClientLink, "recv", None, "c.recv")
+        wrap(client_link, "send", "c.write", "c.written")
+        wrap(client_link, "recv", None, "c.recv")
         wrap(ClientSession, "_resolve", "c.resolve")
         return
     from emberlink.graph_replay.cupy_backend import CupyBackend
@@ -86,14 +100,14 @@ def install(side: str) -> None:
     from emberlink.server.runner import BatchRunner
     from emberlink.server.session import Session
 
-    wrap(g.GrpcServerLink, "recv", None, "w.recv")
+    wrap(server_link, "recv", None, "w.recv")
     wrap(Session, "_submit", "w.submit")
     wrap(BatchRunner, "apply", "w.apply", "w.applied")
     wrap(BatchRunner, "_execute", "w.execute", "w.executed")
     for backend in (CupyBackend, NumpyBackend):
         wrap(backend, "to_numpy", "w.read", "w.readed")
     wrap(Session, "_post", "w.post")
-    wrap(g.GrpcServerLink, "send", "w.write", "w.written")
+    wrap(server_link, "send", "w.write", "w.written")
     out = os.environ[OUT_ENV]
     atexit.register(lambda: np.save(out, np.array([(t, n) for t, n in EVENTS], dtype=object)))
 
@@ -167,6 +181,9 @@ def traced_worker(key: Path, device: str, out: Path) -> Iterator[str]:
             "--device",
             device,
         ]
+        tcp = os.environ.get(TRANSPORT_ENV, "grpc") == "tcp"
+        if tcp:
+            argv += ["--tcp-listen", "127.0.0.1:0"]
         code = (
             f"import sys; sys.path.insert(0, {str(HERE)!r}); import step_trace; step_trace.install('worker'); "
             f"from emberlink.cli import main; raise SystemExit(main({argv!r}))"
@@ -182,7 +199,11 @@ def traced_worker(key: Path, device: str, out: Path) -> Iterator[str]:
             ticket = proc.stdout.readline().strip()
             if not ticket.startswith("emberlink://"):
                 raise SystemExit(f"the worker did not start (exit {proc.wait(30)})")
-            yield ticket
+            from emberlink.protocol.ticket import Ticket
+
+            parsed = Ticket.parse(ticket)  # only the address of the transport asked for
+            only = Ticket(parsed.node_id, (), tcp=parsed.tcp) if tcp else Ticket(parsed.node_id, parsed.addrs)
+            yield str(only)
         finally:
             proc.terminate()
             proc.wait(30)
@@ -192,7 +213,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--transport", choices=("grpc", "tcp"), default="grpc")
+    parser.add_argument("--step", choices=("mlp", "tiny"), default="mlp")
     args = parser.parse_args()
+    os.environ[TRANSPORT_ENV] = args.transport  # the worker process inherits it
     sys.path.insert(0, str(HERE))
     import gpu_step
 
@@ -204,13 +228,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "client.key"
         Identity.generate(os.urandom).save(key)
-        for resident in (False, True):
+        for resident in (False,) if args.step == "tiny" else (False, True):
             out = Path(tmp) / f"worker{int(resident)}.npy"
             with (
                 traced_worker(key, args.device, out) as ticket,
                 el.Device.remote(ticket, key=str(key)) as dev,
             ):
-                step = gpu_step.ember_step(dev, model, data, jit=True, resident=resident, lazy=False)
+                if args.step == "tiny":
+                    import remote_step
+
+                    tiny = remote_step.jit_tiny_step(dev)
+
+                    def step(_: int, run: Any = tiny) -> Any:
+                        return run()
+                else:
+                    step = gpu_step.ember_step(dev, model, data, jit=True, resident=resident, lazy=False)
                 for i in range(30):
                     step(i % gpu_step.N_BATCHES)
                 t0 = time.perf_counter()
@@ -229,7 +261,8 @@ def main() -> None:
             worker_events = [(str(t), int(n)) for t, n in np.load(out, allow_pickle=True)]
             stages = durations(client_events + worker_events, warm=10)
             kind = "resident data" if resident else "host batches"
-            print(f"\n| small MLP, Device.remote jit, {kind}: stage | median µs |")
+            what = "tiny step" if args.step == "tiny" else f"small MLP, {kind}"
+            print(f"\n| {what}, Device.remote jit over {args.transport}: stage | median µs |")
             print("|---|---:|")
             for name, _, _ in STAGES:
                 values = stages[name]
@@ -243,13 +276,13 @@ _ORIGINALS: dict[tuple[Any, str], Any] = {}
 def uninstall_client() -> None:
     from emberlink.client.remote import RemoteExecutor
     from emberlink.client.session import ClientSession
-    from emberlink.transport import grpc as g
 
+    client_link, _ = link_classes()
     for cls, name in [
         (RemoteExecutor, "_flush"),
         (ClientSession, "submit"),
-        (g.GrpcClientLink, "send"),
-        (g.GrpcClientLink, "recv"),
+        (client_link, "send"),
+        (client_link, "recv"),
         (ClientSession, "_resolve"),
     ]:
         fn = getattr(cls, name)

@@ -90,6 +90,12 @@ def add_worker(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p = subparsers.add_parser("worker", help="serve this machine's CPU or GPU to allowed clients")
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where to listen (port 0 picks one)")
     p.add_argument(
+        "--tcp-listen",
+        metavar="HOST:PORT",
+        help="also serve the raw TCP transport here (port 0 picks one); the ticket gets a tcp: address "
+        "on the advertised host, which clients prefer to gRPC",
+    )
+    p.add_argument(
         "--key", required=True, type=Path, metavar="FILE", help="the worker's key file (mode 0600)"
     )
     who = p.add_mutually_exclusive_group(required=True)

@@ -11,7 +11,8 @@ Everything but the network is what a deployment runs: the worker's and the clien
 generated in memory, the worker admits only the identities on its allow-list (`w.client`, and each
 one `w.new_client()` makes), and every session does the full handshake and seals every frame. The
 memory transport runs on the process's I/O loop (transport/loop.py), which the clients share.
-`grpc=True` adds a gRPC listener on loopback, for `w.device(transport="grpc")` and `w.ticket`.
+`grpc=True` adds a gRPC listener on loopback, for `w.device(transport="grpc")` and `w.ticket`;
+`tcp=True` a raw TCP listener (transport/tcp.py), for `w.device(transport="tcp")` (and in `w.ticket`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from emberlink.transport.base import Link
 
 T = TypeVar("T")
 
-Transport = Literal["memory", "grpc"]
+Transport = Literal["memory", "grpc", "tcp"]
 
 
 class InProcessWorker:
@@ -40,12 +41,12 @@ class InProcessWorker:
     or call `stop()`. `options` are the server Worker's (`max_session_bytes`, `graph_cache_bytes`,
     `chunk_size`, `backend`)."""
 
-    def __init__(self, device: str = "cpu", *, grpc: bool = False, **options: Any) -> None:
+    def __init__(self, device: str = "cpu", *, grpc: bool = False, tcp: bool = False, **options: Any) -> None:
         self.client = Identity.generate(os.urandom)
         """The identity `device()` connects as unless told otherwise; on the allow-list."""
         self._admitted = {self.client.node_id}
         self._background = BackgroundWorker(
-            allow=AllowPolicy.of(self._admitted), grpc=grpc, memory=True, device=device, **options
+            allow=AllowPolicy.of(self._admitted), grpc=grpc, tcp=tcp, memory=True, device=device, **options
         )
 
     @property
@@ -59,9 +60,9 @@ class InProcessWorker:
 
     @property
     def ticket(self) -> str:
-        """The ticket of the gRPC listener (`grpc=True` only)."""
-        if self._background.port is None:
-            raise ConfigError("this worker has no gRPC listener: start it with grpc=True")
+        """The ticket of the gRPC and raw TCP listeners (`grpc=True` or `tcp=True` only)."""
+        if self._background.port is None and self._background.tcp_port is None:
+            raise ConfigError("this worker has no network listener: start it with grpc=True or tcp=True")
         return self._background.ticket
 
     def new_client(self) -> Identity:
@@ -86,13 +87,12 @@ class InProcessWorker:
         A dropped link is resumed on a new one for `resume_window` seconds (see `Device.remote`).
         """
         who = identity if identity is not None else self.client
-        if transport == "grpc":
-            executor = connect_ticket(
-                Ticket.parse(self.ticket), who, timeout=timeout, resume_window=resume_window
-            )
-            return Device(executor, f"remote({self.ticket})")
+        if transport in ("grpc", "tcp"):
+            ticket = self._ticket_for(transport)
+            executor = connect_ticket(ticket, who, timeout=timeout, resume_window=resume_window)
+            return Device(executor, f"remote({ticket})")
         if transport != "memory":
-            raise ConfigError(f"transport must be 'memory' or 'grpc', got {transport!r}")
+            raise ConfigError(f"transport must be 'memory', 'grpc' or 'tcp', got {transport!r}")
         background = self._background
 
         async def reconnect(_timeout: float) -> tuple[str, Link]:
@@ -109,6 +109,17 @@ class InProcessWorker:
             resume_window=resume_window,
         )
         return Device(executor, f"remote(memory:{background.memory_name})")
+
+    def _ticket_for(self, transport: str) -> Ticket:
+        """The ticket with only `transport`'s address, so the session goes over that one."""
+        ticket = Ticket.parse(self.ticket)
+        if transport == "tcp":
+            if not ticket.tcp:
+                raise ConfigError("this worker has no tcp listener: start it with tcp=True")
+            return Ticket(ticket.node_id, (), tcp=ticket.tcp)
+        if not ticket.addrs:
+            raise ConfigError("this worker has no gRPC listener: start it with grpc=True")
+        return Ticket(ticket.node_id, ticket.addrs)
 
     async def open_link(self) -> Link:
         """A raw memory Link to the worker, before any handshake (for tests that speak the session
@@ -136,9 +147,9 @@ class InProcessWorker:
         self.stop()
 
 
-def worker(device: str = "cpu", *, grpc: bool = False, **options: Any) -> InProcessWorker:
+def worker(device: str = "cpu", *, grpc: bool = False, tcp: bool = False, **options: Any) -> InProcessWorker:
     """Start a worker in this process on `device` (`cpu`, `cuda:0`, ...); see the module docstring."""
-    return InProcessWorker(device, grpc=grpc, **options)
+    return InProcessWorker(device, grpc=grpc, tcp=tcp, **options)
 
 
 __all__ = ["InProcessWorker", "Transport", "worker"]

@@ -115,7 +115,7 @@ def connect_ticket(
             resume_window=window,
         )
     except (TransportError, WorkerLost) as e:
-        if path != paths.GRPC or ticket.relay is None:
+        if path == paths.RELAY or ticket.relay is None:
             raise
         log.info("worker %s: handshake over the direct path failed (%s); trying the relay", ticket.node_id, e)
     relay_link = loop_thread.call(paths.connect_relay(ticket, timeout), timeout + 1)

@@ -1,8 +1,12 @@
 """Tickets: who a worker is and where to reach it, as one string; parsing only, no name resolution.
 
-Form: `emberlink://<node-id>@host:port[,host:port...][?relay=nats://host:port]`.
+Form: `emberlink://<node-id>@addr[,addr...][?relay=nats://host:port]`.
 - `<node-id>` is a canonical NodeId (see identity.py).
-- Each address is `host:port`; an IPv6 host is written in brackets (`[::1]:7443`); ports are 1..65535.
+- Each address is `host:port` (gRPC) or `tcp:host:port` (the raw TCP transport); an IPv6 host is
+  written in brackets (`[::1]:7443`, `tcp:[::1]:7444`); ports are 1..65535. `tcp:` marks raw TCP only
+  when an address with its own port follows, so a gRPC host named `tcp` (`tcp:7443`) keeps its
+  meaning and every ticket written before raw TCP existed parses as it did.
+- The canonical form lists the tcp addresses first, then the gRPC ones, each kind in its given order.
 - A ticket with only a relay keeps the `@` and has no address: `emberlink://<node-id>@?relay=nats://h:4222`.
 - `relay` is the only query key, at most once, and must be `nats://host:port`.
 - `str(ticket)` gives the canonical form, which parses back to an equal ticket.
@@ -19,6 +23,7 @@ from emberlink.errors import ProtocolError
 from emberlink.protocol.identity import public_from_node_id
 
 SCHEME = "emberlink://"
+TCP_PREFIX = "tcp:"
 _HOSTNAME = re.compile(
     r"(?=.{1,253}\Z)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?\Z"
 )
@@ -27,24 +32,26 @@ _PORT = re.compile(r"[0-9]{1,5}\Z")
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """A worker's NodeId, its direct addresses (host, port), and an optional NATS relay URL."""
+    """A worker's NodeId, its direct gRPC addresses (host, port), an optional NATS relay URL, and its
+    raw TCP addresses (host, port)."""
 
     node_id: str
     addrs: tuple[tuple[str, int], ...]
     relay: str | None = None
+    tcp: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         try:
             public_from_node_id(self.node_id)
         except ProtocolError as e:
             raise ProtocolError(f"ticket: {e}") from e
-        for host, port in self.addrs:
+        for host, port in self.addrs + self.tcp:
             _check_host(host)
             if type(port) is not int or not 1 <= port <= 65535:
                 raise ProtocolError(f"ticket: port {port!r} is not in 1..65535")
         if self.relay is not None:
             _parse_relay(self.relay)
-        if not self.addrs and self.relay is None:
+        if not self.addrs and not self.tcp and self.relay is None:
             raise ProtocolError("ticket: no address and no relay; give host:port or ?relay=nats://host:port")
 
     @classmethod
@@ -60,13 +67,30 @@ class Ticket:
         if "@" not in rest:
             raise ProtocolError("ticket needs <node-id>@host:port (or <node-id>@?relay=...)")
         node_id, _, addr_text = rest.partition("@")
-        addrs = tuple(_parse_addr(a) for a in addr_text.split(",")) if addr_text else ()
-        return cls(node_id, addrs, _parse_query(query))
+        grpc: list[tuple[str, int]] = []
+        tcp: list[tuple[str, int]] = []
+        for text_addr in addr_text.split(",") if addr_text else ():
+            if _is_tcp(text_addr):
+                tcp.append(_parse_addr(text_addr[len(TCP_PREFIX) :]))
+            else:
+                grpc.append(_parse_addr(text_addr))
+        return cls(node_id, tuple(grpc), _parse_query(query), tuple(tcp))
 
     def __str__(self) -> str:
-        addrs = ",".join(_format_addr(host, port) for host, port in self.addrs)
+        addrs = ",".join(
+            [TCP_PREFIX + _format_addr(host, port) for host, port in self.tcp]
+            + [_format_addr(host, port) for host, port in self.addrs]
+        )
         relay = f"?relay={self.relay}" if self.relay is not None else ""
         return f"{SCHEME}{self.node_id}@{addrs}{relay}"
+
+
+def _is_tcp(text: str) -> bool:
+    """`tcp:host:port` or `tcp:[v6]:port`, not a gRPC address whose host is named `tcp`."""
+    if not text.startswith(TCP_PREFIX):
+        return False
+    rest = text[len(TCP_PREFIX) :]
+    return rest.startswith("[") or ":" in rest
 
 
 def _format_addr(host: str, port: int) -> str:

@@ -1,6 +1,7 @@
 """A worker running inside this process, on an event-loop thread: for `emberlink demo`, tests, benches.
 
-It listens on loopback gRPC (port 0) and, optionally, on an in-process memory endpoint. By default
+It listens on loopback gRPC (port 0) and, optionally, on raw TCP (port 0) and an in-process memory
+endpoint. By default
 it runs on the process's I/O loop (`transport.loop.io_loop`), the one remote devices use: the memory
 transport is single-loop, so clients of that endpoint must share the worker's loop, and a loop
 that carried gRPC is never closed (see transport/loop.py), so no extra loop is made and thrown away.
@@ -34,6 +35,7 @@ class BackgroundWorker:
         *,
         grpc: bool = True,
         memory: bool = False,
+        tcp: bool = False,
         host: str = "127.0.0.1",
         loop_thread: LoopThread | None = None,
         **worker_options: Any,
@@ -43,18 +45,25 @@ class BackgroundWorker:
         self.loop_thread = loop_thread if loop_thread is not None else io_loop()
         self.host = host
         self.port: int | None = None
+        self.tcp_port: int | None = None
         self.memory_name: str | None = None
         self.hub: Any = None
         self._listeners: list[Any] = []
         self._stopped = False
         self.worker = Worker(self.identity, self.allow, **worker_options)
         try:
-            self.call(self._start(grpc, memory), 30)
+            self.call(self._start(grpc, memory, tcp), 30)
         except BaseException:
             self.stop()
             raise
 
-    async def _start(self, grpc: bool, memory: bool) -> None:
+    async def _start(self, grpc: bool, memory: bool, tcp: bool) -> None:
+        if tcp:
+            from emberlink.transport.tcp import TcpListener
+
+            tcp_listener = TcpListener(self.host, 0, self.worker.handle)
+            self.tcp_port = await tcp_listener.start()
+            self._listeners.append(tcp_listener)
         if grpc:
             from emberlink.transport.grpc import GrpcListener
 
@@ -76,10 +85,12 @@ class BackgroundWorker:
 
     @property
     def ticket(self) -> str:
-        """The ticket of the gRPC listener."""
-        if self.port is None:
-            raise RuntimeError("this worker has no gRPC listener")
-        return str(Ticket(self.node_id, ((self.host, self.port),)))
+        """The ticket of the gRPC listener, and of the raw TCP one if there is one."""
+        if self.port is None and self.tcp_port is None:
+            raise RuntimeError("this worker has neither a gRPC nor a tcp listener")
+        grpc = ((self.host, self.port),) if self.port is not None else ()
+        tcp = ((self.host, self.tcp_port),) if self.tcp_port is not None else ()
+        return str(Ticket(self.node_id, grpc, tcp=tcp))
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 30) -> T:
         """Run a coroutine on the worker's loop and wait for it."""

@@ -26,7 +26,9 @@ from emberlink.protocol.ticket import Ticket
 from emberlink.server.detached import DEFAULT_RESUME_WINDOW
 from emberlink.server.worker import Worker
 from emberlink.transport.grpc import GrpcListener
+from emberlink.transport.loop import new_event_loop
 from emberlink.transport.malloc import tune_malloc
+from emberlink.transport.tcp import TcpListener
 
 log = logging.getLogger("emberlink.server")
 
@@ -49,6 +51,7 @@ class WorkerConfig:
     nats_ca: Path | None = None
     cluster_cert: Certificate | None = None
     resume_window: float = DEFAULT_RESUME_WINDOW
+    tcp: tuple[str, int] | None = None  # --tcp-listen: also serve raw TCP (transport/tcp.py) here
 
 
 def parse_host_port(text: str, what: str) -> tuple[str, int]:
@@ -67,6 +70,7 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
     allow = AllowPolicy.allow_any() if args.allow_any else AllowPolicy.from_file(args.allow)
     host, port = parse_host_port(args.listen, "--listen")
     advertise = parse_host_port(args.advertise, "--advertise") if args.advertise else None
+    tcp = parse_host_port(args.tcp_listen, "--tcp-listen") if args.tcp_listen else None
     device = str(parse_device(args.device))
     if args.relay is not None and not args.relay.startswith("nats://"):
         raise ConfigError(f"--relay must be nats://HOST:PORT, got {args.relay!r}")
@@ -96,6 +100,7 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         nats_ca=nats_ca,
         cluster_cert=cluster_cert,
         resume_window=resume_window,
+        tcp=tcp,
     )
 
 
@@ -123,7 +128,8 @@ def worker_command(args: argparse.Namespace) -> int:
         return 2
     tune_malloc()
     try:
-        return asyncio.run(serve(config))
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            return runner.run(serve(config))
     except (ConfigError, DeviceError) as e:
         print(f"emberlink worker: error: {e}", file=sys.stderr)
         return 2
@@ -132,8 +138,9 @@ def worker_command(args: argparse.Namespace) -> int:
         return 1
 
 
-def ticket_for(config: WorkerConfig, port: int) -> Ticket:
-    """The ticket clients use: the advertised address, else the listening one (0.0.0.0 → 127.0.0.1)."""
+def ticket_for(config: WorkerConfig, port: int, tcp_port: int | None = None) -> Ticket:
+    """The ticket clients use: the advertised address, else the listening one (0.0.0.0 → 127.0.0.1);
+    with `tcp_port`, also `tcp:` that host and port (the raw TCP listener's)."""
     if config.advertise is not None:
         host, adv_port = config.advertise
         port = adv_port or port
@@ -146,7 +153,8 @@ def ticket_for(config: WorkerConfig, port: int) -> Ticket:
                 host or "all interfaces",
             )
             host = "127.0.0.1"
-    return Ticket(config.identity.node_id, ((host, port),), relay=config.relay)
+    tcp = ((host, tcp_port),) if tcp_port is not None else ()
+    return Ticket(config.identity.node_id, ((host, port),), relay=config.relay, tcp=tcp)
 
 
 async def serve(config: WorkerConfig) -> int:
@@ -164,7 +172,8 @@ async def serve(config: WorkerConfig) -> int:
         grpc_listener = GrpcListener(config.host, config.port, worker.handle)
         port = await grpc_listener.start()
         listeners.append(grpc_listener)
-        ticket = ticket_for(config, port)
+        tcp_port = await start_tcp(worker, config, listeners)
+        ticket = ticket_for(config, port, tcp_port)
         if config.relay is not None:
             listeners.append(await start_relay(worker, config, ticket))
         # The file first: a parent that reads the first stdout line may look for the file at once.
@@ -182,6 +191,17 @@ async def serve(config: WorkerConfig) -> int:
         worker.close()
     log.info("worker %s stopped", worker.node_id)
     return 0
+
+
+async def start_tcp(worker: Worker, config: WorkerConfig, listeners: list[Any]) -> int | None:
+    """Serve raw TCP where --tcp-listen says (appended to `listeners`); its port, or None without it."""
+    if config.tcp is None:
+        return None
+    listener = TcpListener(*config.tcp, worker.handle)
+    port = await listener.start()
+    listeners.append(listener)
+    log.info("worker %s also serving raw tcp on %s:%d", worker.node_id, config.tcp[0], port)
+    return port
 
 
 async def start_relay(worker: Worker, config: WorkerConfig, ticket: Ticket) -> Any:

@@ -10,6 +10,7 @@ fail ("Event loop is closed"), so a loop that carried gRPC is stopped at most, n
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import Future
@@ -19,12 +20,29 @@ from emberlink.transport.malloc import tune_malloc_unless_disabled
 
 T = TypeVar("T")
 
+UVLOOP_ENV = "EMBERLINK_UVLOOP"
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (the `fast` extra) and EMBERLINK_UVLOOP is not 0;
+    asyncio's otherwise. Measured here: a raw TCP round trip of 64 bytes ~12 µs on uvloop against
+    ~20 µs on asyncio's loop, and grpc.aio a little faster on it too (bench/remote_step.py)."""
+    if os.environ.get(UVLOOP_ENV, "1") != "0":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            fast: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+            return fast
+    return asyncio.new_event_loop()
+
 
 class LoopThread:
     """An asyncio event loop running forever in one daemon thread."""
 
     def __init__(self, name: str = "emberlink-io") -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

@@ -38,6 +38,38 @@ def test_good_ticket_parses_and_prints_back(
     assert Ticket.parse(str(ticket)) == ticket
 
 
+@pytest.mark.parametrize(
+    ("text", "addrs", "tcp"),
+    [
+        (f"emberlink://{NODE}@tcp:h:7444", (), (("h", 7444),)),
+        (f"emberlink://{NODE}@tcp:h:7444,h:7443", (("h", 7443),), (("h", 7444),)),
+        (
+            f"emberlink://{NODE}@tcp:[::1]:7444,tcp:b:2,[::1]:7443",
+            (("::1", 7443),),
+            (("::1", 7444), ("b", 2)),
+        ),
+        (f"emberlink://{NODE}@tcp:tcp:7444,tcp:7443", (("tcp", 7443),), (("tcp", 7444),)),
+    ],
+)
+def test_ticket_with_tcp_addresses_parses_and_prints_back(
+    text: str, addrs: tuple[tuple[str, int], ...], tcp: tuple[tuple[str, int], ...]
+) -> None:
+    ticket = Ticket.parse(text)
+    assert ticket == Ticket(NODE, addrs, None, tcp)
+    assert str(ticket) == text
+    assert Ticket.parse(str(ticket)) == ticket
+
+
+def test_tcp_addresses_print_first_whatever_order_they_were_given_in() -> None:
+    ticket = Ticket.parse(f"emberlink://{NODE}@h:7443,tcp:h:7444?relay=nats://r:4222")
+    assert (ticket.addrs, ticket.tcp, ticket.relay) == ((("h", 7443),), (("h", 7444),), "nats://r:4222")
+    assert str(ticket) == f"emberlink://{NODE}@tcp:h:7444,h:7443?relay=nats://r:4222"
+
+
+def test_grpc_host_named_tcp_keeps_its_meaning() -> None:
+    assert Ticket.parse(f"emberlink://{NODE}@tcp:7443") == Ticket(NODE, (("tcp", 7443),))
+
+
 def test_surrounding_whitespace_is_ignored() -> None:
     assert Ticket.parse(f"  emberlink://{NODE}@h:1\n") == Ticket(NODE, (("h", 1),))
 
@@ -84,6 +116,11 @@ def test_percent_encoded_relay_is_accepted() -> None:
         (f"emberlink://{NODE}@h:1?relay", "query"),
         (f"emberlink://{NODE}@h:1#frag", "fragment"),
         (f"emberlink://{NODE}@?", "no address"),
+        (f"emberlink://{NODE}@tcp:h:0", "port"),
+        (f"emberlink://{NODE}@tcp:h:x", "port"),
+        (f"emberlink://{NODE}@tcp::1", "host"),
+        (f"emberlink://{NODE}@tcp:[::1]", r"\[::1\]:7443"),
+        (f"emberlink://{NODE}@tcp:bad_host:1", "host"),
     ],
 )
 def test_malformed_ticket_is_refused_clearly(text: str, complaint: str) -> None:
@@ -98,6 +135,9 @@ def test_ticket_built_in_code_is_validated() -> None:
         Ticket("x", (("h", 1),))
     with pytest.raises(ProtocolError):
         Ticket(NODE, ())
+    with pytest.raises(ProtocolError):
+        Ticket(NODE, (), tcp=(("h", 70000),))
+    assert Ticket(NODE, (), tcp=(("h", 1),)).tcp == (("h", 1),)
 
 
 @settings(max_examples=300, deadline=None)

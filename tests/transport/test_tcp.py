@@ -1,0 +1,322 @@
+"""The raw TCP transport over real loopback sockets: the shared Link checks, and peers that break the
+framing, die, freeze or stop reading."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import time
+
+import pytest
+
+from emberlink.errors import TransportError, TransportTimeout
+from emberlink.transport import tcp
+from emberlink.transport.base import MAX_BLOB, Handler, Link
+
+from .transport_checks import (
+    Child,
+    Recorder,
+    blobs,
+    check_client_close_reaches_the_worker_after_its_last_blob,
+    check_handler_return_closes_the_client,
+    check_sessions_are_isolated,
+    echo,
+    echo_once,
+    ping_pong,
+    pipelined,
+    within,
+)
+
+ECHO_WORKER = """
+    import asyncio
+    from emberlink.transport import tcp
+
+    async def echo(link):
+        while True:
+            await link.send(await link.recv())
+
+    async def main():
+        listener = tcp.TcpListener("127.0.0.1", 0, echo)
+        print(await listener.start(), flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+"""
+
+CLIENT = """
+    import asyncio, sys
+    from emberlink.transport import tcp
+
+    async def main():
+        link = await tcp.connect("127.0.0.1", int(sys.argv[1]), timeout=10)
+        await link.send(b"hello")
+        print("connected", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+"""
+
+
+async def started(handler: Handler) -> tuple[tcp.TcpListener, int]:
+    listener = tcp.TcpListener("127.0.0.1", 0, handler)
+    return listener, await listener.start()
+
+
+async def raw_socket(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A plain TCP connection to the listener, for writing bytes no Link would."""
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+async def test_blobs_round_trip_whole_and_in_order() -> None:
+    listener, port = await started(echo)
+    link = await tcp.connect("127.0.0.1", port)
+    sent = blobs([0, 1, 64, 4096, tcp.SLICE - 1, tcp.SLICE + 64, 3 * tcp.SLICE + 5])
+    assert await ping_pong(link, sent) == sent
+    many = blobs([100] * 200 + [1 << 20] * 8 + [5] * 50)
+    assert await pipelined(link, many) == many
+    await link.close()
+    await listener.stop(1)
+
+
+async def test_blobs_up_to_max_blob_pass_and_larger_are_refused_on_send() -> None:
+    listener, port = await started(echo)
+    link = await tcp.connect("127.0.0.1", port)
+    sent = blobs([MAX_BLOB])
+    assert await ping_pong(link, sent) == sent
+    with pytest.raises(TransportError, match="exceeds"):
+        await link.send(bytes(MAX_BLOB + 1))
+    assert await ping_pong(link, [b"still open"]) == [b"still open"]
+    await link.close()
+    await listener.stop(1)
+
+
+async def test_concurrent_sessions_are_isolated() -> None:
+    listener, port = await started(echo)
+    links = [await tcp.connect("127.0.0.1", port) for _ in range(4)]
+    await check_sessions_are_isolated(links, [blobs([i + 1, 5000, 70_000] * 5) for i in range(len(links))])
+    await listener.stop(1)
+
+
+async def test_concurrent_large_sends_on_one_link_do_not_interleave() -> None:
+    listener, port = await started(echo)
+    link = await tcp.connect("127.0.0.1", port)
+    sent = blobs([3 * tcp.SLICE, 10, 2 * tcp.SLICE + 7, 20])
+    await asyncio.gather(*(link.send(b) for b in sent))
+    got = [bytes(await within(10, link.recv())) for _ in sent]
+    assert got == sent  # whole blobs, in the order the sends started
+    await link.close()
+    await listener.stop(1)
+
+
+async def test_client_close_makes_the_worker_recv_raise_after_its_last_blob() -> None:
+    recorder = Recorder()
+    listener, port = await started(recorder)
+    await check_client_close_reaches_the_worker_after_its_last_blob(
+        await tcp.connect("127.0.0.1", port), recorder
+    )
+    await listener.stop(1)
+
+
+async def test_worker_handler_return_makes_client_recv_raise_peer_closed() -> None:
+    listener, port = await started(echo_once)
+    await check_handler_return_closes_the_client(await tcp.connect("127.0.0.1", port))
+    await listener.stop(1)
+
+
+async def test_own_close_wakes_a_pending_recv_with_transport_error() -> None:
+    listener, port = await started(echo)
+    link = await tcp.connect("127.0.0.1", port)
+    pending = asyncio.create_task(link.recv())
+    await asyncio.sleep(0.05)
+    await link.close()
+    with pytest.raises(TransportError, match="closed"):
+        await within(5, pending)
+    with pytest.raises(TransportError, match="closed"):
+        await link.send(b"after close")
+    await listener.stop(1)
+
+
+async def test_listener_stop_ends_sessions_and_refuses_new_ones() -> None:
+    listener, port = await started(echo)
+    link = await tcp.connect("127.0.0.1", port)
+    await listener.stop(0)
+    with pytest.raises(TransportError):
+        await within(5, link.recv())
+    with pytest.raises(TransportError, match=f"127.0.0.1:{port}"):
+        await tcp.connect("127.0.0.1", port, timeout=5)
+    await link.close()
+
+
+async def test_connect_where_nothing_listens_fails_fast_naming_the_address() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        started_at = time.monotonic()
+        with pytest.raises(TransportError, match=f"127.0.0.1:{port}") as info:
+            await tcp.connect("127.0.0.1", port, timeout=30)
+    assert not isinstance(info.value, TransportTimeout)
+    assert time.monotonic() - started_at < 15
+
+
+async def test_second_listener_on_a_taken_port_fails_instead_of_sharing_it() -> None:
+    listener, port = await started(echo)
+    with pytest.raises(TransportError, match=f"127.0.0.1:{port}"):
+        await tcp.TcpListener("127.0.0.1", port, echo).start()
+    await listener.stop(1)
+
+
+async def test_memoryview_and_bytearray_blobs_are_sent_whole() -> None:
+    listener, port = await started(echo)
+    link = await tcp.connect("127.0.0.1", port)
+    data = bytearray(b"sealed frame")
+    big = bytearray(b"x" * (2 * tcp.SLICE + 3))
+    for blob in (memoryview(data), data, memoryview(big)):
+        await link.send(blob)
+    assert [bytes(await link.recv()) for _ in range(3)] == [bytes(data), bytes(data), bytes(big)]
+    await link.close()
+    await listener.stop(1)
+
+
+@pytest.mark.parametrize(
+    ("raw", "error"),
+    [
+        ((MAX_BLOB + 1).to_bytes(4, "big") + b"x", "malformed length prefix"),
+        ((0xFFFF_FFF0).to_bytes(4, "big"), "malformed length prefix"),
+        ((100).to_bytes(4, "big") + b"only ten b", "middle of a blob"),
+        (b"\x00\x00", "middle of a blob"),
+    ],
+    ids=["oversize", "garbage-prefix", "truncated-body", "truncated-prefix"],
+)
+async def test_bad_framing_ends_that_session_with_a_clear_error_and_the_worker_serves_others(
+    raw: bytes, error: str
+) -> None:
+    recorder = Recorder()
+    listener, port = await started(recorder)
+    _, writer = await raw_socket(port)
+    writer.write((3).to_bytes(4, "big") + b"ok!" + raw)
+    await writer.drain()
+    writer.write_eof()
+    ended = await within(5, recorder.ended)
+    assert isinstance(ended, TransportError) and error in str(ended)
+    assert recorder.received == [b"ok!"]
+    writer.close()
+    other = await tcp.connect("127.0.0.1", port)
+    await other.send(b"next session")
+    await other.close()
+    listener2_received = recorder.received  # the same handler serves the new session
+    for _ in range(100):
+        if b"next session" in listener2_received:
+            break
+        await asyncio.sleep(0.01)
+    assert b"next session" in listener2_received
+    await listener.stop(1)
+
+
+async def test_peer_that_never_reads_blocks_send_instead_of_buffering() -> None:
+    gate = asyncio.Event()
+
+    async def sleeper(link: Link) -> None:
+        await gate.wait()  # never reads until told
+
+    listener, port = await started(sleeper)
+    link = await tcp.connect("127.0.0.1", port)
+    blob = bytes(tcp.SLICE)
+    sent = 0
+
+    async def flood() -> None:
+        nonlocal sent
+        while True:
+            await link.send(blob)
+            sent += 1
+
+    task = asyncio.create_task(flood())
+    await asyncio.sleep(1.0)
+    # The worker's queue (pauses at RECV_BUFFER_BYTES), the kernel's socket buffers and one slice in
+    # flight: bounded, not the hundreds of MiB an unbounded buffer would take in a second.
+    assert not task.done()
+    assert sent * len(blob) < tcp.RECV_BUFFER_BYTES + 64 * tcp.SLICE
+    assert link._transport is not None and link._transport.get_write_buffer_size() <= 2 * tcp.SLICE
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    gate.set()
+    await link.close()
+    await listener.stop(1)
+
+
+async def test_reader_that_catches_up_resumes_a_paused_connection() -> None:
+    release = asyncio.Event()
+    got: list[int] = []
+
+    async def slow(link: Link) -> None:
+        await release.wait()
+        while True:
+            got.append(len(await link.recv()))
+
+    listener, port = await started(slow)
+    link = await tcp.connect("127.0.0.1", port)
+    count = 2 * tcp.RECV_BUFFER_BYTES // MAX_BLOB + 4  # more than the worker queues before pausing
+    sending = asyncio.gather(*(link.send(bytes(MAX_BLOB)) for _ in range(count)))
+    await asyncio.sleep(0.3)
+    release.set()
+    await within(30, sending)
+    for _ in range(3000):
+        if len(got) == count:
+            break
+        await asyncio.sleep(0.01)
+    assert got == [MAX_BLOB] * count
+    await link.close()
+    await listener.stop(1)
+
+
+async def test_idle_session_survives_several_keepalive_rounds() -> None:
+    listener, port = await started(echo)
+    link = await tcp.connect("127.0.0.1", port)
+    await asyncio.sleep(tcp.DEAD_AFTER_S * 1.5)
+    assert await ping_pong(link, [b"still here"]) == [b"still here"]
+    await link.close()
+    await listener.stop(1)
+
+
+async def test_sigkilled_worker_makes_client_recv_raise_promptly() -> None:
+    async with Child(ECHO_WORKER) as worker:
+        link = await tcp.connect("127.0.0.1", int(worker.ready_line))
+        assert await ping_pong(link, [b"alive"]) == [b"alive"]
+        pending = asyncio.create_task(link.recv())
+        worker.signal(signal.SIGKILL)
+        with pytest.raises(TransportError):
+            await within(5, pending)
+        await link.close()
+
+
+async def test_sigkilled_client_makes_worker_recv_raise_promptly() -> None:
+    recorder = Recorder()
+    listener, port = await started(recorder)
+    async with Child(CLIENT, str(port)) as client:
+        client.signal(signal.SIGKILL)
+        error = await within(5, recorder.ended)
+    assert isinstance(error, TransportError)
+    assert recorder.received == [b"hello"]
+    await listener.stop(1)
+
+
+async def test_frozen_worker_is_noticed_by_keepalive() -> None:
+    async with Child(ECHO_WORKER) as worker:
+        link = await tcp.connect("127.0.0.1", int(worker.ready_line))
+        assert await ping_pong(link, [b"alive"]) == [b"alive"]
+        worker.signal(signal.SIGSTOP)  # the socket stays open: only the heartbeat can tell
+        with pytest.raises(TransportError, match="no sign of life"):
+            await within(tcp.DEAD_AFTER_S + 5, link.recv())
+        await link.close()
+
+
+async def test_frozen_client_is_noticed_by_keepalive() -> None:
+    recorder = Recorder()
+    listener, port = await started(recorder)
+    async with Child(CLIENT, str(port)) as client:
+        await asyncio.sleep(0.1)
+        client.signal(signal.SIGSTOP)
+        error = await within(tcp.DEAD_AFTER_S + 5, recorder.ended)
+    assert isinstance(error, TransportError) and "no sign of life" in str(error)
+    await listener.stop(1)
