@@ -18,7 +18,7 @@ python3 -c "import nvmath; print('nvmath-python', nvmath.__version__)" \
     || echo "nvmath-python missing: plans run eagerly, the captured rows and tests cannot run"
 
 echo "== 1. GPU tests: every op on CuPy against the NumPy reference, fused chains, captured graphs, Device.cuda"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests >"$OUT/gpu_tests.log" 2>&1
+timeout ${EMBERLINK_GPU_TEST_S:-240} python3 -m pytest -q -m gpu -p no:cacheprovider tests >"$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $?"; tail -5 "$OUT/gpu_tests.log"
 
 echo "== 2. the README's example on Device.cuda(0)"
