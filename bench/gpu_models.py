@@ -29,25 +29,38 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpu_step import capture
-
 import emberlink as el
 from emberlink import nn
+from emberlink.graph_replay.captured import CAPTURE_ENV
 
 F = nn.functional
+
+
+@contextlib.contextmanager
+def capture(on: bool) -> Iterator[None]:
+    """Devices made inside replay captured graphs (`on`) or run every plan eagerly."""
+    old = os.environ.get(CAPTURE_ENV)
+    os.environ[CAPTURE_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[CAPTURE_ENV]
+        else:
+            os.environ[CAPTURE_ENV] = old
+
+
 WARMUP = 5  # eager: compile and warm caches; jit: eager call, trace, first replay, capture, replay
 LOSS_RTOL = 2e-4  # float32, different summation orders over up to 4M terms
 
