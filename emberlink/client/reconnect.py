@@ -100,7 +100,8 @@ class Resumer:
 
     async def resume(self, received: int, why: str) -> Resumed:
         """A new link on which the worker took the session back; WorkerLost when the window passes or
-        the worker refuses (the session is gone there: its window passed, or the worker restarted)."""
+        the worker refuses (the session is gone there: its window passed, or the worker restarted).
+        `why` says what was lost and names the worker ("lost worker X: ..."); errors start with it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.window
         last = why
@@ -109,7 +110,7 @@ class Resumer:
                 path, link = await self._open(deadline)
             except TransportError as e:
                 raise WorkerLost(
-                    f"lost worker {self._worker}: {why}; no new link within the resume window "
+                    f"{why}; no new link within the resume window "
                     f"of {self.window:g} s ({e})"
                 ) from e
             credential = self._candidates[0]
@@ -119,7 +120,7 @@ class Resumer:
                 await link.close()
                 self._candidates.remove(credential)
                 if not self._candidates:
-                    raise WorkerLost(f"lost worker {self._worker}: {why}; {e}") from None
+                    raise WorkerLost(f"{why}; {e}") from None
                 last = str(e)
                 continue
             except (TransportError, ProtocolError, TimeoutError) as e:
@@ -128,7 +129,7 @@ class Resumer:
                 log.info("resuming with worker %s over %s failed: %s", self._worker, path, last)
                 if loop.time() >= deadline:
                     raise WorkerLost(
-                        f"lost worker {self._worker}: {why}; not resumed within {self.window:g} s ({last})"
+                        f"{why}; not resumed within {self.window:g} s ({last})"
                     ) from e
                 continue
             return Resumed(path, link, channel, applied)

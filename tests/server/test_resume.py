@@ -282,9 +282,10 @@ def test_after_the_window_the_client_gets_worker_lost_and_the_worker_frees_the_s
     tapped.refuse = True
     tapped.cut()
     started = time.monotonic()
-    with pytest.raises(WorkerLost, match="resume window of 0.5 s"):
+    with pytest.raises(WorkerLost, match="resume window of 0.5 s") as lost:
         float(x.sum())
     assert time.monotonic() - started < 5
+    assert str(lost.value).count("lost worker") == 1, str(lost.value)  # said once, not once a layer
     with pytest.raises(WorkerLost):
         dev.sync()
     deadline = time.monotonic() + 5
