@@ -110,8 +110,7 @@ class Resumer:
                 path, link = await self._open(deadline)
             except TransportError as e:
                 raise WorkerLost(
-                    f"{why}; no new link within the resume window "
-                    f"of {self.window:g} s ({e})"
+                    f"{why}; no new link within the resume window of {self.window:g} s ({e})"
                 ) from e
             credential = self._candidates[0]
             try:
@@ -128,9 +127,7 @@ class Resumer:
                 last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 log.info("resuming with worker %s over %s failed: %s", self._worker, path, last)
                 if loop.time() >= deadline:
-                    raise WorkerLost(
-                        f"{why}; not resumed within {self.window:g} s ({last})"
-                    ) from e
+                    raise WorkerLost(f"{why}; not resumed within {self.window:g} s ({last})") from e
                 continue
             return Resumed(path, link, channel, applied)
 

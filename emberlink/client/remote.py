@@ -10,6 +10,7 @@ dropped link for the resume window (client/reconnect.py).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import os
@@ -269,7 +270,10 @@ class RemoteExecutor:
 
         self._session: ClientSession = loop_thread.call(start(), 10)
         # A Device dropped without close() still ends its session, so the worker frees its memory.
+        # At interpreter exit `_close_open_sessions` closes what is left and waits for it instead.
         self._finalizer = weakref.finalize(self, _abandon, self._loop, self._session)
+        self._finalizer.atexit = False
+        _OPEN.add(self)
 
     # -- loop-thread callbacks --------------------------------------------------------------------------
 
@@ -443,6 +447,20 @@ class RemoteExecutor:
         except TimeoutError as e:
             self.close()
             raise TransportTimeout(f"worker {self.worker_node_id} did not answer within {timeout} s") from e
+
+
+_OPEN: weakref.WeakSet[RemoteExecutor] = weakref.WeakSet()
+"""Remote executors not yet closed or collected."""
+
+
+@atexit.register
+def _close_open_sessions() -> None:
+    """A script that ends with remote devices still open ends their sessions as `close()` would
+    (waiting up to CLOSE_TIMEOUT each), so each worker frees them at once instead of keeping them
+    detached for a resume that cannot come. (Scheduling the close from a finalizer at exit is not
+    enough: the process is gone before the I/O thread sends it.)"""
+    for executor in list(_OPEN):
+        executor.close()
 
 
 def _abandon(loop: asyncio.AbstractEventLoop, session: ClientSession) -> None:

@@ -75,6 +75,32 @@ def test_a_client_script_in_another_process_uses_the_worker(start_worker, keys: 
     assert keys.client.node_id in worker.stderr()  # the session was logged with the client's NodeId
 
 
+def test_a_script_that_exits_with_its_device_open_ends_its_session_at_once(start_worker, keys: Keys) -> None:
+    # Without the exit hook the session's link just drops, and the worker keeps the session (and
+    # its memory) detached for the whole resume window, waiting for a resume that cannot come.
+    worker = start_worker("--resume-window", "60")
+    script = textwrap.dedent(
+        f"""
+        import numpy as np, emberlink as el
+        dev = el.Device.remote({worker.ticket!r})
+        x = dev.tensor(np.ones(1 << 16, dtype=np.float32))
+        print(float(x.sum()))
+        """
+    )
+    env = subprocess_env() | {"EMBERLINK_KEY": str(keys.client_key)}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(float(1 << 16))]
+    deadline = time.monotonic() + 10
+    while "ended (" not in worker.stderr() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = worker.stderr()
+    assert "ended (" in log, log  # the session ended well inside the 60 s window
+    assert "to resume" not in log, log  # and was never kept detached
+
+
 def test_a_client_key_not_on_the_allow_list_is_refused_naming_its_node_id(start_worker, keys: Keys) -> None:
     worker = start_worker()
     stranger, key = keys.stranger_key()
