@@ -21,4 +21,23 @@ MAX_UNACKED_BYTES = 256 << 20
 """Upload bytes a client may have sent that the worker has not acknowledged (applied) yet; the
 worker ends a session that goes past it, which an honest client never does."""
 
-__all__ = ["MAX_BINDINGS", "MAX_GRAPH_BYTES", "MAX_RANK", "MAX_UNACKED_BATCHES", "MAX_UNACKED_BYTES"]
+__all__ = [
+    "MAX_BATCH_MESSAGES",
+    "MAX_BINDINGS",
+    "MAX_GRAPH_BYTES",
+    "MAX_RANK",
+    "MAX_REPLY_FRAME_BYTES",
+    "MAX_REPLY_MESSAGES",
+    "MAX_UNACKED_BATCHES",
+    "MAX_UNACKED_BYTES",
+]
+
+MAX_BATCH_MESSAGES = 17_408
+"""Most messages one client batch may hold. It bounds the event-loop work of one frame (decoding
+takes about 1 µs a message). The client flushes at 16,384 messages (client/remote.py's
+FLUSH_MESSAGES) and a resend adds a Register: this leaves 1,024 to spare."""
+MAX_REPLY_FRAME_BYTES = 1 << 20
+"""Most plaintext bytes of one reply MESSAGE frame: replies are split by bytes (and by
+MAX_REPLY_MESSAGES), so a frame always fits a transport blob (8 MiB)."""
+MAX_REPLY_MESSAGES = 8192
+"""Most messages of one reply MESSAGE frame: bounds the event-loop work of sealing one frame."""

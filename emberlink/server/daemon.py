@@ -21,6 +21,7 @@ from emberlink.errors import ConfigError, DeviceError, EmberlinkError
 from emberlink.graph_replay.backends import parse_device
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.ticket import Ticket
+from emberlink.server.limits import Limits
 from emberlink.server.worker import DEFAULT_GRAPH_CACHE_BYTES, Worker
 from emberlink.transport.grpc import GrpcListener
 from emberlink.transport.malloc import tune_malloc
@@ -40,7 +41,7 @@ class WorkerConfig:
     device: str
     relay: str | None
     ticket_file: Path | None
-    max_session_bytes: int | None
+    limits: Limits
     graph_cache_bytes: int
 
 
@@ -63,8 +64,24 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
     device = str(parse_device(args.device))
     if args.relay is not None and not args.relay.startswith("nats://"):
         raise ConfigError(f"--relay must be nats://HOST:PORT, got {args.relay!r}")
-    if args.max_session_bytes is not None and args.max_session_bytes <= 0:
-        raise ConfigError("--max-session-bytes must be positive")
+    limits = Limits(
+        max_session_bytes=args.max_session_bytes,
+        max_worker_bytes=args.max_worker_bytes,
+        max_graph_nodes=args.max_graph_nodes,
+        max_plan_elements=args.max_plan_elements,
+        max_plan_flops=args.max_plan_flops,
+        reply_timeout=args.reply_timeout,
+    )
+    for flag, value in (
+        ("--max-session-bytes", limits.max_session_bytes),
+        ("--max-worker-bytes", limits.max_worker_bytes),
+        ("--max-graph-nodes", limits.max_graph_nodes),
+        ("--max-plan-elements", limits.max_plan_elements),
+        ("--max-plan-flops", limits.max_plan_flops),
+        ("--reply-timeout", limits.reply_timeout),
+    ):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} must be positive")
     return WorkerConfig(
         identity=identity,
         allow=allow,
@@ -74,7 +91,7 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         device=device,
         relay=args.relay,
         ticket_file=args.ticket_file,
-        max_session_bytes=args.max_session_bytes,
+        limits=limits,
         graph_cache_bytes=args.graph_cache_bytes
         if args.graph_cache_bytes is not None
         else DEFAULT_GRAPH_CACHE_BYTES,
@@ -126,7 +143,7 @@ async def serve(config: WorkerConfig) -> int:
         config.identity,
         config.allow,
         device=config.device,
-        max_session_bytes=config.max_session_bytes,
+        limits=config.limits,
         graph_cache_bytes=config.graph_cache_bytes,
     )
     listeners: list[Any] = []

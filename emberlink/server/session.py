@@ -1,12 +1,26 @@
 """One client session on the worker: handshake, frames in and out, bulk buffers; the asyncio half.
 
 The event loop only moves bytes: it opens frames, decrypts uploads straight into preallocated
-arrays, and seals replies. Applying batches (and every backend call) happens on the device
-thread through `BatchRunner`, in arrival order, with one bounded exception: on a backend that
-`runs_inline` (the NumPy one), a light batch (`BatchRunner.light`: small arrays, small compiled
-graphs) that finds the device thread idle is applied right here on the loop, which saves two
-thread hand-offs. A frame that does not open or decode ends this session alone, with
-`Error(0, "refused", ...)`; every other session carries on.
+arrays, and seals replies. Registers are compiled on the worker's compile thread, and applying
+batches (every backend call) happens on the device thread through `BatchRunner`, in arrival
+order, in this session's lane (sessions take turns on the device). One bounded exception: on a
+backend that `runs_inline` (the NumPy one), a light batch (`BatchRunner.light`) that finds the
+device idle is applied right here on the loop, which saves two thread hand-offs.
+
+Rules (governance, server/limits.py):
+- A frame that does not open or decode, or breaks flow control (more than MAX_UNACKED_BATCHES
+  batches or MAX_UNACKED_BYTES of uploads ahead of the acks sent), ends this session alone with
+  `Error(0, "refused", ...)`; every other session carries on.
+- Any other exception in any of the session's tasks (receiving, compiling, applying, sending)
+  ends it with `Error(0, "remote", ...)`, logged once with the client's NodeId.
+- A session is admitted only if the worker's budget has `SESSION_BYTES` for it.
+- Replies waiting to be sent stay charged to the session (results, stats); while more than
+  `max_reply_bytes` of them wait, the session's frames are not read (paused); a send that makes
+  no progress for `reply_timeout` seconds ends the session.
+- The loop's work per frame is bounded: a batch has at most MAX_BATCH_MESSAGES messages, a reply
+  frame at most MAX_REPLY_FRAME_BYTES and MAX_REPLY_MESSAGES, and the loop yields between big ones.
+- Whatever way it ends, everything the session held is freed, without relying on the cycle
+  collector: its tasks hold no exceptions, and cleanup drops every reference to its data.
 """
 
 from __future__ import annotations
@@ -16,6 +30,7 @@ import enum
 import logging
 import os
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,18 +49,26 @@ from emberlink.protocol.channel import (
 )
 from emberlink.protocol.handshake import WorkerHandshake
 from emberlink.protocol.identity import AllowPolicy, Identity
-from emberlink.protocol.limits import MAX_UNACKED_BYTES
-from emberlink.server.device import DeviceThread
-from emberlink.server.graphs import GraphView
-from emberlink.server.runner import BatchRunner, Incoming, Outgoing
+from emberlink.protocol.limits import (
+    MAX_REPLY_FRAME_BYTES,
+    MAX_REPLY_MESSAGES,
+    MAX_UNACKED_BATCHES,
+    MAX_UNACKED_BYTES,
+)
+from emberlink.server.device import AGAIN, DeviceThread, Turn
+from emberlink.server.graphs import Compiler, GraphView, Prepared
+from emberlink.server.limits import INTERNAL_ERROR_TEXT, SESSION_BYTES, TURN_SECONDS, WorkerLimits
+from emberlink.server.runner import INLINE_MESSAGES, BatchRunner, Incoming, Outgoing
 from emberlink.server.store import Failure, Quota, TensorStore
 from emberlink.transport.base import Link
 
 log = logging.getLogger("emberlink.server")
 
 HANDSHAKE_TIMEOUT = 10.0
-MAX_REPLY_MESSAGES = 32_768
 FINAL_SEND_TIMEOUT = 5.0
+YIELD_EVERY_FRAMES = 16
+"""The loop yields to other sessions after this many frames of one blob (and after any batch of
+more than INLINE_MESSAGES messages), and after sending this many blobs of one reply."""
 
 
 class Host(Protocol):
@@ -55,11 +78,12 @@ class Host(Protocol):
     identity: Identity
     allow: AllowPolicy
     device: DeviceThread
+    compiler: Compiler
     held: Quota
-    max_session_bytes: int | None
+    limits: WorkerLimits
     chunk_size: int
 
-    def limits(self) -> dict[str, int]: ...
+    def welcome_limits(self) -> dict[str, int]: ...
     def graphs_of(self, client: str) -> GraphView: ...
     def stats_for(self, session: Session) -> dict[str, m.StatValue]: ...
 
@@ -73,7 +97,7 @@ class State(enum.Enum):
 
 @dataclass(slots=True)
 class _Target:
-    """Where the BULK frames of one Upload go: an array's bytes, or nowhere when the quota refused it."""
+    """Where the BULK frames of one Upload go: an array's bytes, or nowhere when it was refused."""
 
     view: memoryview | None
     remaining: int
@@ -93,24 +117,38 @@ class Session:
         self._worker = worker
         self._link = link
         self._loop = asyncio.get_running_loop()
+        self._limits = worker.limits
         self.peer = link.peer
         self.client: str | None = None
         self.state = State.HANDSHAKE
         self.started = time.monotonic()
         self.bytes_in = 0
         self.bytes_out = 0
-        self.quota = Quota(worker.max_session_bytes, parent=worker.held)
-        # Uploads received but not yet applied: real memory (so the worker's total counts them), but
+        self.quota = Quota(worker.limits.max_session_bytes, parent=worker.held)
+        # Uploads received but not yet applied: real memory (so the worker's budget counts them), but
         # not yet the session's, whose quota is charged in batch order when they are applied.
         self.inflight = Quota(None, parent=worker.held)
-        self._store = TensorStore(self.quota)
+        self._admitted = False
+        self._store: TensorStore | None = TensorStore(self.quota)
         self._runner: BatchRunner | None = None
+        self._lane = worker.device.lane(f"session {self.peer}")
         self._channel: Channel | None = None
-        self._outbox: asyncio.Queue[Outgoing | _Final] = asyncio.Queue()
         self._ended: asyncio.Future[tuple[str, m.Error | None]] = self._loop.create_future()
+        self._crashed = False
+        # Replies applied and not yet sent, and their bytes (results, stats: see runner.Outgoing).
+        self._outbox: deque[Outgoing | _Final] = deque()
+        self._outbox_ready = asyncio.Event()
+        self.queued_reply_bytes = 0
+        self._room = asyncio.Event()  # set when queued replies fall to max_reply_bytes or below
+        self._acked = 0  # the highest ack handed to the link
+        self._sending_since: float | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
         # The batch whose bulk is still arriving, and where each of its uploads' bytes go.
         self._incoming: Incoming | None = None
         self._targets: deque[_Target] = deque()
+        # Batches received behind one whose Registers are being compiled (order is kept).
+        self._compiling: Incoming | None = None
+        self._waiting: deque[Incoming] = deque()
         # The previous batch received (expanded): what a Repeat repeats. The client's is the batch it
         # sent last; frames arrive in the order they were sent, so both sides hold the same one.
         self._template: tuple[m.ClientMessage, ...] | None = None
@@ -121,38 +159,43 @@ class Session:
 
     async def run(self) -> None:
         """Serve the session until the client leaves, it breaks the protocol, or the worker drains."""
-        if not await self._handshake():
-            self.state = State.CLOSED
-            return
-        assert self.client is not None
+        try:
+            if not await self._handshake():
+                return
+            await self._serve()
+        finally:
+            await self._cleanup()
+
+    async def _serve(self) -> None:
+        assert self.client is not None and self._store is not None
         self._runner = BatchRunner(
             self._worker.device.backend,
             self._store,
             self._worker.graphs_of(self.client),
-            lambda: self._worker.stats_for(self),
+            self._stats_of_worker,
             self.inflight,
         )
-        self.state = State.OPEN
-        log.info("session %s: client %s connected from %s", self.id, self.client, self.peer)
         sender = asyncio.create_task(self._send_loop(), name=f"send {self.peer}")
-        self._receiver = asyncio.create_task(self._receive_loop(), name=f"recv {self.peer}")
+        if self._worker.held.reserve(SESSION_BYTES):
+            self._admitted = True
+            self.state = State.OPEN
+            log.info("session %s: client %s connected from %s", self.id, self.client, self.peer)
+            self._receiver = asyncio.create_task(self._receive_loop(), name=f"recv {self.peer}")
+            self._watch()
+        else:
+            failure = self._worker.held.refusal(SESSION_BYTES, "a new session")
+            log.warning("session %s: client %s refused: %s", self.id, self.client, failure.message)
+            self._end("refused: the worker is full", m.Error(0, failure.code, failure.message))
         try:
             reason, final = await self._ended
         except asyncio.CancelledError:
-            reason, final = "cancelled", None
-            self._receiver.cancel()
-            sender.cancel()
-            await self._cleanup()
+            for task in (self._receiver, sender):
+                if task is not None:
+                    task.cancel()
             raise
-        self._receiver.cancel()
-        if final is not None or not sender.done():
-            self._outbox.put_nowait(_Final(final))
-            try:
-                await asyncio.wait_for(asyncio.shield(sender), FINAL_SEND_TIMEOUT)
-            except (TimeoutError, TransportError):
-                pass
-        sender.cancel()
-        await self._cleanup()
+        if self._receiver is not None:
+            self._receiver.cancel()
+        await self._say_last(sender, final)
         log.info(
             "session %s: client %s ended (%s): %d bytes in, %d bytes out, %.3f s",
             self.id,
@@ -163,37 +206,125 @@ class Session:
             time.monotonic() - self.started,
         )
 
+    async def _say_last(self, sender: asyncio.Task[None], final: m.Error | None) -> None:
+        """Let the sender flush what is queued and `final`, for at most FINAL_SEND_TIMEOUT seconds."""
+        if sender.done():  # it crashed or lost the link: nothing more can be said
+            return
+        self._outbox.append(_Final(final))
+        self._outbox_ready.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(sender), FINAL_SEND_TIMEOUT)
+        except (TimeoutError, TransportError):
+            pass
+        finally:
+            sender.cancel()
+
     @property
     def id(self) -> str:
         return self._channel.session_id.hex() if self._channel is not None else "-"
 
+    @property
+    def applied(self) -> int:
+        """The highest batch seq applied."""
+        return self._runner.applied if self._runner is not None else 0
+
+    @property
+    def paused(self) -> bool:
+        """Whether the session's frames are left unread: its replies waiting to be sent are over
+        `max_reply_bytes` (the client is not reading them)."""
+        return self.queued_reply_bytes > self._limits.max_reply_bytes
+
+    @property
+    def ending(self) -> bool:
+        """Whether the session has been told to end (it may still be saying its last words)."""
+        return self._ended.done()
+
     def stats(self) -> dict[str, m.StatValue]:
         """This session's figures for a StatsReply: what it holds, its traffic, its batch counters."""
         stats: dict[str, m.StatValue] = {
-            "session_tensors": len(self._store),
+            "session_tensors": len(self._store) if self._store is not None else 0,
             "session_bytes": self.quota.used,
             "session_peak_bytes": self.quota.peak,
             "session_bytes_in": self.bytes_in,
             "session_bytes_out": self.bytes_out,
+            "session_queued_reply_bytes": self.queued_reply_bytes,
         }
         if self._runner is not None:
             stats.update({f"session_{k}": v for k, v in self._runner.counters.as_dict().items()})
         return stats
 
+    def _stats_of_worker(self) -> dict[str, m.StatValue]:
+        return self._worker.stats_for(self)
+
     def _end(self, reason: str, final: m.Error | None = None) -> None:
         if not self._ended.done():
             self._ended.set_result((reason, final))
 
+    def _crash(self, error: BaseException, where: str) -> None:
+        """An unexpected exception in one of this session's tasks: log it once, end the session."""
+        if self._crashed or self._ended.done():
+            traceback.clear_frames(error.__traceback__)
+            return
+        self._crashed = True
+        log.error(
+            "session %s: client %s: %s failed, ending the session",
+            self.id,
+            self.client,
+            where,
+            exc_info=error,
+        )
+        traceback.clear_frames(error.__traceback__)  # what its frames held is freed now
+        self._end(
+            f"{where} failed", m.Error(0, ErrorCode.REMOTE, f"{INTERNAL_ERROR_TEXT}: {type(error).__name__}")
+        )
+
+    def _refuse(self, error: ProtocolError) -> None:
+        # The text only: a log record that kept the exception would keep its frames' data alive.
+        text = str(error)
+        traceback.clear_frames(error.__traceback__)
+        log.warning("session %s: client %s broke the protocol: %s", self.id, self.client, text)
+        self._end("refused", m.Error(0, ErrorCode.REFUSED, text))
+
     async def _cleanup(self) -> None:
+        """Free everything the session holds and drop every reference to its data."""
         self.state = State.CLOSED
-        incoming, self._incoming = self._incoming, None
-        if incoming is not None and incoming.reserved:
-            self.inflight.release(incoming.reserved)
+        self._end("closed")
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self._receiver is not None:
+            self._receiver.cancel()
+        self._receiver = None
+        held: list[Incoming] = [*self._waiting]
+        for incoming in (self._incoming, self._compiling):
+            if incoming is not None:
+                held.append(incoming)
+        self._incoming = self._compiling = None
+        self._waiting.clear()
         self._targets.clear()
-        runner = self._runner
+        for incoming in held:
+            if incoming.reserved:
+                self.inflight.release(incoming.reserved)
+                incoming.reserved = 0
+            incoming.uploads = []
+        self._release_outbox()
+        runner, self._runner = self._runner, None
         if runner is not None:
-            # Behind any batch still queued for this session, which the closed runner discards.
-            await self._worker.device.run(runner.close)
+            runner.closed = True  # batches still queued in our lane are discarded from now on
+            await self._lane.run(runner.close)
+        self._release_outbox()  # replies posted by batches that finished meanwhile
+        self._store = None
+        self._template = None
+        if self._admitted:
+            self._admitted = False
+            self._worker.held.release(SESSION_BYTES)
+
+    def _release_outbox(self) -> None:
+        for item in self._outbox:
+            if isinstance(item, Outgoing):
+                item.release()
+        self._outbox.clear()
+        self.queued_reply_bytes = 0
 
     async def drain(self) -> None:
         """Stop reading, finish the batches already received, then end with `going_away`."""
@@ -202,14 +333,16 @@ class Session:
         self.state = State.DRAINING
         if self._receiver is not None:
             self._receiver.cancel()
-        await self._worker.device.run(lambda: None)  # every queued batch of ours has been applied
+        while self._compiling is not None and not self._ended.done():
+            await asyncio.sleep(0.01)
+        await self._lane.run(lambda: None)  # every queued batch of ours has been applied
         self._end("worker shutting down", m.Error(0, ErrorCode.GOING_AWAY, "the worker is shutting down"))
 
     # -- handshake -------------------------------------------------------------------------------------
 
     async def _handshake(self) -> bool:
         worker = self._worker
-        hs = WorkerHandshake(worker.identity, worker.allow, os.urandom, worker.limits())
+        hs = WorkerHandshake(worker.identity, worker.allow, os.urandom, worker.welcome_limits())
         try:
             hello = bytes(await asyncio.wait_for(self._link.recv(), HANDSHAKE_TIMEOUT))
             self.bytes_in += len(hello)
@@ -220,13 +353,13 @@ class Session:
             self.bytes_in += len(auth)
             self._channel, self.client = hs.receive_auth(auth)
         except ProtocolError as e:
-            log.warning("refused session from %s: %s", self.peer, e)
+            log.warning("refused session from %s: %s", self.peer, str(e))
             return False
         except TimeoutError:
             log.info("session from %s: no handshake within %s s", self.peer, HANDSHAKE_TIMEOUT)
             return False
         except TransportError as e:
-            log.info("session from %s ended during the handshake: %s", self.peer, e)
+            log.info("session from %s ended during the handshake: %s", self.peer, str(e))
             return False
         return True
 
@@ -237,18 +370,34 @@ class Session:
             while True:
                 blob = await self._link.recv()
                 self.bytes_in += len(blob)
-                for frame in split_frames(blob):
-                    if frame[1] == BULK:
-                        self._on_bulk(frame)
-                    else:
-                        self._on_message(frame)
+                while self.paused:  # the client is not reading: neither do we (the watchdog ends it)
+                    self._room.clear()
+                    await self._room.wait()
+                await self._on_blob(blob)
+                del blob
         except ProtocolError as e:
-            log.warning("session %s: client %s broke the protocol: %s", self.id, self.client, e)
-            self._end("refused", m.Error(0, ErrorCode.REFUSED, str(e)))
+            self._refuse(e)
         except TransportError as e:
             self._end(f"link lost: {e}")
+        except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
+            self._crash(e, "receiving")
 
-    def _on_message(self, frame: memoryview) -> None:
+    async def _on_blob(self, blob: bytes | memoryview) -> None:
+        since_yield = 0
+        for frame in split_frames(blob):
+            if self._ended.done():
+                return
+            if frame[1] == BULK:
+                self._on_bulk(frame)
+                since_yield += 1
+            else:
+                since_yield += 1 if self._on_message(frame) <= INLINE_MESSAGES else YIELD_EVERY_FRAMES
+            if since_yield >= YIELD_EVERY_FRAMES:
+                since_yield = 0
+                await asyncio.sleep(0)  # one session's blob does not hold the loop for long
+
+    def _on_message(self, frame: memoryview) -> int:
+        """Open and decode one batch; returns its number of messages."""
         assert self._channel is not None
         if self._incoming is not None:
             raise ProtocolError("a batch arrived before the bulk bytes of the previous one")
@@ -256,6 +405,11 @@ class Session:
         if kind is not MESSAGE:
             raise ProtocolError(f"expected a MESSAGE frame, got {kind.name}")
         batch, start = m.decode_batch_prefix(plaintext)
+        if batch.seq > self._acked + MAX_UNACKED_BATCHES:
+            raise ProtocolError(
+                f"client sent batch {batch.seq} while batch {self._acked} is the last acknowledged: "
+                f"more than {MAX_UNACKED_BATCHES} batches without waiting for acks"
+            )
         batch = m.expand_batch(batch, self._template)
         m.check_tail(batch, len(plaintext) - start)
         self._template = batch.messages
@@ -275,46 +429,55 @@ class Session:
             self._incoming = incoming
         else:
             self._submit(incoming)
+        return len(batch.messages)
 
     def _prepare_upload(
         self, msg: m.Upload, incoming: Incoming, plaintext: bytes, start: int
     ) -> np.ndarray | Failure:
         """The array an upload's bytes are decrypted into (or, inline, read from `plaintext` at
-        `start`), or why there is none.
+        `start`), or why there is none (its bytes then go to scratch).
 
-        The quota itself is checked when the batch is applied, in order, so a Drop earlier in the
-        stream counts whatever the timing; here only an upload larger than the whole quota is
-        refused at once (a client that ignores flow control is cut off in `_on_message`).
+        The session's quota is checked when the batch is applied, in order, so a Drop earlier in
+        the stream counts whatever the timing; here only an upload larger than the whole quota is
+        refused at once, and one the worker's budget has no room for (a client that ignores flow
+        control is cut off in `_on_message`).
         """
         limit = self.quota.limit
         if limit is not None and msg.nbytes > limit:
-            if msg.nbytes and not msg.inline:
-                self._targets.append(_Target(None, msg.nbytes))
-            return Failure(
-                ErrorCode.QUOTA,
-                f"an upload of {msg.nbytes} bytes is larger than the session quota of {limit}",
+            return self._skip(
+                msg,
+                Failure(
+                    ErrorCode.QUOTA,
+                    f"upload {msg.tid}: {msg.nbytes} bytes is larger than the session quota of {limit}",
+                ),
             )
         held = self.inflight.used
         if held and held + msg.nbytes > MAX_UNACKED_BYTES:
             raise ProtocolError(
                 f"client sent more than {MAX_UNACKED_BYTES} bytes of uploads without waiting for acks"
             )
-        self.inflight.charge(msg.nbytes)
+        if not self.inflight.reserve(msg.nbytes):
+            return self._skip(msg, self.inflight.refusal(msg.nbytes, f"upload {msg.tid}"))
         incoming.reserved += msg.nbytes
         if msg.inline:
             return _inline_array(msg, plaintext, start)
         try:
             array = np.empty(msg.shape, dtype=msg.dtype)
-        except MemoryError as e:
-            # Like a refused upload: the runner poisons the id, the bytes go to scratch.
+        except (MemoryError, ValueError) as e:
             self.inflight.release(msg.nbytes)
             incoming.reserved -= msg.nbytes
-            if msg.nbytes:
-                self._targets.append(_Target(None, msg.nbytes))
-            return Failure(ErrorCode.OUT_OF_MEMORY, f"upload {msg.tid} of {msg.nbytes} bytes: {e}")
+            return self._skip(
+                msg, Failure(ErrorCode.OUT_OF_MEMORY, f"upload {msg.tid} of {msg.nbytes} bytes: {e}")
+            )
         if msg.nbytes:
             self._targets.append(_Target(array.data.cast("B"), msg.nbytes))
         return array
+
+    def _skip(self, msg: m.Upload, failure: Failure) -> Failure:
+        """A refused upload: the runner poisons its id; its BULK bytes are decrypted into scratch."""
+        if msg.nbytes and not msg.inline:
+            self._targets.append(_Target(None, msg.nbytes))
+        return failure
 
     def _on_bulk(self, frame: memoryview) -> None:
         assert self._channel is not None
@@ -329,11 +492,75 @@ class Session:
                 incoming, self._incoming = self._incoming, None
                 self._submit(incoming)
 
+    # -- to the device, in order --------------------------------------------------------------------------
+
     def _submit(self, incoming: Incoming) -> None:
-        device = self._worker.device
-        if self._inline and device.run_here_if_idle(self._apply_here, incoming):
+        """Send a received batch on its way: compile its Registers first if it has any to compile,
+        and keep every later batch behind it."""
+        if self._compiling is not None or self._waiting:
+            self._waiting.append(incoming)
             return
-        device.post(self._apply, incoming)
+        if self._needs_compiling(incoming):
+            self._compile(incoming)
+            return
+        self._dispatch(incoming)
+
+    def _needs_compiling(self, incoming: Incoming) -> bool:
+        """Whether a Register of the batch must go to the compile thread (else: prepared here)."""
+        assert self._runner is not None
+        registers = [msg for msg in incoming.batch.messages if type(msg) is m.Register]
+        if not registers:
+            return False
+        graphs = self._runner.graphs
+        prepared: Prepared = {}
+        for msg in registers:
+            plan = graphs.cached(msg.gid, msg.graph)
+            if plan is None:
+                return True
+            prepared[msg.gid] = plan
+        incoming.prepared = prepared
+        return False
+
+    def _compile(self, incoming: Incoming) -> None:
+        assert self._runner is not None
+        self._compiling = incoming
+        graphs = self._runner.graphs
+        registers = [msg for msg in incoming.batch.messages if type(msg) is m.Register]
+
+        def prepare() -> Prepared:
+            return {msg.gid: graphs.prepare(msg.gid, msg.graph) for msg in registers}
+
+        future = self._worker.compiler.submit(prepare)
+        future.add_done_callback(lambda f: self._call_soon(self._compiled, f))
+
+    def _compiled(self, future: Any) -> None:
+        """On the loop: the batch being compiled is ready (or broke); send it and those behind it."""
+        incoming, self._compiling = self._compiling, None
+        if incoming is None or self.state is State.CLOSED or future.cancelled():
+            return  # cleanup released it, or the worker is stopping
+        error = future.exception()
+        if error is not None:
+            if incoming.reserved:
+                self.inflight.release(incoming.reserved)
+                incoming.reserved = 0
+            if isinstance(error, ProtocolError):
+                self._refuse(error)
+            else:
+                self._crash(error, "compiling a graph")
+            return
+        incoming.prepared = future.result()
+        self._dispatch(incoming)
+        while self._waiting and self._compiling is None:
+            incoming = self._waiting.popleft()
+            if self._needs_compiling(incoming):
+                self._compile(incoming)
+            else:
+                self._dispatch(incoming)
+
+    def _dispatch(self, incoming: Incoming) -> None:
+        if self._inline and self._worker.device.run_here_if_idle(self._apply_here, incoming):
+            return
+        self._lane.post(self._apply, incoming)
 
     def _apply_here(self, incoming: Incoming) -> bool:
         """On the loop, the device idle and locked: apply a light batch now; False if it is not light."""
@@ -342,42 +569,59 @@ class Session:
             return False
         # call_soon, not a direct call: replies the device thread handed over with
         # call_soon_threadsafe before it went idle are already queued, and go out first.
-        self._settle(incoming, self._loop.call_soon)
+        self._settle(incoming, self._loop.call_soon, None)
         return True
 
     # -- device thread -------------------------------------------------------------------------------------
 
-    def _apply(self, incoming: Incoming) -> None:
-        """On the device thread: apply one batch and hand its reply to the event loop."""
-        self._settle(incoming, self._call_soon)
+    def _apply(self, incoming: Incoming) -> Turn | None:
+        """On the device thread: one turn of applying a batch; AGAIN: more of it next turn."""
+        more = self._settle(incoming, self._call_soon, time.perf_counter() + TURN_SECONDS)
+        return AGAIN if more else None
 
-    def _settle(self, incoming: Incoming, call_soon: Callable[[Callable[[Any], None], Any], object]) -> None:
-        """Apply one batch; its reply (or the refusal that ends the session) goes through call_soon."""
-        assert self._runner is not None
+    def _settle(
+        self,
+        incoming: Incoming,
+        call_soon: Callable[[Callable[..., None], Any], object],
+        deadline: float | None,
+    ) -> bool:
+        """Apply (a turn of) one batch; its reply, or what ends the session, goes through call_soon.
+        True when the batch is not done."""
+        runner = self._runner
+        if runner is None:
+            return False
         try:
-            out = self._runner.apply(incoming)
+            out = runner.apply(incoming, deadline)
         except ProtocolError as e:
+            runner.discard(incoming)
             call_soon(self._refuse, e)
-            return
-        except Exception as e:
-            log.exception("session %s: applying a batch failed", self.id)
-            call_soon(self._refuse, ProtocolError(f"internal error: {type(e).__name__}"))
-            return
+            return False
+        except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
+            runner.discard(incoming)
+            call_soon(self._crash_applying, e)
+            return False
+        if not incoming.done:
+            return True
         if out is not None:
             call_soon(self._post, out)
+        return False
 
-    def _call_soon(self, fn: Callable[[Any], None], arg: object) -> None:
+    def _crash_applying(self, error: BaseException) -> None:
+        self._crash(error, "applying a batch")
+
+    def _call_soon(self, fn: Callable[..., None], arg: object) -> None:
         try:
             self._loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:
             pass  # the loop is gone: the whole worker is stopping
 
-    def _refuse(self, error: ProtocolError) -> None:
-        log.warning("session %s: client %s broke the protocol: %s", self.id, self.client, error)
-        self._end("refused", m.Error(0, ErrorCode.REFUSED, str(error)))
-
     def _post(self, out: Outgoing) -> None:
-        self._outbox.put_nowait(out)
+        if self.state is State.CLOSED:
+            out.release()
+            return
+        self._outbox.append(out)
+        self.queued_reply_bytes += out.nbytes
+        self._outbox_ready.set()
         if out.close is not None:
             self._end(f"closed by the client: {out.close}")
 
@@ -386,31 +630,45 @@ class Session:
     async def _send_loop(self) -> None:
         try:
             while True:
-                if await self._send_queued(await self._outbox.get()):
+                if not self._outbox:
+                    self._outbox_ready.clear()
+                    await self._outbox_ready.wait()
+                    continue
+                if await self._send_queued():
                     return
         except TransportError as e:
             self._end(f"link lost while sending: {e}")
+        except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
+            self._crash(e, "sending")
 
-    async def _send_queued(self, first: Outgoing | _Final) -> bool:
-        """Send `first` and everything queued behind it as one reply; True after the final one.
-        A helper, so that nothing keeps the replies' arrays alive while the loop waits for more: a
-        result dropped right after its read must not stay in the worker's memory until the next reply."""
-        items = [first]
-        while not self._outbox.empty():
-            items.append(self._outbox.get_nowait())
+    async def _send_queued(self) -> bool:
+        """Send everything queued as one reply; True after the final one. A helper, so that nothing
+        keeps the replies' arrays alive while the loop waits for more: a result dropped right after
+        its read must not stay in the worker's memory until the next reply."""
+        items = list(self._outbox)
+        self._outbox.clear()
         final = items[-1] if isinstance(items[-1], _Final) else None
         outs = [o for o in items if isinstance(o, Outgoing)]
-        if outs or (final is not None and final.error is not None):
-            await self._send_reply(outs, final.error if final is not None else None)
+        try:
+            if outs or (final is not None and final.error is not None):
+                await self._send_reply(outs, final.error if final is not None else None)
+        finally:
+            for out in outs:
+                out.release()
+                self.queued_reply_bytes -= out.nbytes
+            if not self.paused:
+                self._room.set()
         return final is not None
 
     async def _send_reply(self, outs: list[Outgoing], final: m.Error | None) -> None:
-        assert self._channel is not None
-        ack = max((o.ack for o in outs), default=self._runner.applied if self._runner else 0)
+        ack = max((o.ack for o in outs), default=self.applied)
         messages: list[m.WorkerMessage] = [msg for o in outs for msg in o.messages]
         bulks = [b for o in outs for b in o.bulks]
         if final is not None:
             messages.append(final)
+        # Counted as told from now on: the client cannot know an ack before it is sent, so this
+        # never refuses a client that keeps to flow control.
+        self._acked = max(self._acked, ack)
         await self._send_frames(self._reply_frames(ack, messages, bulks))
 
     def _reply_frames(
@@ -420,17 +678,58 @@ class Session:
         channel = self._channel
         chunk = self._worker.chunk_size
         pending = iter(bulks)
-        for start in range(0, max(len(messages), 1), MAX_REPLY_MESSAGES):
-            part = messages[start : start + MAX_REPLY_MESSAGES]
-            yield channel.seal(m.encode_reply(m.Reply(ack, tuple(part))), MESSAGE)
+        for part, encoded in _reply_parts(ack, messages):
+            yield channel.seal(encoded, MESSAGE)
             for msg in part:
                 if type(msg) is m.Result and msg.nbytes:
                     yield from channel.seal_chunks(next(pending).data.cast("B"), chunk)
 
     async def _send_frames(self, frames: Iterator[bytes | bytearray]) -> None:
-        for blob in pack_frames(frames):
+        for sent, blob in enumerate(pack_frames(frames), 1):
+            self._sending_since = self._loop.time()
             await self._link.send(blob)
+            self._sending_since = None
             self.bytes_out += len(blob)
+            if sent % YIELD_EVERY_FRAMES == 0:
+                await asyncio.sleep(0)
+
+    def _watch(self) -> None:
+        """End the session when a send has made no progress for `reply_timeout` seconds."""
+        timeout = self._limits.reply_timeout
+        since = self._sending_since
+        if since is not None and self._loop.time() - since >= timeout:
+            self._watchdog = None
+            log.warning(
+                "session %s: client %s stopped reading replies for %.1f s", self.id, self.client, timeout
+            )
+            self._end(
+                "the client stopped reading replies",
+                m.Error(
+                    0,
+                    ErrorCode.REFUSED,
+                    f"the client stopped reading replies for {timeout:g} s (its session is over)",
+                ),
+            )
+            return
+        self._watchdog = self._loop.call_later(max(timeout / 4, 0.01), self._watch)
+
+
+def _reply_parts(ack: int, messages: list[m.WorkerMessage]) -> Iterator[tuple[list[m.WorkerMessage], bytes]]:
+    """The reply's messages in runs whose encoded Reply fits MAX_REPLY_FRAME_BYTES (and at most
+    MAX_REPLY_MESSAGES messages), each with its encoding; one empty Reply when there are none."""
+    start, total = 0, len(messages)
+    while True:
+        count = min(MAX_REPLY_MESSAGES, total - start)
+        while True:
+            part = messages[start : start + count]
+            encoded = m.encode_reply(m.Reply(ack, tuple(part)))
+            if len(encoded) <= MAX_REPLY_FRAME_BYTES or count == 1:
+                break
+            count = max(1, count // 2)
+        yield part, encoded
+        start += count
+        if start >= total:
+            return
 
 
 def _inline_array(msg: m.Upload, plaintext: bytes, start: int) -> np.ndarray:

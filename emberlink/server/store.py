@@ -1,7 +1,15 @@
-"""A session's tensor store and byte quota: ids to arrays, ids to failures; no I/O, no backend calls.
+"""A session's tensor store and byte quotas: ids to arrays, ids to failures, bytes held; no I/O, no
+backend calls.
 
-The store is touched only by the device thread. The quota is shared with the event loop, which
-reserves the bytes of an upload before preallocating its buffer, so it is guarded by a lock.
+The store is touched only by the device thread. Quotas are shared with the event loop (uploads
+are reserved on arrival, replies released once sent), so they are guarded by locks, and so are
+the pins that replies hold on stored arrays.
+
+Rules:
+- A quota counts bytes against its limit and, when it has one, against its parent's (a session's
+  quota against the worker's budget): `reserve` takes from both or from neither.
+- A stored array is charged once, for as long as the store holds it or a reply waiting to be sent
+  holds it (`pin`): dropping a pinned id frees nothing until the reply has been sent.
 """
 
 from __future__ import annotations
@@ -22,32 +30,44 @@ class Failure:
 
 
 class Quota:
-    """Bytes a session holds or has reserved for uploads in flight, against a limit (None: no limit).
+    """Bytes held against a limit (None: no limit of its own), and against the parent's.
 
     Every change is also applied to `parent` (the worker's total over all sessions), if given, so
-    the worker's in-use and peak figures are exact rather than sampled.
+    the worker's in-use and peak figures are exact rather than sampled. `code` and `label` name
+    this quota in a refusal: `quota` / "the session quota", or `out_of_memory` / the worker's budget.
     """
 
-    def __init__(self, limit: int | None, parent: Quota | None = None) -> None:
+    def __init__(
+        self,
+        limit: int | None,
+        parent: Quota | None = None,
+        *,
+        code: str = ErrorCode.QUOTA,
+        label: str = "the session quota",
+    ) -> None:
         self.limit = limit
         self.parent = parent
+        self.code = code
+        self.label = label
         self._lock = threading.Lock()
         self.used = 0
         self.peak = 0
 
     def reserve(self, nbytes: int) -> bool:
-        """Take nbytes if they fit; False (taking nothing) if they would pass the limit."""
+        """Take nbytes if they fit here and in every parent; False (taking nothing) otherwise."""
         with self._lock:
             if self.limit is not None and self.used + nbytes > self.limit:
                 return False
             self.used += nbytes
             self.peak = max(self.peak, self.used)
-        if self.parent is not None:
-            self.parent.charge(nbytes)
+        if self.parent is not None and not self.parent.reserve(nbytes):
+            with self._lock:
+                self.used -= nbytes
+            return False
         return True
 
     def charge(self, nbytes: int) -> None:
-        """Take nbytes without checking the limit (the caller checked before computing them)."""
+        """Take nbytes without checking any limit (the caller reserved room before computing them)."""
         with self._lock:
             self.used += nbytes
             self.peak = max(self.peak, self.used)
@@ -60,28 +80,83 @@ class Quota:
         if self.parent is not None:
             self.parent.release(nbytes)
 
-    def describe_refusal(self, nbytes: int) -> str:
-        return (
-            f"storing {nbytes} more bytes would pass the session quota of {self.limit} bytes "
-            f"({self.used} in use)"
-        )
+    def refusal(self, nbytes: int, what: str) -> Failure:
+        """Why `reserve(nbytes)` for `what` failed: this quota's limit, or the first parent's it
+        would pass, e.g. "upload 3: storing 1600 more bytes would pass the session quota of 1000
+        bytes (800 in use)"."""
+        quota: Quota | None = self
+        while quota is not None:
+            if quota.limit is not None and quota.used + nbytes > quota.limit:
+                return Failure(
+                    quota.code,
+                    f"{what}: storing {nbytes} more bytes would pass {quota.label} of {quota.limit} "
+                    f"bytes ({quota.used} in use)",
+                )
+            quota = quota.parent
+        # Room again by now (another session freed some): say so rather than blame a limit.
+        return Failure(self.code, f"{what}: {nbytes} more bytes did not fit {self.label} at the time")
 
 
-class TensorStore:
-    """Client-assigned tensor ids to backend arrays, with each id's size charged to the quota."""
+class Hold:
+    """Bytes a reply waiting to be sent keeps charged; `release` (idempotent, any thread) frees them."""
 
-    def __init__(self, quota: Quota) -> None:
-        self.quota = quota
-        self._arrays: dict[int, Any] = {}
-        self._sizes: dict[int, int] = {}
-        self._failures: dict[int, Failure] = {}
+    __slots__ = ("_nbytes", "_quota")
 
-    def __len__(self) -> int:
-        return len(self._arrays)
+    def __init__(self, quota: Quota, nbytes: int) -> None:
+        self._quota: Quota | None = quota
+        self._nbytes = nbytes
 
     @property
     def nbytes(self) -> int:
-        return sum(self._sizes.values())
+        return self._nbytes
+
+    def release(self) -> None:
+        quota, self._quota = self._quota, None
+        if quota is not None:
+            quota.release(self._nbytes)
+
+
+class _Entry:
+    __slots__ = ("array", "nbytes", "pins", "stored")
+
+    def __init__(self, array: Any, nbytes: int) -> None:
+        self.array = array
+        self.nbytes = nbytes
+        self.pins = 0
+        self.stored = True
+
+
+class _Pin(Hold):
+    """A reply's hold on a stored array: its bytes stay charged until both store and reply let go."""
+
+    __slots__ = ("_entry", "_store")
+
+    def __init__(self, store: TensorStore, entry: _Entry) -> None:
+        super().__init__(store.quota, entry.nbytes)
+        self._store: TensorStore | None = store
+        self._entry = entry
+
+    def release(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            store._unpin(self._entry)
+
+
+class TensorStore:
+    """Client-assigned tensor ids to backend arrays, with each array's size charged to the quota."""
+
+    def __init__(self, quota: Quota) -> None:
+        self.quota = quota
+        self._entries: dict[int, _Entry] = {}
+        self._failures: dict[int, Failure] = {}
+        self._pins = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
 
     def put(self, tid: int, array: Any, nbytes: int, *, charged: bool) -> None:
         """Store an array (replacing tid); `charged`: its bytes were reserved already, else charge them now.
@@ -91,8 +166,7 @@ class TensorStore:
         self._forget(tid)
         if not charged:
             self.quota.charge(nbytes)
-        self._arrays[tid] = array
-        self._sizes[tid] = nbytes
+        self._entries[tid] = _Entry(array, nbytes)
 
     def poison(self, tid: int, failure: Failure) -> None:
         """Make tid stand for a failure; whatever it held is freed."""
@@ -102,9 +176,16 @@ class TensorStore:
     def get(self, tid: int) -> Any:
         """The array of tid; raises LookupError carrying a Failure if it failed or is unknown."""
         try:
-            return self._arrays[tid]
+            return self._entries[tid].array
         except KeyError:
             raise LookupError(self.failure_of(tid)) from None
+
+    def pin(self, tid: int) -> Hold:
+        """Keep tid's array charged until the returned hold is released (tid must hold an array)."""
+        entry = self._entries[tid]
+        with self._pins:
+            entry.pins += 1
+        return _Pin(self, entry)
 
     def failure_of(self, tid: int) -> Failure:
         failure = self._failures.get(tid)
@@ -119,13 +200,28 @@ class TensorStore:
         self._forget(tid)
 
     def clear(self) -> None:
-        for tid in list(self._sizes):
+        for tid in list(self._entries):
             self._forget(tid)
         self._failures.clear()
 
     def _forget(self, tid: int) -> None:
         self._failures.pop(tid, None)
-        self._arrays.pop(tid, None)
-        size = self._sizes.pop(tid, None)
-        if size is not None:
-            self.quota.release(size)
+        entry = self._entries.pop(tid, None)
+        if entry is None:
+            return
+        with self._pins:
+            entry.stored = False
+            free = entry.pins == 0
+        entry.array = None
+        if free:
+            self.quota.release(entry.nbytes)
+
+    def _unpin(self, entry: _Entry) -> None:
+        with self._pins:
+            entry.pins -= 1
+            free = entry.pins == 0 and not entry.stored
+        if free:
+            self.quota.release(entry.nbytes)
+
+
+__all__ = ["Failure", "Hold", "Quota", "TensorStore"]

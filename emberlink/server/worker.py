@@ -1,4 +1,5 @@
-"""The worker: what all sessions share (identity, allow policy, device thread, graph cache, stats).
+"""The worker: what all sessions share (identity, allow policy, device thread, compile thread,
+graph cache, memory budget, limits, stats).
 
 A `Worker` is transport-agnostic: `handle` is the `transport.Handler` a listener runs for each
 new Link. Listeners, signals and the ticket are the daemon's business (`server/daemon.py`).
@@ -7,9 +8,11 @@ new Link. Listeners, signals and the ticket are the daemon's business (`server/d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
+from emberlink.errors import ErrorCode
 from emberlink.graph_replay.backend import Backend
 from emberlink.graph_replay.cache import GraphCache
 from emberlink.protocol import messages as m
@@ -17,7 +20,8 @@ from emberlink.protocol.channel import CHUNK_SIZE
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 from emberlink.server.device import DeviceThread
-from emberlink.server.graphs import GraphView
+from emberlink.server.graphs import Compiler, Costs, GraphView
+from emberlink.server.limits import Limits, WorkerLimits
 from emberlink.server.session import Session, State
 from emberlink.server.store import Quota
 from emberlink.transport.base import Link
@@ -28,7 +32,10 @@ DEFAULT_GRAPH_CACHE_BYTES = 64 << 20  # per client; graph_replay/cache.py keeps 
 
 
 class Worker:
-    """Serves sessions on one device. Create it inside the event loop that runs its listeners."""
+    """Serves sessions on one device. Create it inside the event loop that runs its listeners.
+
+    `limits` are the governance limits (server/limits.py), each left None at its default for the
+    device; `max_session_bytes` is a shorthand for `limits.max_session_bytes`."""
 
     def __init__(
         self,
@@ -38,14 +45,24 @@ class Worker:
         device: str = "cpu",
         backend: Backend | None = None,
         max_session_bytes: int | None = None,
+        limits: Limits | None = None,
         graph_cache_bytes: int = DEFAULT_GRAPH_CACHE_BYTES,
         chunk_size: int = CHUNK_SIZE,
     ) -> None:
         self.identity = identity
         self.allow = allow  # read by each new session's handshake, so it may be replaced while serving
-        self.max_session_bytes = max_session_bytes
         self.chunk_size = chunk_size
+        configured = limits if limits is not None else Limits()
+        if max_session_bytes is not None:
+            configured = dataclasses.replace(configured, max_session_bytes=max_session_bytes)
         self.device = DeviceThread(device, backend)
+        try:
+            self.limits: WorkerLimits = configured.resolve(self.device.capacity())
+        except BaseException:
+            self.device.shutdown()
+            raise
+        self.compiler = Compiler()
+        self.costs = Costs()
         self.cache = GraphCache(graph_cache_bytes)
         self.sessions: set[Session] = set()
         self.draining = False
@@ -54,7 +71,13 @@ class Worker:
         self.sessions_refused = 0
         self._closed_bytes_in = 0
         self._closed_bytes_out = 0
-        self.held = Quota(None)  # every session's Quota charges this too
+        # Every session's Quota charges this too: the worker's memory budget.
+        self.held = Quota(
+            self.limits.max_worker_bytes,
+            code=ErrorCode.OUT_OF_MEMORY,
+            label="the worker's memory budget (--max-worker-bytes)",
+        )
+        log.info("worker limits: %s", self.limits)
         if allow.admits_anyone:
             log.warning(
                 "worker %s admits ANY client (--allow-any): anyone who can reach it can use it",
@@ -65,18 +88,22 @@ class Worker:
     def node_id(self) -> str:
         return self.identity.node_id
 
-    def limits(self) -> dict[str, int]:
+    @property
+    def max_session_bytes(self) -> int | None:
+        return self.limits.max_session_bytes
+
+    def welcome_limits(self) -> dict[str, int]:
         """What the Welcome tells a client about this worker."""
         return {
             "chunk_size": self.chunk_size,
-            "max_session_bytes": self.max_session_bytes or 0,
+            "max_session_bytes": self.limits.max_session_bytes or 0,
             "max_unacked_batches": MAX_UNACKED_BATCHES,
             "max_unacked_bytes": MAX_UNACKED_BYTES,
         }
 
     def graphs_of(self, client: str) -> GraphView:
-        """The cache as `client` sees it (its entries outlive its sessions)."""
-        return GraphView(self.cache, client)
+        """The cache as `client` sees it (its entries outlive its sessions), under this worker's limits."""
+        return GraphView(self.cache, client, self.limits, self.costs)
 
     async def handle(self, link: Link) -> None:
         """The per-Link coroutine listeners run (a `transport.Handler`)."""
@@ -106,7 +133,8 @@ class Worker:
             await asyncio.sleep(0.01)
 
     def close(self) -> None:
-        """Stop the device thread (after its queued work)."""
+        """Stop the compile thread and the device thread (after its queued work)."""
+        self.compiler.shutdown()
         self.device.shutdown()
 
     # -- stats --------------------------------------------------------------------------------------------
