@@ -2,8 +2,9 @@
 
 Two figures, both upper-bound estimates a worker compares with its limits (server/limits.py):
 - elements touched: for every step that computes (views do not), the elements of its tensor
-  operands plus those of its result. A sum over a one-element input broadcast to 2^33 elements
-  touches 2^33 elements, though nothing that large is ever allocated.
+  operands plus those of its result, the result counted `PASSES[op]` times for the ops that make
+  it in several passes (arange, rand, randn). A sum over a one-element input broadcast to 2^33
+  elements touches 2^33 elements, though nothing that large is ever allocated.
 - FLOPs: a matmul `2 * m * n * k` per batch, a reduction one per operand element, a softmax or a
   cross-entropy about five, a transcendental function `TRANSCENDENTAL_FLOPS`, any other op one per
   result element. A fused step counts its members.
@@ -21,6 +22,9 @@ from emberlink.graph_replay.plan import FUSED, Plan, Step
 
 VIEW_OPS = frozenset({"permute_dims", "broadcast_to", "expand_dims", "getitem", "reshape", "squeeze"})
 """Ops that may touch nothing (a view); a copying reshape is counted by the step that reads it."""
+
+PASSES = {"arange": 4, "rand": 8, "randn": 16}
+"""Passes over result-sized arrays an op makes (numpy_backend.py, rng.py); one for the rest."""
 
 TRANSCENDENTAL_FLOPS = 8
 """FLOPs counted per element of exp, log, sqrt, tanh, sigmoid, sin, cos and pow."""
@@ -43,8 +47,10 @@ def plan_work(plan: Plan) -> Work:
     for step in plan.steps:
         if step.op in VIEW_OPS:
             continue
-        elements += _tensor_elements(step.in_specs) + step.out_spec.size
-        flops += sum(_flops(s) for s in step.chain) if step.op == FUSED else _flops(step)
+        members = step.chain if step.op == FUSED else (step,)
+        passes = max(PASSES.get(s.op, 1) for s in members)
+        elements += _tensor_elements(step.in_specs) + step.out_spec.size * passes
+        flops += sum(_flops(s) for s in members)
     return Work(elements, flops)
 
 
@@ -67,4 +73,4 @@ def _flops(step: Step) -> int:
     return max([out.size, *(s.size for s in step.in_specs if not s.weak)])
 
 
-__all__ = ["TRANSCENDENTAL_FLOPS", "VIEW_OPS", "Work", "plan_work"]
+__all__ = ["PASSES", "TRANSCENDENTAL_FLOPS", "VIEW_OPS", "Work", "plan_work"]
