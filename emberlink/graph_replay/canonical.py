@@ -192,6 +192,15 @@ def _unpack(raw: bytes) -> object:
         raise ProtocolError(f"graph bytes are not valid msgpack: {type(e).__name__}: {e}") from None
 
 
+def graph_size(data: object) -> tuple[int, int]:
+    """How many nodes and outputs graph bytes hold, read without decoding or inferring them (a
+    worker checks its node limit before paying for that); ProtocolError if they are not a graph."""
+    obj = _unpack(_as_bytes(data))
+    if type(obj) is not list or len(obj) != 5 or type(obj[3]) is not list or type(obj[4]) is not list:
+        raise ProtocolError("graph bytes are not a [version, inputs, bindings, nodes, outputs] array")
+    return len(obj[3]), len(obj[4])
+
+
 def decode_graph(data: object) -> Graph:
     """Strictly decode canonical graph bytes, re-inferring every spec; only ProtocolError escapes."""
     raw = _as_bytes(data)
@@ -220,4 +229,5 @@ __all__ = [
     "decode_registered",
     "encode_graph",
     "graph_id",
+    "graph_size",
 ]

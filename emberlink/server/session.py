@@ -303,10 +303,7 @@ class Session:
         self._waiting.clear()
         self._targets.clear()
         for incoming in held:
-            if incoming.reserved:
-                self.inflight.release(incoming.reserved)
-                incoming.reserved = 0
-            incoming.uploads = []
+            self._drop(incoming)
         self._release_outbox()
         runner, self._runner = self._runner, None
         if runner is not None:
@@ -419,12 +416,16 @@ class Session:
                 f"client sent more than {MAX_UNACKED_BYTES} bytes of uploads without waiting for acks"
             )
         incoming = Incoming(batch, [], 0)
-        for msg in batch.messages:
-            if type(msg) is m.Upload:
-                upload = self._prepare_upload(msg, incoming, plaintext, start)
-                if msg.inline:
-                    start += msg.nbytes
-                incoming.uploads.append(upload)
+        try:
+            for msg in batch.messages:
+                if type(msg) is m.Upload:
+                    upload = self._prepare_upload(msg, incoming, plaintext, start)
+                    if msg.inline:
+                        start += msg.nbytes
+                    incoming.uploads.append(upload)
+        except BaseException:
+            self._drop(incoming)
+            raise
         if self._targets:
             self._incoming = incoming
         else:
@@ -500,10 +501,22 @@ class Session:
         if self._compiling is not None or self._waiting:
             self._waiting.append(incoming)
             return
-        if self._needs_compiling(incoming):
+        try:
+            compile_first = self._needs_compiling(incoming)
+        except BaseException:
+            self._drop(incoming)
+            raise
+        if compile_first:
             self._compile(incoming)
             return
         self._dispatch(incoming)
+
+    def _drop(self, incoming: Incoming) -> None:
+        """Let go of a batch that will never be applied: its uploads' reserved bytes are free."""
+        if incoming.reserved:
+            self.inflight.release(incoming.reserved)
+            incoming.reserved = 0
+        incoming.uploads = []
 
     def _needs_compiling(self, incoming: Incoming) -> bool:
         """Whether a Register of the batch must go to the compile thread (else: prepared here)."""
@@ -535,14 +548,18 @@ class Session:
 
     def _compiled(self, future: Any) -> None:
         """On the loop: the batch being compiled is ready (or broke); send it and those behind it."""
+        try:
+            self._compiled_batch(future)
+        except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
+            self._crash(e, "compiling a graph")
+
+    def _compiled_batch(self, future: Any) -> None:
         incoming, self._compiling = self._compiling, None
         if incoming is None or self.state is State.CLOSED or future.cancelled():
             return  # cleanup released it, or the worker is stopping
         error = future.exception()
         if error is not None:
-            if incoming.reserved:
-                self.inflight.release(incoming.reserved)
-                incoming.reserved = 0
+            self._drop(incoming)
             if isinstance(error, ProtocolError):
                 self._refuse(error)
             else:
@@ -552,7 +569,13 @@ class Session:
         self._dispatch(incoming)
         while self._waiting and self._compiling is None:
             incoming = self._waiting.popleft()
-            if self._needs_compiling(incoming):
+            try:
+                compile_next = self._needs_compiling(incoming)
+            except ProtocolError as e:
+                self._drop(incoming)
+                self._refuse(e)
+                return
+            if compile_next:
                 self._compile(incoming)
             else:
                 self._dispatch(incoming)

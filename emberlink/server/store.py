@@ -10,6 +10,9 @@ Rules:
   quota against the worker's budget): `reserve` takes from both or from neither.
 - A stored array is charged once, for as long as the store holds it or a reply waiting to be sent
   holds it (`pin`): dropping a pinned id frees nothing until the reply has been sent.
+- A poisoned id is charged FAILURE_BYTES while it stands for a failure; a session whose quota (or
+  the worker's budget) has no room for one more breaks the protocol (ProtocolError): it keeps
+  failed ids it should have dropped.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from emberlink.errors import ErrorCode
+from emberlink.errors import ErrorCode, ProtocolError
+
+FAILURE_BYTES = 128
+"""What the store charges for one id standing for a failure (its dict entry and key)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +175,14 @@ class TensorStore:
         self._entries[tid] = _Entry(array, nbytes)
 
     def poison(self, tid: int, failure: Failure) -> None:
-        """Make tid stand for a failure; whatever it held is freed."""
+        """Make tid stand for a failure; whatever it held is freed. ProtocolError when the session
+        has no room left to remember one more failure."""
         self._forget(tid)
+        if not self.quota.reserve(FAILURE_BYTES):
+            raise ProtocolError(
+                f"the session holds {len(self._failures)} failed tensor ids and has no room for more: "
+                f"{self.quota.refusal(FAILURE_BYTES, f'poisoning tensor {tid}').message}"
+            )
         self._failures[tid] = failure
 
     def get(self, tid: int) -> Any:
@@ -200,12 +212,12 @@ class TensorStore:
         self._forget(tid)
 
     def clear(self) -> None:
-        for tid in list(self._entries):
+        for tid in [*self._entries, *self._failures]:
             self._forget(tid)
-        self._failures.clear()
 
     def _forget(self, tid: int) -> None:
-        self._failures.pop(tid, None)
+        if self._failures.pop(tid, None) is not None:
+            self.quota.release(FAILURE_BYTES)
         entry = self._entries.pop(tid, None)
         if entry is None:
             return
@@ -224,4 +236,4 @@ class TensorStore:
             self.quota.release(entry.nbytes)
 
 
-__all__ = ["Failure", "Hold", "Quota", "TensorStore"]
+__all__ = ["FAILURE_BYTES", "Failure", "Hold", "Quota", "TensorStore"]
