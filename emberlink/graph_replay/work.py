@@ -2,14 +2,18 @@
 
 Two figures, both upper-bound estimates a worker compares with its limits (server/limits.py):
 - elements touched: for every step that computes (views do not), the elements of its tensor
-  operands plus those of its result, the result counted `PASSES[op]` times for the ops that make
-  it in several passes (arange, rand, randn). A sum over a one-element input broadcast to 2^33
-  elements touches 2^33 elements, though nothing that large is ever allocated.
-- FLOPs: a matmul `2 * m * n * k` per batch, a reduction one per operand element, a softmax or a
-  cross-entropy about five, a transcendental function `TRANSCENDENTAL_FLOPS`, any other op one per
-  result element. A fused step counts its members.
-An op this file does not know counts as elementwise; ops with more work per element than that
-(a convolution, attention) must be added here when they join the op table.
+  operands plus those of its result, times the op's `COST`: how many times slower than a plain
+  elementwise op (`add`) it is per element touched. A sum over a one-element input broadcast to
+  2^33 elements touches 2^33 elements, though nothing that large is ever allocated.
+- FLOPs: a matmul `2 * m * n * k` per batch (twice that in float64, which runs at half the rate),
+  a reduction one per operand element, a transcendental function `TRANSCENDENTAL_FLOPS` per
+  element, any other op one per element of its largest operand or result. A fused step counts
+  its members.
+`COST` was measured with NumPy on the 2-core development machine (ns per element touched, warm
+buffers, 2^22 elements): a plain elementwise op 0.15-0.25 ns; sigmoid 0.8; where 0.6; softmax
+1.2-2.2; cross-entropy 4.2; arange 3.4, rand 12.5 and randn 49 per result element; np.add.at
+(scatter_add) 1.2. An op missing from `COST` counts as a plain elementwise op; ops with more work
+per element than that (a convolution, attention) must be added here when they join the op table.
 """
 
 from __future__ import annotations
@@ -23,8 +27,20 @@ from emberlink.graph_replay.plan import FUSED, Plan, Step
 VIEW_OPS = frozenset({"permute_dims", "broadcast_to", "expand_dims", "getitem", "reshape", "squeeze"})
 """Ops that may touch nothing (a view); a copying reshape is counted by the step that reads it."""
 
-PASSES = {"arange": 4, "rand": 8, "randn": 16}
-"""Passes over result-sized arrays an op makes (numpy_backend.py, rng.py); one for the rest."""
+COST: dict[str, int] = {
+    **{op: 2 for op in (*UNARY_FLOAT, "pow", "astype", "take")},
+    "sigmoid": 4,
+    "where": 3,
+    "one_hot": 5,
+    "scatter_add": 8,
+    "softmax": 12,
+    "log_softmax": 12,
+    "cross_entropy": 24,
+    "arange": 20,
+    "rand": 64,
+    "randn": 256,
+}
+"""Work per element touched, relative to `add` (see the module docstring); 1 for the rest."""
 
 TRANSCENDENTAL_FLOPS = 8
 """FLOPs counted per element of exp, log, sqrt, tanh, sigmoid, sin, cos and pow."""
@@ -48,8 +64,8 @@ def plan_work(plan: Plan) -> Work:
         if step.op in VIEW_OPS:
             continue
         members = step.chain if step.op == FUSED else (step,)
-        passes = max(PASSES.get(s.op, 1) for s in members)
-        elements += _tensor_elements(step.in_specs) + step.out_spec.size * passes
+        cost = max(COST.get(s.op, 1) for s in members)
+        elements += (_tensor_elements(step.in_specs) + step.out_spec.size) * cost
         flops += sum(_flops(s) for s in members)
     return Work(elements, flops)
 
@@ -63,7 +79,7 @@ def _flops(step: Step) -> int:
     if op == "matmul":
         x = step.in_specs[0]
         k = x.shape[-1] if x.ndim else 1
-        return 2 * max(out.size, 1) * k
+        return 2 * max(out.size, 1) * k * (2 if out.dtype == "float64" else 1)
     if op in _REDUCTIONS:
         return _tensor_elements(step.in_specs)
     if op in _PER_OPERAND_ELEMENT:
@@ -73,4 +89,4 @@ def _flops(step: Step) -> int:
     return max([out.size, *(s.size for s in step.in_specs if not s.weak)])
 
 
-__all__ = ["PASSES", "TRANSCENDENTAL_FLOPS", "VIEW_OPS", "Work", "plan_work"]
+__all__ = ["COST", "TRANSCENDENTAL_FLOPS", "VIEW_OPS", "Work", "plan_work"]

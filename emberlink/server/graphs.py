@@ -117,15 +117,15 @@ class GraphView:
         plan = self._cache.get(self.owner, gid)
         if plan is not None:
             return plan
-        graph = canonical.decode_graph(body)
         limits = self._limits
-        outputs = len(graph.outputs)
-        if len(graph.nodes) > limits.max_graph_nodes:
+        nodes, outputs = canonical.graph_size(body)  # before paying for decoding the nodes
+        if nodes > limits.max_graph_nodes:
             return _limit(
                 outputs,
-                f"graph {gid.hex()} has {len(graph.nodes)} nodes; this worker takes graphs of at most "
+                f"graph {gid.hex()} has {nodes} nodes; this worker takes graphs of at most "
                 f"{limits.max_graph_nodes} nodes (--max-graph-nodes)",
             )
+        graph = canonical.decode_graph(body)
         try:
             plan = compile_plan(graph)
         except ProtocolError:

@@ -40,11 +40,13 @@ thread; an honest training step is a few thousand nodes."""
 
 CPU_PLAN_ELEMENTS = 1 << 27
 """Default `max_plan_elements` on a CPU worker: NumPy runs one op on one core, so not scaled by
-cores. Measured on the 2-core development machine: float32 elementwise ops touch about 3.5e9
-elements a second, so a plan at this limit holds the device about 40 ms."""
+cores. Measured on the 2-core development machine, a plain elementwise op touches an element in
+0.15-0.25 ns (slower ops count more, graph_replay/work.COST), so a plan at this limit holds the
+device about 30 ms there."""
 CPU_PLAN_FLOPS_PER_CORE = 1 << 31
 """Default `max_plan_flops` per core of a CPU worker (BLAS uses them all). Measured there: a
-1024^3 matmul (2^31 FLOPs) takes 11 ms in float32 and 41 ms in float64."""
+1024^3 matmul (2^31 FLOPs; twice that counted in float64) takes 7-11 ms in float32 and 40 ms in
+float64."""
 GPU_PLAN_ELEMENTS_PER_SM = 1 << 28
 """Default `max_plan_elements` per streaming multiprocessor of a GPU worker."""
 GPU_PLAN_FLOPS_PER_SM = 1 << 34
@@ -54,6 +56,10 @@ DEFAULT_MAX_REPLY_BYTES = 64 << 20
 """Replies a session may have waiting to be sent before the worker stops reading its frames."""
 DEFAULT_REPLY_TIMEOUT = 30.0
 """Seconds a session's replies may make no progress before the session is ended."""
+
+MAX_BACKLOG = 4
+"""Batches of one session received and waiting for the device (compiling, queued, being applied)
+before the worker stops reading that session's frames."""
 
 TURN_SECONDS = 0.005
 """Longest turn one session's batch takes on the device before the next session's turn (a single
@@ -128,6 +134,7 @@ def _or(value: T | None, default: T) -> T:
 
 
 __all__ = [
+    "MAX_BACKLOG",
     "SESSION_BYTES",
     "TURN_SECONDS",
     "DeviceCapacity",

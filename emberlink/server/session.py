@@ -16,9 +16,12 @@ Rules (governance, server/limits.py):
 - A session is admitted only if the worker's budget has `SESSION_BYTES` for it.
 - Replies waiting to be sent stay charged to the session (results, stats); while more than
   `max_reply_bytes` of them wait, the session's frames are not read (paused); a send that makes
-  no progress for `reply_timeout` seconds ends the session.
+  no progress for `reply_timeout` seconds ends the session. Frames are not read either while
+  MAX_BACKLOG of the session's batches wait for the device, so a session sends at the pace the
+  device applies its work, and its decoding cannot crowd the others out of the event loop.
 - The loop's work per frame is bounded: a batch has at most MAX_BATCH_MESSAGES messages, a reply
-  frame at most MAX_REPLY_FRAME_BYTES and MAX_REPLY_MESSAGES, and the loop yields between big ones.
+  frame at most MAX_REPLY_FRAME_BYTES and MAX_REPLY_MESSAGES; a session's receiving and sending
+  yield to the others every YIELD_SECONDS.
 - Whatever way it ends, everything the session held is freed, without relying on the cycle
   collector: its tasks hold no exceptions, and cleanup drops every reference to its data.
 """
@@ -57,8 +60,14 @@ from emberlink.protocol.limits import (
 )
 from emberlink.server.device import AGAIN, DeviceThread, Turn
 from emberlink.server.graphs import Compiler, GraphView, Prepared
-from emberlink.server.limits import INTERNAL_ERROR_TEXT, SESSION_BYTES, TURN_SECONDS, WorkerLimits
-from emberlink.server.runner import INLINE_MESSAGES, BatchRunner, Incoming, Outgoing
+from emberlink.server.limits import (
+    INTERNAL_ERROR_TEXT,
+    MAX_BACKLOG,
+    SESSION_BYTES,
+    TURN_SECONDS,
+    WorkerLimits,
+)
+from emberlink.server.runner import BatchRunner, Incoming, Outgoing
 from emberlink.server.store import Failure, Quota, TensorStore
 from emberlink.transport.base import Link
 
@@ -66,9 +75,9 @@ log = logging.getLogger("emberlink.server")
 
 HANDSHAKE_TIMEOUT = 10.0
 FINAL_SEND_TIMEOUT = 5.0
-YIELD_EVERY_FRAMES = 16
-"""The loop yields to other sessions after this many frames of one blob (and after any batch of
-more than INLINE_MESSAGES messages), and after sending this many blobs of one reply."""
+YIELD_SECONDS = 0.001
+"""The loop yields to other sessions once a session's receiving or sending has run this long
+without yielding (checked between frames and between blobs)."""
 
 
 class Host(Protocol):
@@ -139,7 +148,8 @@ class Session:
         self._outbox: deque[Outgoing | _Final] = deque()
         self._outbox_ready = asyncio.Event()
         self.queued_reply_bytes = 0
-        self._room = asyncio.Event()  # set when queued replies fall to max_reply_bytes or below
+        self._readable = asyncio.Event()  # set when a reason to leave frames unread may have gone
+        self._backlog = 0  # batches received whole and not yet applied (compiling, queued, running)
         self._acked = 0  # the highest ack handed to the link
         self._sending_since: float | None = None
         self._watchdog: asyncio.TimerHandle | None = None
@@ -367,9 +377,6 @@ class Session:
             while True:
                 blob = await self._link.recv()
                 self.bytes_in += len(blob)
-                while self.paused:  # the client is not reading: neither do we (the watchdog ends it)
-                    self._room.clear()
-                    await self._room.wait()
                 await self._on_blob(blob)
                 del blob
         except ProtocolError as e:
@@ -380,21 +387,26 @@ class Session:
             self._crash(e, "receiving")
 
     async def _on_blob(self, blob: bytes | memoryview) -> None:
-        since_yield = 0
+        began = time.perf_counter()
         for frame in split_frames(blob):
             if self._ended.done():
                 return
             if frame[1] == BULK:
                 self._on_bulk(frame)
-                since_yield += 1
-            else:
-                since_yield += 1 if self._on_message(frame) <= INLINE_MESSAGES else YIELD_EVERY_FRAMES
-            if since_yield >= YIELD_EVERY_FRAMES:
-                since_yield = 0
+                continue
+            # Replies unread (the watchdog ends a client that never reads), or batches enough
+            # waiting for the device: the next batch is read when they have gone out or applied.
+            while self.paused or self._backlog >= MAX_BACKLOG:
+                self._readable.clear()
+                await self._readable.wait()
+                began = time.perf_counter()
+            self._on_message(frame)
+            if time.perf_counter() - began > YIELD_SECONDS:
                 await asyncio.sleep(0)  # one session's blob does not hold the loop for long
+                began = time.perf_counter()
 
-    def _on_message(self, frame: memoryview) -> int:
-        """Open and decode one batch; returns its number of messages."""
+    def _on_message(self, frame: memoryview) -> None:
+        """Open and decode one batch and send it on its way."""
         assert self._channel is not None
         if self._incoming is not None:
             raise ProtocolError("a batch arrived before the bulk bytes of the previous one")
@@ -430,7 +442,6 @@ class Session:
             self._incoming = incoming
         else:
             self._submit(incoming)
-        return len(batch.messages)
 
     def _prepare_upload(
         self, msg: m.Upload, incoming: Incoming, plaintext: bytes, start: int
@@ -498,6 +509,7 @@ class Session:
     def _submit(self, incoming: Incoming) -> None:
         """Send a received batch on its way: compile its Registers first if it has any to compile,
         and keep every later batch behind it."""
+        self._backlog += 1
         if self._compiling is not None or self._waiting:
             self._waiting.append(incoming)
             return
@@ -625,8 +637,7 @@ class Session:
             return False
         if not incoming.done:
             return True
-        if out is not None:
-            call_soon(self._post, out)
+        call_soon(self._finished, out)
         return False
 
     def _crash_applying(self, error: BaseException) -> None:
@@ -637,6 +648,13 @@ class Session:
             self._loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:
             pass  # the loop is gone: the whole worker is stopping
+
+    def _finished(self, out: Outgoing | None) -> None:
+        """On the loop: a batch is applied (or discarded); its reply, if any, goes out."""
+        self._backlog -= 1
+        self._readable.set()
+        if out is not None:
+            self._post(out)
 
     def _post(self, out: Outgoing) -> None:
         if self.state is State.CLOSED:
@@ -680,7 +698,7 @@ class Session:
                 out.release()
                 self.queued_reply_bytes -= out.nbytes
             if not self.paused:
-                self._room.set()
+                self._readable.set()
         return final is not None
 
     async def _send_reply(self, outs: list[Outgoing], final: m.Error | None) -> None:
@@ -704,17 +722,21 @@ class Session:
         for part, encoded in _reply_parts(ack, messages):
             yield channel.seal(encoded, MESSAGE)
             for msg in part:
-                if type(msg) is m.Result and msg.nbytes:
-                    yield from channel.seal_chunks(next(pending).data.cast("B"), chunk)
+                if type(msg) is m.Result:
+                    array = next(pending)  # one per Result, empty ones included
+                    if msg.nbytes:
+                        yield from channel.seal_chunks(array.data.cast("B"), chunk)
 
     async def _send_frames(self, frames: Iterator[bytes | bytearray]) -> None:
-        for sent, blob in enumerate(pack_frames(frames), 1):
+        began = time.perf_counter()
+        for blob in pack_frames(frames):
             self._sending_since = self._loop.time()
             await self._link.send(blob)
             self._sending_since = None
             self.bytes_out += len(blob)
-            if sent % YIELD_EVERY_FRAMES == 0:
-                await asyncio.sleep(0)
+            if time.perf_counter() - began > YIELD_SECONDS:
+                await asyncio.sleep(0)  # one session's reply does not hold the loop for long
+                began = time.perf_counter()
 
     def _watch(self) -> None:
         """End the session when a send has made no progress for `reply_timeout` seconds."""
@@ -739,10 +761,14 @@ class Session:
 
 def _reply_parts(ack: int, messages: list[m.WorkerMessage]) -> Iterator[tuple[list[m.WorkerMessage], bytes]]:
     """The reply's messages in runs whose encoded Reply fits MAX_REPLY_FRAME_BYTES (and at most
-    MAX_REPLY_MESSAGES messages), each with its encoding; one empty Reply when there are none."""
+    MAX_REPLY_MESSAGES messages), each with its encoding; one empty Reply when there are none.
+    A run's length is guessed from the size of a sample, so a large reply is encoded about once."""
     start, total = 0, len(messages)
     while True:
         count = min(MAX_REPLY_MESSAGES, total - start)
+        if count > _SAMPLE:
+            sample = len(m.encode_reply(m.Reply(ack, tuple(messages[start : start + _SAMPLE]))))
+            count = max(1, min(count, int(MAX_REPLY_FRAME_BYTES * 0.9 * _SAMPLE / sample)))
         while True:
             part = messages[start : start + count]
             encoded = m.encode_reply(m.Reply(ack, tuple(part)))
@@ -753,6 +779,9 @@ def _reply_parts(ack: int, messages: list[m.WorkerMessage]) -> Iterator[tuple[li
         start += count
         if start >= total:
             return
+
+
+_SAMPLE = 64
 
 
 def _inline_array(msg: m.Upload, plaintext: bytes, start: int) -> np.ndarray:

@@ -25,10 +25,15 @@ from emberlink.server.limits import Limits, WorkerLimits
 from emberlink.server.session import Session, State
 from emberlink.server.store import Quota
 from emberlink.transport.base import Link
+from emberlink.transport.malloc import release_free_memory
 
 log = logging.getLogger("emberlink.server")
 
 DEFAULT_GRAPH_CACHE_BYTES = 64 << 20  # per client; graph_replay/cache.py keeps at most 64 clients
+TRIM_DELAY = 0.5
+"""Seconds after a session ends before the heap's free pages go back to the OS (at most one trim
+per TRIM_DELAY, on a thread): the worker's RSS then follows what its sessions hold, which
+transport/malloc.py's tuning would otherwise keep (a trim takes a few ms per 100 MB returned)."""
 
 
 class Worker:
@@ -69,6 +74,7 @@ class Worker:
         self.started = time.monotonic()
         self.sessions_total = 0
         self.sessions_refused = 0
+        self._trim: asyncio.TimerHandle | None = None
         self._closed_bytes_in = 0
         self._closed_bytes_out = 0
         # Every session's Quota charges this too: the worker's memory budget.
@@ -115,12 +121,22 @@ class Worker:
             await session.run()
         finally:
             self.sessions.discard(session)
+            self._trim_soon()
             if session.client is None:
                 self.sessions_refused += 1
             else:
                 self.sessions_total += 1
             self._closed_bytes_in += session.bytes_in
             self._closed_bytes_out += session.bytes_out
+
+    def _trim_soon(self) -> None:
+        if self._trim is None:
+            loop = asyncio.get_running_loop()
+            self._trim = loop.call_later(TRIM_DELAY, self._start_trim, loop)
+
+    def _start_trim(self, loop: asyncio.AbstractEventLoop) -> None:
+        future = loop.run_in_executor(None, release_free_memory)
+        future.add_done_callback(lambda _: setattr(self, "_trim", None))
 
     async def drain(self) -> None:
         """SIGTERM: refuse new sessions, finish every session's queued work, end them with going_away."""

@@ -67,7 +67,7 @@ class RawClient:
         for msg in reply.messages:
             if type(msg) is m.Result:
                 out = np.empty(msg.shape, msg.dtype)
-                view = out.data.cast("B")
+                view = out.data.cast("B") if msg.nbytes else memoryview(b"")
                 done = 0
                 while done < msg.nbytes:
                     if not rest:

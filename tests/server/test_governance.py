@@ -355,7 +355,7 @@ def test_reading_a_non_contiguous_result_counts_its_copy_once(worker: InProcessW
 
 
 def test_many_replies_in_one_batch_go_in_frames_under_the_transport_limit(worker: InProcessWorker) -> None:
-    count = 17_000  # StatsReplies of over 600 bytes each: over one 8 MiB blob together
+    count = MAX_BATCH_MESSAGES  # StatsReplies of about 500 bytes each: about 500 KB together
 
     async def go() -> tuple[int, int, int]:
         c = await RawClient.connect(worker)
@@ -550,20 +550,23 @@ def test_compiling_a_graph_never_blocks_other_sessions_device_work(
 
 
 def test_one_sessions_long_queue_does_not_starve_another(worker: InProcessWorker) -> None:
-    async def go() -> int:
+    batches = 12
+
+    async def go() -> tuple[int, bool]:
         busy = await RawClient.connect(worker)
         busy_session = the_session(worker)
         honest = await RawClient.connect(worker)
-        for seq in range(1, 5):  # seconds of device work in all, queued ahead of the honest Sync
-            await busy.send(seq, [m.Stats(i) for i in range(seq * 10_000, seq * 10_000 + 6_000)])
+        for seq in range(1, batches + 1):  # a quarter second of device work, ahead of the honest Sync
+            await busy.send(seq, [m.Stats(seq * 10_000 + i) for i in range(1, MAX_BATCH_MESSAGES)])
         await honest.send(1, [m.Sync(1)])
         await until_ack(honest, 1)
-        applied = busy_session.applied
+        applied, refused = busy_session.applied, busy_session.ending
         await busy.close()
         await honest.close()
-        return applied
+        return applied, refused
 
-    assert run(worker, go()) < 4
+    applied, refused = run(worker, go())
+    assert applied < batches and not refused
 
 
 # -- a worker-wide memory budget ------------------------------------------------------------------------

@@ -339,3 +339,21 @@ def test_a_client_that_ignores_flow_control_is_cut_off(
         gate.set()  # the session frees its memory on the device thread before it closes
     assert messages[-1].code == "refused" and "without waiting for acks" in messages[-1].message
     assert run(worker, client.ended())
+
+
+def test_an_empty_result_before_another_in_one_reply_leaves_each_its_own_bytes(
+    worker: InProcessWorker,
+) -> None:
+    empty = np.zeros((0, 3), np.float32)
+
+    async def go() -> list[np.ndarray]:
+        c = await RawClient.connect(worker)
+        await c.send(1, [upload(1, empty), upload(2, X), m.Read(1, 1), m.Read(2, 2)], [X])
+        reply, arrays = await c.reply()
+        await c.close()
+        assert [type(x) for x in reply.messages] == [m.Result, m.Result]
+        return arrays
+
+    got_empty, got_x = run(worker, go())
+    assert got_empty.shape == (0, 3)
+    np.testing.assert_array_equal(got_x, X)
