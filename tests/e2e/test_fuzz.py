@@ -18,7 +18,9 @@ FUZZ = Path(__file__).resolve().parents[2] / "bench" / "fuzz.py"
 @pytest.mark.timeout(300)
 def test_twenty_seconds_of_hostile_sessions_leave_the_worker_serving_and_holding_nothing() -> None:
     argv = [sys.executable, str(FUZZ), "--seconds", "20", "--sessions", "3", "--alone", "2", "--stall"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=280, env=subprocess_env())
+    done = subprocess.run(
+        argv, check=False, capture_output=True, text=True, timeout=280, env=subprocess_env()
+    )
     report = done.stdout + done.stderr[-4000:]
     # The script exits 1 on a worker crash, a batch neither answered nor ended with an error, a
     # wrong value read, a session left open, or in-use memory not back to its baseline.
