@@ -11,8 +11,9 @@ Governance (server/limits.py): a batch is applied in turns (`apply` with a deadl
 `Incoming.done` false, to be called again on the session's next turn); an Execute whose outputs
 would leave the id space ends the session; one whose graph a limit refused, or whose plan's peak
 bytes do not fit the session's quota or the worker's budget, poisons its outputs; a Read's bytes
-stay charged to the session until its reply has been sent (`Outgoing.holds`), and a non-contiguous
-value is made contiguous in the store at its first read, so later reads copy nothing.
+stay charged to the session until its reply has been sent (store.py: an array's charge lasts as long
+as the array), and a non-contiguous value is made contiguous in the store at its first read, so
+later reads copy nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from emberlink.graph_replay.backend import Backend
 from emberlink.graph_replay.plan import Plan
 from emberlink.protocol import messages as m
 from emberlink.server.graphs import GraphView, Prepared, Refusal
-from emberlink.server.store import Failure, Hold, Quota, TensorStore
+from emberlink.server.store import Failure, Hold, Quota, TensorStore, keep_charged
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +61,13 @@ class Outgoing:
     messages: list[m.WorkerMessage] = field(default_factory=list)
     bulks: list[np.ndarray] = field(default_factory=list)
     close: str | None = None  # the client's Close reason: end the session after this reply
-    holds: list[Hold] = field(default_factory=list)
+    holds: list[Hold] | None = None  # made on the first (a StatsReply's); most replies hold none
     nbytes: int = 0  # results' bytes plus an estimate of the messages': what waits to be sent
 
     def release(self) -> None:
         """Free what this reply kept charged (once it is sent, or will never be). Idempotent."""
-        holds, self.holds = self.holds, []
-        for hold in holds:
+        holds, self.holds = self.holds, None
+        for hold in holds or ():
             hold.release()
 
 
@@ -77,12 +78,13 @@ class Incoming:
     it has got (a batch may take several turns on the device)."""
 
     batch: m.Batch
-    uploads: list[np.ndarray | Failure]
+    uploads: list[np.ndarray | Failure | None]  # None once applied
     reserved: int  # bytes of these uploads held in flight (Incoming-side), not yet the session's
-    prepared: Prepared = field(default_factory=dict)
+    prepared: Prepared | None = None
+    registers: bool = False  # whether it holds a Register (compiled before it is applied)
     done: bool = False
     out: Outgoing | None = None
-    plans: dict[bytes, Plan | Refusal] = field(default_factory=dict)
+    plans: dict[bytes, Plan | Refusal] | None = None
     position: int = 0
     next_upload: int = 0
 
@@ -124,6 +126,7 @@ class BatchRunner:
         self.closed = False
         self.counters = Counters()
         self._light: dict[bytes, bool] = {}  # gid -> whether its plan is light (see `light`)
+        self._peaks: dict[bytes, int] = {}  # gid -> its plan's peak bytes (graphs.Costs, memoized here)
 
     # -- one batch ----------------------------------------------------------------------------------
 
@@ -145,16 +148,17 @@ class BatchRunner:
             if batch.seq != self.applied + 1:
                 self.discard(incoming)
                 raise ProtocolError(f"batch {batch.seq} out of order; expected batch {self.applied + 1}")
-            plans = self._plans_for(batch, incoming.prepared)
-            if isinstance(plans, m.GraphUnknown):
+            found = self._plans_for(batch, incoming.prepared)
+            if isinstance(found, m.GraphUnknown):
                 self._resync = batch.seq
                 self.counters.graph_unknown += 1
                 self.discard(incoming)
-                return Outgoing(self.applied, [plans], nbytes=REPLY_MESSAGE_BYTES)
+                return Outgoing(self.applied, [found], nbytes=REPLY_MESSAGE_BYTES)
             self._release(incoming)  # from here the uploads are charged to the session's quota, in order
             out = incoming.out = Outgoing(batch.seq)
-            incoming.plans = plans
+            incoming.plans = found
         plans = incoming.plans
+        assert plans is not None  # set on the first turn
         messages = batch.messages
         n = len(messages)
         i = incoming.position
@@ -165,8 +169,10 @@ class BatchRunner:
                 case m.Execute():
                     self._execute(msg, plans[msg.gid])
                 case m.Upload():
-                    self._upload(msg, incoming.uploads[incoming.next_upload])
-                    incoming.next_upload += 1
+                    k = incoming.next_upload
+                    incoming.next_upload = k + 1
+                    self._upload(msg, incoming.uploads[k])
+                    incoming.uploads[k] = None  # the store's from now on: a Drop later frees it
                 case m.Drop():
                     for tid in msg.ids:
                         self._store.drop(tid)
@@ -229,13 +235,15 @@ class BatchRunner:
             self._inflight.release(incoming.reserved)
             incoming.reserved = 0
 
-    def _plans_for(self, batch: m.Batch, prepared: Prepared) -> dict[bytes, Plan | Refusal] | m.GraphUnknown:
+    def _plans_for(
+        self, batch: m.Batch, prepared: Prepared | None
+    ) -> dict[bytes, Plan | Refusal] | m.GraphUnknown:
         """Every graph the batch executes, its Registers compiled already (`prepared`, off this
         thread); pinned by the dict."""
         plans: dict[bytes, Plan | Refusal] = {}
         for msg in batch.messages:
             if type(msg) is m.Register:
-                found = prepared.get(msg.gid)
+                found = prepared.get(msg.gid) if prepared is not None else None
                 if found is None:  # every Register is prepared before its batch is posted
                     raise ProtocolError(f"Register of graph {msg.gid.hex()} reached the device uncompiled")
                 plans[msg.gid] = found
@@ -262,8 +270,10 @@ class BatchRunner:
         if self._first_failure is None:
             self._first_failure = failure
 
-    def _upload(self, msg: m.Upload, array: np.ndarray | Failure) -> None:
+    def _upload(self, msg: m.Upload, array: np.ndarray | Failure | None) -> None:
         self.counters.uploads += 1
+        if array is None:
+            raise ProtocolError(f"upload {msg.tid} has no bytes")  # cannot happen: one array per Upload
         if isinstance(array, Failure):
             self._fail((msg.tid,), array)
             return
@@ -302,7 +312,11 @@ class BatchRunner:
             except LookupError as e:
                 self._fail(outs, e.args[0])
                 return
-        need = self.graphs.costs.of(plan).peak_bytes
+        need = self._peaks.get(msg.gid)
+        if need is None:
+            if len(self._peaks) >= 4096:
+                self._peaks.clear()
+            need = self._peaks[msg.gid] = self.graphs.costs.of(plan).peak_bytes
         quota = self._store.quota
         if not quota.reserve(need):
             self._fail(
@@ -340,12 +354,11 @@ class BatchRunner:
             out.messages.append(m.Error(msg.rid, failure.code, failure.message))
             return
         host = self._backend.to_numpy(value)
-        if host is value:  # a host array already laid out for the wire: the reply shares it
-            hold = store.pin(msg.tid)
-        else:
+        if host is not value:  # a copy: counted while the reply (or the store) holds it
             host = _c_order(host)
-            if not store.quota.reserve(host.nbytes):
-                failure = store.quota.refusal(host.nbytes, f"read {msg.rid}: a copy of tensor {msg.tid}")
+            quota = store.quota
+            if not quota.reserve(host.nbytes):
+                failure = quota.refusal(host.nbytes, f"read {msg.rid}: a copy of tensor {msg.tid}")
                 out.messages.append(m.Error(msg.rid, failure.code, failure.message))
                 return
             if isinstance(value, np.ndarray):
@@ -353,14 +366,13 @@ class BatchRunner:
                 # read of it copies nothing (and this one is counted once, as the tensor's bytes).
                 host = self._backend.from_numpy(host)
                 store.put(msg.tid, host, host.nbytes, charged=True)
-                hold = store.pin(msg.tid)
             else:  # a device array's host copy, for this reply only
-                hold = Hold(store.quota, host.nbytes)
+                keep_charged(quota, host, host.nbytes)
+        # A stored array stays charged while this reply holds it, even if the id is dropped first.
         out.messages.append(
             m.Result(msg.rid, _DTYPE_NAMES.get(host.dtype) or host.dtype.name, host.shape, host.nbytes)
         )
         out.bulks.append(host)
-        out.holds.append(hold)
         out.nbytes += host.nbytes
 
     def _sync(self, msg: m.Sync, out: Outgoing) -> None:
@@ -379,6 +391,8 @@ class BatchRunner:
             failure = quota.refusal(size, f"stats {msg.rid}: the reply")
             out.messages.append(m.Error(msg.rid, failure.code, failure.message))
             return
+        if out.holds is None:
+            out.holds = []
         out.holds.append(Hold(quota, size))
         out.nbytes += size
         out.messages.append(m.StatsReply(msg.rid, stats))

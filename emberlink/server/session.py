@@ -35,7 +35,7 @@ import os
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -149,6 +149,7 @@ class Session:
         self._outbox_ready = asyncio.Event()
         self.queued_reply_bytes = 0
         self._readable = asyncio.Event()  # set when a reason to leave frames unread may have gone
+        self._reader_waits = False
         self._backlog = 0  # batches received whole and not yet applied (compiling, queued, running)
         self._acked = 0  # the highest ack handed to the link
         self._sending_since: float | None = None
@@ -373,12 +374,20 @@ class Session:
     # -- receiving ---------------------------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
+        max_reply_bytes = self._limits.max_reply_bytes
         try:
             while True:
                 blob = await self._link.recv()
                 self.bytes_in += len(blob)
-                await self._on_blob(blob)
-                del blob
+                frames = split_frames(blob)
+                if len(frames) == 1 and (
+                    frames[0][1] == BULK
+                    or (self.queued_reply_bytes <= max_reply_bytes and self._backlog < MAX_BACKLOG)
+                ):
+                    self._on_frame(frames[0])  # the common case, without the yielding machinery
+                else:
+                    await self._on_frames(frames)
+                del blob, frames
         except ProtocolError as e:
             self._refuse(e)
         except TransportError as e:
@@ -386,19 +395,30 @@ class Session:
         except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
             self._crash(e, "receiving")
 
-    async def _on_blob(self, blob: bytes | memoryview) -> None:
+    def _must_wait(self) -> bool:
+        """Whether the next batch must wait: replies unread (the watchdog ends a client that never
+        reads them) or MAX_BACKLOG batches waiting for the device."""
+        return self.paused or self._backlog >= MAX_BACKLOG
+
+    def _on_frame(self, frame: memoryview) -> None:
+        if frame[1] == BULK:
+            self._on_bulk(frame)
+        else:
+            self._on_message(frame)
+
+    async def _on_frames(self, frames: list[memoryview]) -> None:
         began = time.perf_counter()
-        for frame in split_frames(blob):
+        for frame in frames:
             if self._ended.done():
                 return
             if frame[1] == BULK:
                 self._on_bulk(frame)
                 continue
-            # Replies unread (the watchdog ends a client that never reads), or batches enough
-            # waiting for the device: the next batch is read when they have gone out or applied.
-            while self.paused or self._backlog >= MAX_BACKLOG:
+            while self._must_wait():  # the next batch is read once replies went out or batches applied
+                self._reader_waits = True
                 self._readable.clear()
                 await self._readable.wait()
+                self._reader_waits = False
                 began = time.perf_counter()
             self._on_message(frame)
             if time.perf_counter() - began > YIELD_SECONDS:
@@ -431,10 +451,13 @@ class Session:
         try:
             for msg in batch.messages:
                 if type(msg) is m.Upload:
-                    upload = self._prepare_upload(msg, incoming, plaintext, start)
+                    # Appended at once: no local may keep an array alive while the batch is
+                    # applied (inline, below in this call), or a Drop in it could not free it.
+                    incoming.uploads.append(self._prepare_upload(msg, incoming, plaintext, start))
                     if msg.inline:
                         start += msg.nbytes
-                    incoming.uploads.append(upload)
+                elif type(msg) is m.Register:
+                    incoming.registers = True
         except BaseException:
             self._drop(incoming)
             raise
@@ -532,10 +555,10 @@ class Session:
 
     def _needs_compiling(self, incoming: Incoming) -> bool:
         """Whether a Register of the batch must go to the compile thread (else: prepared here)."""
+        if not incoming.registers:
+            return False
         assert self._runner is not None
         registers = [msg for msg in incoming.batch.messages if type(msg) is m.Register]
-        if not registers:
-            return False
         graphs = self._runner.graphs
         prepared: Prepared = {}
         for msg in registers:
@@ -652,11 +675,10 @@ class Session:
     def _finished(self, out: Outgoing | None) -> None:
         """On the loop: a batch is applied (or discarded); its reply, if any, goes out."""
         self._backlog -= 1
-        self._readable.set()
-        if out is not None:
-            self._post(out)
-
-    def _post(self, out: Outgoing) -> None:
+        if self._reader_waits:
+            self._readable.set()
+        if out is None:
+            return
         if self.state is State.CLOSED:
             out.release()
             return
@@ -697,7 +719,7 @@ class Session:
             for out in outs:
                 out.release()
                 self.queued_reply_bytes -= out.nbytes
-            if not self.paused:
+            if self._reader_waits and not self.paused:
                 self._readable.set()
         return final is not None
 
@@ -710,6 +732,16 @@ class Session:
         # Counted as told from now on: the client cannot know an ack before it is sent, so this
         # never refuses a client that keeps to flow control.
         self._acked = max(self._acked, ack)
+        if not bulks and len(messages) <= _SAMPLE:  # the common small reply: one frame, sent as is
+            encoded = m.encode_reply(m.Reply(ack, tuple(messages)))
+            if len(encoded) <= MAX_REPLY_FRAME_BYTES:
+                assert self._channel is not None
+                blob = self._channel.seal(encoded, MESSAGE)
+                self._sending_since = self._loop.time()
+                await self._link.send(blob)
+                self._sending_since = None
+                self.bytes_out += len(blob)
+                return
         await self._send_frames(self._reply_frames(ack, messages, bulks))
 
     def _reply_frames(
@@ -719,7 +751,17 @@ class Session:
         channel = self._channel
         chunk = self._worker.chunk_size
         pending = iter(bulks)
-        for part, encoded in _reply_parts(ack, messages):
+        parts: Iterable[tuple[list[m.WorkerMessage], bytes]]
+        if len(messages) <= _SAMPLE:  # the common case: one frame, encoded once
+            encoded = m.encode_reply(m.Reply(ack, tuple(messages)))
+            parts = (
+                ((messages, encoded),)
+                if len(encoded) <= MAX_REPLY_FRAME_BYTES
+                else _reply_parts(ack, messages)
+            )
+        else:
+            parts = _reply_parts(ack, messages)
+        for part, encoded in parts:
             yield channel.seal(encoded, MESSAGE)
             for msg in part:
                 if type(msg) is m.Result:

@@ -2,14 +2,17 @@
 backend calls.
 
 The store is touched only by the device thread. Quotas are shared with the event loop (uploads
-are reserved on arrival, replies released once sent), so they are guarded by locks, and so are
-the pins that replies hold on stored arrays.
+are reserved on arrival, replies released once sent) and with whichever thread drops the last
+reference to an array whose charge outlived its id, so they are guarded by locks.
 
 Rules:
 - A quota counts bytes against its limit and, when it has one, against its parent's (a session's
   quota against the worker's budget): `reserve` takes from both or from neither.
-- A stored array is charged once, for as long as the store holds it or a reply waiting to be sent
-  holds it (`pin`): dropping a pinned id frees nothing until the reply has been sent.
+- A stored array is charged once, for as long as the store holds it, and after that for as long
+  as anything else still holds it (a reply waiting to be sent): dropping an id whose array is
+  referenced elsewhere moves its charge onto the array, released when the array is garbage
+  (`weakref.finalize`), so the quota follows the memory, not the ids. A host copy made for a
+  reply is charged the same way (`keep_charged`).
 - A poisoned id is charged FAILURE_BYTES while it stands for a failure; a session whose quota (or
   the worker's budget) has no room for one more breaks the protocol (ProtocolError): it keeps
   failed ids it should have dropped.
@@ -17,7 +20,9 @@ Rules:
 
 from __future__ import annotations
 
+import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,36 +60,38 @@ class Quota:
         self.parent = parent
         self.code = code
         self.label = label
-        self._lock = threading.Lock()
+        # One lock for a whole tree of quotas: a change takes it once, however deep the chain.
+        self._lock: threading.Lock = parent._lock if parent is not None else threading.Lock()
         self.used = 0
         self.peak = 0
 
     def reserve(self, nbytes: int) -> bool:
         """Take nbytes if they fit here and in every parent; False (taking nothing) otherwise."""
         with self._lock:
-            if self.limit is not None and self.used + nbytes > self.limit:
-                return False
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
-        if self.parent is not None and not self.parent.reserve(nbytes):
-            with self._lock:
-                self.used -= nbytes
-            return False
+            quota: Quota | None = self
+            while quota is not None:
+                if quota.limit is not None and quota.used + nbytes > quota.limit:
+                    return False
+                quota = quota.parent
+            self._add(nbytes)
         return True
 
     def charge(self, nbytes: int) -> None:
         """Take nbytes without checking any limit (the caller reserved room before computing them)."""
         with self._lock:
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
-        if self.parent is not None:
-            self.parent.charge(nbytes)
+            self._add(nbytes)
 
     def release(self, nbytes: int) -> None:
         with self._lock:
-            self.used -= nbytes
-        if self.parent is not None:
-            self.parent.release(nbytes)
+            self._add(-nbytes)
+
+    def _add(self, nbytes: int) -> None:
+        quota: Quota | None = self
+        while quota is not None:
+            used = quota.used = quota.used + nbytes
+            if used > quota.peak:  # noqa: PLR1730 - no max() call: this runs several times a step
+                quota.peak = used
+            quota = quota.parent
 
     def refusal(self, nbytes: int, what: str) -> Failure:
         """Why `reserve(nbytes)` for `what` failed: this quota's limit, or the first parent's it
@@ -123,29 +130,32 @@ class Hold:
 
 
 class _Entry:
-    __slots__ = ("array", "nbytes", "pins", "stored")
+    __slots__ = ("array", "nbytes")
 
     def __init__(self, array: Any, nbytes: int) -> None:
         self.array = array
         self.nbytes = nbytes
-        self.pins = 0
-        self.stored = True
 
 
-class _Pin(Hold):
-    """A reply's hold on a stored array: its bytes stay charged until both store and reply let go."""
+def _references_when_alone() -> int:
+    """What `sys.getrefcount` reports in `TensorStore._forget` for an array nothing else holds:
+    measured, not assumed, so the interpreter's counting conventions cancel out."""
+    entries = {0: _Entry(object(), 0)}
+    entry = entries.pop(0)
+    array = entry.array
+    return sys.getrefcount(array)
 
-    __slots__ = ("_entry", "_store")
 
-    def __init__(self, store: TensorStore, entry: _Entry) -> None:
-        super().__init__(store.quota, entry.nbytes)
-        self._store: TensorStore | None = store
-        self._entry = entry
+_ALONE = _references_when_alone()
 
-    def release(self) -> None:
-        store, self._store = self._store, None
-        if store is not None:
-            store._unpin(self._entry)
+
+def keep_charged(quota: Quota, array: Any, nbytes: int) -> None:
+    """Keep `nbytes` charged to `quota` until `array` is garbage (released on any thread); at once
+    if the array cannot be weakly referenced."""
+    try:
+        weakref.finalize(array, quota.release, nbytes)
+    except TypeError:
+        quota.release(nbytes)
 
 
 class TensorStore:
@@ -155,7 +165,6 @@ class TensorStore:
         self.quota = quota
         self._entries: dict[int, _Entry] = {}
         self._failures: dict[int, Failure] = {}
-        self._pins = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -192,13 +201,6 @@ class TensorStore:
         except KeyError:
             raise LookupError(self.failure_of(tid)) from None
 
-    def pin(self, tid: int) -> Hold:
-        """Keep tid's array charged until the returned hold is released (tid must hold an array)."""
-        entry = self._entries[tid]
-        with self._pins:
-            entry.pins += 1
-        return _Pin(self, entry)
-
     def failure_of(self, tid: int) -> Failure:
         failure = self._failures.get(tid)
         if failure is not None:
@@ -221,19 +223,11 @@ class TensorStore:
         entry = self._entries.pop(tid, None)
         if entry is None:
             return
-        with self._pins:
-            entry.stored = False
-            free = entry.pins == 0
-        entry.array = None
-        if free:
-            self.quota.release(entry.nbytes)
-
-    def _unpin(self, entry: _Entry) -> None:
-        with self._pins:
-            entry.pins -= 1
-            free = entry.pins == 0 and not entry.stored
-        if free:
+        array = entry.array
+        if sys.getrefcount(array) > _ALONE:  # a reply waiting to be sent still holds it
+            keep_charged(self.quota, array, entry.nbytes)
+        else:
             self.quota.release(entry.nbytes)
 
 
-__all__ = ["FAILURE_BYTES", "Failure", "Hold", "Quota", "TensorStore"]
+__all__ = ["FAILURE_BYTES", "Failure", "Hold", "Quota", "TensorStore", "keep_charged"]
