@@ -813,6 +813,10 @@ async def run(args: argparse.Namespace, setup: Setup) -> int:
             f"{rss_before / MiB:.1f} / {rss_after / MiB:.1f} ({(rss_after - rss_before) / max(rss_before, 1):+.1%})",
         ),
         ("worker in_use_bytes before / after", f"{before['in_use_bytes']:,} / {after['in_use_bytes']:,}"),
+        (
+            "worker held_bytes (charged to sessions) before / after",
+            f"{before['held_bytes']:,} / {after['held_bytes']:,}",
+        ),
         ("worker peak_bytes during the run", f"{after['peak_bytes']:,}"),
         ("honest steps alone / under attack", f"{len(lat.get('alone', []))} / {len(lat.get('hostile', []))}"),
         ("honest wrong values / errors", f"{report['wrong']} / {report['errors']}"),
@@ -834,6 +838,7 @@ async def run(args: argparse.Namespace, setup: Setup) -> int:
             (f"honest client: {report['errors']} errors", report["errors"]),
             (f"{final['sessions_open'] - 1} sessions left open", final["sessions_open"] != 1),
             ("in_use_bytes not back within 5%", not in_use_ok),
+            ("held_bytes not back to the baseline", after["held_bytes"] != before["held_bytes"]),
             ("RSS not back within 5%", args.check_rss and not rss_ok),
         )
         if bad

@@ -156,12 +156,19 @@ class Worker:
     # -- stats --------------------------------------------------------------------------------------------
 
     def memory_stats(self) -> dict[str, int]:
-        """in_use_bytes, peak_bytes, pool_bytes: the backend's figures, or what sessions hold where it has none."""
+        """in_use_bytes, peak_bytes, pool_bytes: the backend's measured figures (what sessions are
+        charged where it measures none), and the budget: `held_bytes` (what sessions hold or have
+        reserved: stored tensors, plans' peaks while they run, replies waiting, 1 MiB a session),
+        its high point `held_peak_bytes`, and `budget_bytes` (--max-worker-bytes)."""
         backend = dict(self.device.backend.memory_stats())
+        measured = "in_use_bytes" in backend
         return {
-            "in_use_bytes": max(self.held.used, int(backend.get("in_use_bytes", 0))),
-            "peak_bytes": max(self.held.peak, int(backend.get("peak_bytes", 0))),
+            "in_use_bytes": int(backend["in_use_bytes"]) if measured else self.held.used,
+            "peak_bytes": int(backend.get("peak_bytes", 0)) if measured else self.held.peak,
             "pool_bytes": int(backend.get("pool_bytes", 0)),
+            "held_bytes": self.held.used,
+            "held_peak_bytes": self.held.peak,
+            "budget_bytes": self.limits.max_worker_bytes,
         }
 
     def stats_for(self, session: Session) -> dict[str, m.StatValue]:
