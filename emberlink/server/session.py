@@ -144,6 +144,7 @@ class Session:
         self._channel: Channel | None = None
         self._ended: asyncio.Future[tuple[str, m.Error | None]] = self._loop.create_future()
         self._crashed = False
+        self._sender_crashed = False
         # Replies applied and not yet sent, and their bytes (results, stats: see runner.Outgoing).
         self._outbox: deque[Outgoing | _Final] = deque()
         self._outbox_ready = asyncio.Event()
@@ -219,7 +220,13 @@ class Session:
 
     async def _say_last(self, sender: asyncio.Task[None], final: m.Error | None) -> None:
         """Let the sender flush what is queued and `final`, for at most FINAL_SEND_TIMEOUT seconds."""
-        if sender.done():  # it crashed or lost the link: nothing more can be said
+        if sender.done():  # it lost the link (nothing more can be said) or crashed: say `final` here
+            if final is not None and self._sender_crashed and self._channel is not None:
+                blob = self._channel.seal(m.encode_reply(m.Reply(self.applied, (final,))), MESSAGE)
+                try:
+                    await asyncio.wait_for(self._link.send(blob), FINAL_SEND_TIMEOUT)
+                except (TimeoutError, TransportError):
+                    pass
             return
         self._outbox.append(_Final(final))
         self._outbox_ready.set()
@@ -702,6 +709,7 @@ class Session:
         except TransportError as e:
             self._end(f"link lost while sending: {e}")
         except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
+            self._sender_crashed = True
             self._crash(e, "sending")
 
     async def _send_queued(self) -> bool:

@@ -224,6 +224,33 @@ def test_an_exception_applying_a_batch_ends_the_session_with_an_error_logged_onc
     assert len(failures) == 1 and who.node_id in failures[0].getMessage()
 
 
+def test_an_exception_in_a_sessions_send_task_ends_it_with_an_error_logged_once(
+    worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = m.encode_reply
+
+    def broken(reply: m.Reply) -> bytes:
+        if m.Done(7) in reply.messages:
+            raise ValueError("a bug in the worker")
+        return real(reply)
+
+    monkeypatch.setattr(m, "encode_reply", broken)
+    who = worker.new_client()
+
+    async def go() -> m.Error:
+        c = await RawClient.connect(worker, who)
+        await c.send(1, [m.Sync(7)])
+        error = await final_error(c)
+        await no_sessions(worker)
+        return error
+
+    with caplog.at_level(logging.INFO, logger="emberlink.server"):
+        error = run(worker, go())
+    assert error.code == "remote" and "ValueError" in error.message
+    failures = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(failures) == 1 and who.node_id in failures[0].getMessage()
+
+
 # -- replies nobody reads -------------------------------------------------------------------------
 
 
