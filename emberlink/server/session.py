@@ -740,11 +740,19 @@ class Session:
         # Counted as told from now on: the client cannot know an ack before it is sent, so this
         # never refuses a client that keeps to flow control.
         self._acked = max(self._acked, ack)
-        if not bulks and len(messages) <= _SAMPLE:  # the common small reply: one frame, sent as is
+        if len(messages) <= _SAMPLE and sum(b.nbytes for b in bulks) <= _SMALL_BULK:
+            # The common small reply: one blob of a frame and a few small results, sealed as is.
             encoded = m.encode_reply(m.Reply(ack, tuple(messages)))
             if len(encoded) <= MAX_REPLY_FRAME_BYTES:
                 assert self._channel is not None
-                blob = self._channel.seal(encoded, MESSAGE)
+                channel = self._channel
+                blob: bytes | bytearray = channel.seal(encoded, MESSAGE)
+                if bulks:
+                    frames: list[bytes | bytearray] = [blob]
+                    for b in bulks:
+                        if b.nbytes:
+                            frames.extend(channel.seal_chunks(b.data.cast("B"), self._worker.chunk_size))
+                    blob = b"".join(frames)
                 self._sending_since = self._loop.time()
                 await self._link.send(blob)
                 self._sending_since = None
@@ -832,6 +840,7 @@ def _reply_parts(ack: int, messages: list[m.WorkerMessage]) -> Iterator[tuple[li
 
 
 _SAMPLE = 64
+_SMALL_BULK = 64 << 10  # a reply whose results total at most this goes out as one blob, at once
 
 
 def _inline_array(msg: m.Upload, plaintext: bytes, start: int) -> np.ndarray:
