@@ -62,6 +62,7 @@ class MemoryMeter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._live: dict[int, _Tracked] = {}
+        self._most = 0  # most entries `_live` has held since it was last built
         self._died: deque[int] = deque()
         self._in_use = 0
         self._peak = 0
@@ -76,6 +77,13 @@ class MemoryMeter:
         died = self._died
         while died:
             self._in_use -= died.popleft()
+        live = len(self._live)
+        if live * 8 < self._most and self._most > 4096:
+            # A dict keeps its table after its entries go: once most have, it is built anew (live
+            # buffers only), so a session that once held many small arrays leaves no large table.
+            self._live = {k: r for k, r in self._live.items() if r() is not None}
+            self._most = live
+        self._most = max(self._most, live)
 
     def track(self, a: Any) -> None:
         """Count `a`'s buffer (once, however many arrays share it) until it is garbage."""
@@ -83,7 +91,8 @@ class MemoryMeter:
         key = id(root)
         with self._lock:
             self._settle()
-            if key not in self._live:
+            known = self._live.get(key)
+            if known is None or known() is not root:  # absent, or a dead buffer's id reused
                 ref = _Tracked(root, self._gone)
                 ref.key = key
                 ref.nbytes = int(root.nbytes)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,9 @@ from emberlink.graph_replay.plan import Plan, compile_plan
 from emberlink.graph_replay.work import plan_work
 from emberlink.server.limits import WorkerLimits
 from emberlink.server.store import Failure
+
+REFUSALS_KEPT = 1024
+"""Graphs a limit refused that the worker remembers (by client and graph id)."""
 
 SMALL_GRAPH_BYTES = 64 << 10
 """A Register of a graph already cached is checked on the event loop (hashing its body) when the
@@ -52,11 +56,24 @@ class Refusal:
 
 
 class Costs:
-    """Plan -> Cost for the whole worker, computed once per plan; thread-safe."""
+    """Plan -> Cost for the whole worker, computed once per plan, and the graphs a limit refused
+    lately, so a client that registers one again and again costs a hash each time; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._costs: weakref.WeakKeyDictionary[Plan, Cost] = weakref.WeakKeyDictionary()
+        self._refused: OrderedDict[tuple[str, bytes], Refusal] = OrderedDict()
+
+    def refused(self, owner: str, gid: bytes) -> Refusal | None:
+        with self._lock:
+            return self._refused.get((owner, gid))
+
+    def refuse(self, owner: str, gid: bytes, refusal: Refusal) -> Refusal:
+        with self._lock:
+            self._refused[(owner, gid)] = refusal
+            while len(self._refused) > REFUSALS_KEPT:
+                self._refused.popitem(last=False)
+        return refusal
 
     def of(self, plan: Plan) -> Cost:
         with self._lock:
@@ -98,13 +115,19 @@ class GraphView:
         """The compiled plan of gid if this client's part of the cache holds it."""
         return self._cache.get(self.owner, gid)
 
-    def cached(self, gid: bytes, body: bytes) -> Plan | None:
-        """gid's plan if it is cached and `body` is small enough to check here; ProtocolError if
-        body does not hash to gid. None: prepare it on the compile thread."""
-        if len(body) > SMALL_GRAPH_BYTES or (self.owner, gid) not in self._cache:
+    def cached(self, gid: bytes, body: bytes) -> Plan | Refusal | None:
+        """gid's plan if it is cached (or its refusal if a limit refused it lately) and `body` is
+        small enough to check here; ProtocolError if body does not hash to gid. None: prepare it
+        on the compile thread."""
+        if len(body) > SMALL_GRAPH_BYTES:
             return None
-        canonical.check_graph_id(gid, body)
-        return self._cache.get(self.owner, gid)
+        if (self.owner, gid) in self._cache:
+            canonical.check_graph_id(gid, body)
+            return self._cache.get(self.owner, gid)
+        refused = self.costs.refused(self.owner, gid)
+        if refused is not None:
+            canonical.check_graph_id(gid, body)
+        return refused
 
     def prepare(self, gid: bytes, body: bytes) -> Plan | Refusal:
         """On the compile thread: check that body hashes to gid (ProtocolError if not), then decode,
@@ -117,6 +140,13 @@ class GraphView:
         plan = self._cache.get(self.owner, gid)
         if plan is not None:
             return plan
+        refused = self.costs.refused(self.owner, gid)
+        if refused is not None:
+            return refused
+        found = self._admit(gid, body)
+        return self.costs.refuse(self.owner, gid, found) if isinstance(found, Refusal) else found
+
+    def _admit(self, gid: bytes, body: bytes) -> Plan | Refusal:
         limits = self._limits
         nodes, outputs = canonical.graph_size(body)  # before paying for decoding the nodes
         if nodes > limits.max_graph_nodes:

@@ -31,7 +31,7 @@ from emberlink.graph_replay.backend import Backend
 from emberlink.graph_replay.plan import Plan
 from emberlink.protocol import messages as m
 from emberlink.server.graphs import GraphView, Prepared, Refusal
-from emberlink.server.store import Failure, Hold, Quota, TensorStore, keep_charged
+from emberlink.server.store import ID_BYTES, Failure, Hold, Quota, TensorStore, keep_charged
 
 log = logging.getLogger(__name__)
 
@@ -279,17 +279,18 @@ class BatchRunner:
             return
         quota = self._store.quota
         self._store.drop(msg.tid)  # an upload replaces its id: the old value's bytes are free first
-        if not quota.reserve(msg.nbytes):
-            self._fail((msg.tid,), quota.refusal(msg.nbytes, f"upload {msg.tid}"))
+        need = msg.nbytes + ID_BYTES
+        if not quota.reserve(need):
+            self._fail((msg.tid,), quota.refusal(need, f"upload {msg.tid}"))
             return
         try:
             value = self._backend.from_numpy(array)
         except EmberlinkError as e:
-            quota.release(msg.nbytes)
+            quota.release(need)
             self._fail((msg.tid,), Failure(getattr(e, "code", ErrorCode.EXECUTION), str(e)))
             return
         except MemoryError as e:
-            quota.release(msg.nbytes)
+            quota.release(need)
             self._fail((msg.tid,), Failure(ErrorCode.OUT_OF_MEMORY, f"storing upload {msg.tid}: {e}"))
             return
         self._store.put(msg.tid, value, msg.nbytes, charged=True)
@@ -357,11 +358,13 @@ class BatchRunner:
         if host is not value:  # a copy: counted while the reply (or the store) holds it
             host = _c_order(host)
             quota = store.quota
-            if not quota.reserve(host.nbytes):
-                failure = quota.refusal(host.nbytes, f"read {msg.rid}: a copy of tensor {msg.tid}")
+            stored = isinstance(value, np.ndarray)  # a host array: the copy replaces it in the store
+            need = host.nbytes + (ID_BYTES if stored else 0)
+            if not quota.reserve(need):
+                failure = quota.refusal(need, f"read {msg.rid}: a copy of tensor {msg.tid}")
                 out.messages.append(m.Error(msg.rid, failure.code, failure.message))
                 return
-            if isinstance(value, np.ndarray):
+            if stored:
                 # A non-contiguous host array: its contiguous copy becomes the tensor, so the next
                 # read of it copies nothing (and this one is counted once, as the tensor's bytes).
                 host = self._backend.from_numpy(host)

@@ -13,9 +13,11 @@ Rules:
   referenced elsewhere moves its charge onto the array, released when the array is garbage
   (`weakref.finalize`), so the quota follows the memory, not the ids. A host copy made for a
   reply is charged the same way (`keep_charged`).
-- A poisoned id is charged FAILURE_BYTES while it stands for a failure; a session whose quota (or
-  the worker's budget) has no room for one more breaks the protocol (ProtocolError): it keeps
-  failed ids it should have dropped.
+- Every id the store holds is charged ID_BYTES besides its array's bytes (its entry, its Python
+  and NumPy objects): a zero-byte tensor is not free, so a flood of them is bounded too. A
+  poisoned id is charged ID_BYTES while it stands for a failure; a session whose quota (or the
+  worker's budget) has no room for one more breaks the protocol (ProtocolError): it keeps failed
+  ids it should have dropped.
 """
 
 from __future__ import annotations
@@ -28,8 +30,12 @@ from typing import Any
 
 from emberlink.errors import ErrorCode, ProtocolError
 
-FAILURE_BYTES = 128
-"""What the store charges for one id standing for a failure (its dict entry and key)."""
+ID_BYTES = 256
+"""What the store charges for each id it holds, besides an array's bytes: measured, a stored
+one-element tensor costs the worker about 250 bytes of objects (array, entry, dict slot)."""
+FAILURE_SLACK = 64 << 10
+"""How far past its limit a quota may go to remember failed ids (an Execute refused for want of
+room still poisons its outputs); past that, the session is refused."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +71,13 @@ class Quota:
         self.used = 0
         self.peak = 0
 
-    def reserve(self, nbytes: int) -> bool:
-        """Take nbytes if they fit here and in every parent; False (taking nothing) otherwise."""
+    def reserve(self, nbytes: int, slack: int = 0) -> bool:
+        """Take nbytes if they fit here and in every parent (each limit stretched by `slack`);
+        False (taking nothing) otherwise."""
         with self._lock:
             quota: Quota | None = self
             while quota is not None:
-                if quota.limit is not None and quota.used + nbytes > quota.limit:
+                if quota.limit is not None and quota.used + nbytes > quota.limit + slack:
                     return False
                 quota = quota.parent
             self._add(nbytes)
@@ -174,23 +181,24 @@ class TensorStore:
         return sum(e.nbytes for e in self._entries.values())
 
     def put(self, tid: int, array: Any, nbytes: int, *, charged: bool) -> None:
-        """Store an array (replacing tid); `charged`: its bytes were reserved already, else charge them now.
+        """Store an array (replacing tid); `charged`: nbytes + ID_BYTES were reserved already, else
+        charge them now.
 
         Charging here never refuses: callers check room with `Quota.reserve` before they compute.
         """
         self._forget(tid)
         if not charged:
-            self.quota.charge(nbytes)
-        self._entries[tid] = _Entry(array, nbytes)
+            self.quota.charge(nbytes + ID_BYTES)
+        self._entries[tid] = _Entry(array, nbytes + ID_BYTES)
 
     def poison(self, tid: int, failure: Failure) -> None:
         """Make tid stand for a failure; whatever it held is freed. ProtocolError when the session
         has no room left to remember one more failure."""
         self._forget(tid)
-        if not self.quota.reserve(FAILURE_BYTES):
+        if not self.quota.reserve(ID_BYTES, FAILURE_SLACK):
             raise ProtocolError(
                 f"the session holds {len(self._failures)} failed tensor ids and has no room for more: "
-                f"{self.quota.refusal(FAILURE_BYTES, f'poisoning tensor {tid}').message}"
+                f"{self.quota.refusal(ID_BYTES, f'poisoning tensor {tid}').message}"
             )
         self._failures[tid] = failure
 
@@ -219,7 +227,7 @@ class TensorStore:
 
     def _forget(self, tid: int) -> None:
         if self._failures.pop(tid, None) is not None:
-            self.quota.release(FAILURE_BYTES)
+            self.quota.release(ID_BYTES)
         entry = self._entries.pop(tid, None)
         if entry is None:
             return
@@ -230,4 +238,4 @@ class TensorStore:
             self.quota.release(entry.nbytes)
 
 
-__all__ = ["FAILURE_BYTES", "Failure", "Hold", "Quota", "TensorStore", "keep_charged"]
+__all__ = ["ID_BYTES", "Failure", "Hold", "Quota", "TensorStore", "keep_charged"]

@@ -19,9 +19,11 @@ hands the heap's free pages back (`release_free_memory`) when a session that hel
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +37,24 @@ TRIM_THRESHOLD = 512 << 20
 
 def release_free_memory() -> bool:
     """Hand the heap's free pages back to the OS (glibc `malloc_trim(0)`); False where not glibc."""
-    if not sys.platform.startswith("linux"):
+    trim = _malloc_trim()
+    if trim is None:
         return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
-        return False
+        return None
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
-    trim(0)
-    return True
+    return trim
 
 
 def tune_malloc_unless_disabled() -> bool:

@@ -10,7 +10,7 @@ import pytest
 from emberlink.graph_replay.canonical import encode_graph, graph_id
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
 from emberlink.protocol import messages as m
-from emberlink.server.store import FAILURE_BYTES
+from emberlink.server.store import ID_BYTES
 from emberlink.testing import InProcessWorker
 
 from .server_harness import RawClient, memory_device, worker_stats
@@ -289,7 +289,8 @@ def test_upload_over_the_session_quota_is_poisoned_and_its_bytes_are_skipped(mak
 
 
 def test_execute_whose_outputs_would_pass_the_quota_is_poisoned_and_later_work_fits(make_worker) -> None:
-    worker = make_worker(max_session_bytes=1000)
+    quota = 1000 + ID_BYTES  # every stored id costs ID_BYTES besides its bytes
+    worker = make_worker(max_session_bytes=quota)
     gid, body = scale_graph(200)
     x = np.ones(200, np.float32)  # 800 bytes: the upload fits, its doubled copy does not
 
@@ -310,10 +311,10 @@ def test_execute_whose_outputs_would_pass_the_quota_is_poisoned_and_later_work_f
 
     (refused, sync_error, later), held = run(worker, go())
     assert type(refused) is m.Error and refused.code == "quota"
-    assert "quota of 1000 bytes (800 in use)" in refused.message
+    assert f"quota of {quota} bytes ({800 + ID_BYTES} in use)" in refused.message
     assert type(sync_error) is m.Error and sync_error.code == "quota"
     assert type(later) is m.Result and later.nbytes == 400
-    assert held == 400 + FAILURE_BYTES  # and the poisoned id 2, until it is dropped
+    assert held == 400 + 2 * ID_BYTES  # tensor 3, and the poisoned id 2 until it is dropped
 
 
 def test_a_client_that_ignores_flow_control_is_cut_off(
