@@ -228,12 +228,19 @@ class Session:
                 except (TimeoutError, TransportError):
                     pass
             return
+        if final is not None and final.code != ErrorCode.GOING_AWAY:
+            # Refused or failed: the replies not yet begun are dropped (never sealed, so the frame
+            # counters stay in step), so the error goes out right after the reply being sent.
+            self._release_outbox()
         self._outbox.append(_Final(final))
         self._outbox_ready.set()
+        # As long as the sender makes progress (a slow reader still hears why its session ended);
+        # FINAL_SEND_TIMEOUT seconds without a byte sent, and it is over.
+        sent = -1
         try:
-            await asyncio.wait_for(asyncio.shield(sender), FINAL_SEND_TIMEOUT)
-        except (TimeoutError, TransportError):
-            pass
+            while not sender.done() and self.bytes_out != sent:
+                sent = self.bytes_out
+                await asyncio.wait([sender], timeout=FINAL_SEND_TIMEOUT)
         finally:
             sender.cancel()
 
@@ -335,11 +342,12 @@ class Session:
             self._worker.held.release(SESSION_BYTES)
 
     def _release_outbox(self) -> None:
+        """Drop the replies not yet begun (one being sent is the sender's to release)."""
         for item in self._outbox:
             if isinstance(item, Outgoing):
                 item.release()
+                self.queued_reply_bytes -= item.nbytes
         self._outbox.clear()
-        self.queued_reply_bytes = 0
 
     async def drain(self) -> None:
         """Stop reading, finish the batches already received, then end with `going_away`."""
