@@ -554,7 +554,12 @@ def test_a_graph_refused_once_is_refused_again_without_being_read_again(
     gid, body = chain_graph(11)
     reads: list[bytes] = []
     real = canonical.graph_size
-    monkeypatch.setattr(canonical, "graph_size", lambda raw: reads.append(bytes(raw)) or real(raw))
+
+    def counted(raw: bytes) -> tuple[int, int]:
+        reads.append(raw)
+        return real(raw)
+
+    monkeypatch.setattr(canonical, "graph_size", counted)
     x = np.ones(4, np.float32)
 
     async def go() -> list[m.WorkerMessage]:
