@@ -631,12 +631,20 @@ async def settled_stats(
 ) -> tuple[dict[str, Any], int]:
     """Worker stats and RSS once only `open_sessions` sessions besides the probe are open (none
     left detached, waiting for a resume), and the worker has had time to hand freed memory back
-    (server/worker.py's TRIM_DELAY)."""
+    (server/worker.py's TRIM_DELAY) and the bytes charged to sessions have stopped changing (a
+    session that ended may still be freeing what it held on a busy device)."""
     for _ in range(300):
         stats = await worker_stats(ticket, identity)
         if stats["sessions_open"] + stats["sessions_detached"] <= open_sessions + 1:
             await asyncio.sleep(SETTLE_SECONDS)
-            return await worker_stats(ticket, identity), rss(pid)
+            stats = await worker_stats(ticket, identity)
+            for _ in range(20):
+                await asyncio.sleep(0.5)
+                again = await worker_stats(ticket, identity)
+                if again["held_bytes"] == stats["held_bytes"]:
+                    break
+                stats = again
+            return stats, rss(pid)
         await asyncio.sleep(0.1)
     return stats, rss(pid)
 
