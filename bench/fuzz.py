@@ -766,6 +766,10 @@ async def run(args: argparse.Namespace, setup: Setup) -> int:
     # Warm-up of the worker's hostile paths, so the baseline counts what a served worker keeps.
     warm = Tally()
     await hostile_session(0, ticket, hostile[0], warm, time.monotonic() + 2.0, None, stall, args)
+    for _ in range(300):  # the honest client's session is open (its process may start slowly)
+        if (await worker_stats(ticket, probe))["sessions_open"] >= 2:
+            break
+        await asyncio.sleep(0.1)
     before, rss_before = await settled_stats(ticket, probe, worker.pid, 1)
     honest_phase("alone")
     await asyncio.sleep(args.alone)
