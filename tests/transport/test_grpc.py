@@ -20,41 +20,18 @@ from .transport_checks import (
     check_client_close_reaches_the_worker_after_its_last_blob,
     check_handler_return_closes_the_client,
     check_sessions_are_isolated,
+    client_script,
     echo,
     echo_once,
+    echo_worker_script,
     ping_pong,
     pipelined,
     within,
 )
 
-ECHO_WORKER = """
-    import asyncio
-    from emberlink.transport import grpc
+ECHO_WORKER = echo_worker_script("grpc", "GrpcListener")
 
-    async def echo(link):
-        while True:
-            await link.send(await link.recv())
-
-    async def main():
-        listener = grpc.GrpcListener("127.0.0.1", 0, echo)
-        print(await listener.start(), flush=True)
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
-"""
-
-CLIENT = """
-    import asyncio, sys
-    from emberlink.transport import grpc
-
-    async def main():
-        link = await grpc.connect("127.0.0.1", int(sys.argv[1]), timeout=10)
-        await link.send(b"hello")
-        print("connected", flush=True)
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
-"""
+CLIENT = client_script("grpc")
 
 
 async def started(handler: Handler) -> tuple[grpc_transport.GrpcListener, int]:

@@ -53,6 +53,43 @@ async def pipelined(link: Link, sent: list[bytes]) -> list[bytes | memoryview]:
 REPO = Path(__file__).resolve().parents[2]
 
 
+def echo_worker_script(module: str, listener: str) -> str:
+    """A worker process on 127.0.0.1:0 over `emberlink.transport.<module>` that echoes every blob and
+    prints its port (for `Child`)."""
+    return f"""
+    import asyncio
+    from emberlink.transport import {module}
+
+    async def echo(link):
+        while True:
+            await link.send(await link.recv())
+
+    async def main():
+        listener = {module}.{listener}("127.0.0.1", 0, echo)
+        print(await listener.start(), flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+"""
+
+
+def client_script(module: str) -> str:
+    """A client process that connects over `emberlink.transport.<module>` to the port in argv[1],
+    sends one blob, says "connected" and waits (for `Child`)."""
+    return f"""
+    import asyncio, sys
+    from emberlink.transport import {module}
+
+    async def main():
+        link = await {module}.connect("127.0.0.1", int(sys.argv[1]), timeout=10)
+        await link.send(b"hello")
+        print("connected", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+"""
+
+
 class Child:
     """A Python subprocess that prints one line when ready; killed and reaped on exit."""
 
