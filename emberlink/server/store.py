@@ -1,16 +1,41 @@
-"""A session's tensor store and byte quota: ids to arrays, ids to failures; no I/O, no backend calls.
+"""A session's tensor store and byte quotas: ids to arrays, ids to failures, bytes held; no I/O, no
+backend calls.
 
-The store is touched only by the device thread. The quota is shared with the event loop, which
-reserves the bytes of an upload before preallocating its buffer, so it is guarded by a lock.
+The store is touched only by the device thread. Quotas are shared with the event loop (uploads
+are reserved on arrival, replies released once sent) and with whichever thread drops the last
+reference to an array whose charge outlived its id, so they are guarded by locks.
+
+Rules:
+- A quota counts bytes against its limit and, when it has one, against its parent's (a session's
+  quota against the worker's budget): `reserve` takes from both or from neither.
+- A stored array is charged once, for as long as the store holds it, and after that for as long
+  as anything else still holds it (a reply waiting to be sent): dropping an id whose array is
+  referenced elsewhere moves its charge onto the array, released when the array is garbage
+  (`weakref.finalize`), so the quota follows the memory, not the ids. A host copy made for a
+  reply is charged the same way (`keep_charged`).
+- Every id the store holds is charged ID_BYTES besides its array's bytes (its entry, its Python
+  and NumPy objects): a zero-byte tensor is not free, so a flood of them is bounded too. A
+  poisoned id is charged ID_BYTES while it stands for a failure; a session whose quota (or the
+  worker's budget) has no room for one more breaks the protocol (ProtocolError): it keeps failed
+  ids it should have dropped.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from emberlink.errors import ErrorCode
+from emberlink.errors import ErrorCode, ProtocolError
+
+ID_BYTES = 256
+"""What the store charges for each id it holds, besides an array's bytes: measured, a stored
+one-element tensor costs the worker about 250 bytes of objects (array, entry, dict slot)."""
+FAILURE_SLACK = 64 << 10
+"""How far past its limit a quota may go to remember failed ids (an Execute refused for want of
+room still poisons its outputs); past that, the session is refused."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,107 +47,183 @@ class Failure:
 
 
 class Quota:
-    """Bytes a session holds or has reserved for uploads in flight, against a limit (None: no limit).
+    """Bytes held against a limit (None: no limit of its own), and against the parent's.
 
     Every change is also applied to `parent` (the worker's total over all sessions), if given, so
-    the worker's in-use and peak figures are exact rather than sampled.
+    the worker's in-use and peak figures are exact rather than sampled. `code` and `label` name
+    this quota in a refusal: `quota` / "the session quota", or `out_of_memory` / the worker's budget.
     """
 
-    def __init__(self, limit: int | None, parent: Quota | None = None) -> None:
+    def __init__(
+        self,
+        limit: int | None,
+        parent: Quota | None = None,
+        *,
+        code: str = ErrorCode.QUOTA,
+        label: str = "the session quota",
+    ) -> None:
         self.limit = limit
         self.parent = parent
-        self._lock = threading.Lock()
+        self.code = code
+        self.label = label
+        # One lock for a whole tree of quotas: a change takes it once, however deep the chain.
+        self._lock: threading.Lock = parent._lock if parent is not None else threading.Lock()
         self.used = 0
         self.peak = 0
 
-    def reserve(self, nbytes: int) -> bool:
-        """Take nbytes if they fit; False (taking nothing) if they would pass the limit."""
+    def reserve(self, nbytes: int, slack: int = 0) -> bool:
+        """Take nbytes if they fit here and in every parent (each limit stretched by `slack`);
+        False (taking nothing) otherwise."""
         with self._lock:
-            if self.limit is not None and self.used + nbytes > self.limit:
-                return False
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
-        if self.parent is not None:
-            self.parent.charge(nbytes)
+            quota: Quota | None = self
+            while quota is not None:
+                if quota.limit is not None and quota.used + nbytes > quota.limit + slack:
+                    return False
+                quota = quota.parent
+            self._add(nbytes)
         return True
 
     def charge(self, nbytes: int) -> None:
-        """Take nbytes without checking the limit (the caller checked before computing them)."""
+        """Take nbytes without checking any limit (the caller reserved room before computing them)."""
         with self._lock:
-            self.used += nbytes
-            self.peak = max(self.peak, self.used)
-        if self.parent is not None:
-            self.parent.charge(nbytes)
+            self._add(nbytes)
 
     def release(self, nbytes: int) -> None:
         with self._lock:
-            self.used -= nbytes
-        if self.parent is not None:
-            self.parent.release(nbytes)
+            self._add(-nbytes)
 
-    def describe_refusal(self, nbytes: int) -> str:
-        return (
-            f"storing {nbytes} more bytes would pass the session quota of {self.limit} bytes "
-            f"({self.used} in use)"
-        )
+    def _add(self, nbytes: int) -> None:
+        quota: Quota | None = self
+        while quota is not None:
+            used = quota.used = quota.used + nbytes
+            if used > quota.peak:  # noqa: PLR1730 - no max() call: this runs several times a step
+                quota.peak = used
+            quota = quota.parent
+
+    def refusal(self, nbytes: int, what: str) -> Failure:
+        """Why `reserve(nbytes)` for `what` failed: this quota's limit, or the first parent's it
+        would pass, e.g. "upload 3: storing 1600 more bytes would pass the session quota of 1000
+        bytes (800 in use)"."""
+        quota: Quota | None = self
+        while quota is not None:
+            if quota.limit is not None and quota.used + nbytes > quota.limit:
+                return Failure(
+                    quota.code,
+                    f"{what}: storing {nbytes} more bytes would pass {quota.label} of {quota.limit} "
+                    f"bytes ({quota.used} in use)",
+                )
+            quota = quota.parent
+        # Room again by now (another session freed some): say so rather than blame a limit.
+        return Failure(self.code, f"{what}: {nbytes} more bytes did not fit {self.label} at the time")
 
 
-class TensorStore:
-    """Client-assigned tensor ids to backend arrays, with each id's size charged to the quota."""
+class Hold:
+    """Bytes a reply waiting to be sent keeps charged; `release` (idempotent, any thread) frees them."""
 
-    def __init__(self, quota: Quota) -> None:
-        self.quota = quota
-        self._arrays: dict[int, Any] = {}
-        self._sizes: dict[int, int] = {}
-        self._failures: dict[int, Failure] = {}
+    __slots__ = ("_nbytes", "_quota")
 
-    def __len__(self) -> int:
-        return len(self._arrays)
+    def __init__(self, quota: Quota, nbytes: int) -> None:
+        self._quota: Quota | None = quota
+        self._nbytes = nbytes
 
     @property
     def nbytes(self) -> int:
-        return sum(self._sizes.values())
+        return self._nbytes
+
+    def release(self) -> None:
+        quota, self._quota = self._quota, None
+        if quota is not None:
+            quota.release(self._nbytes)
+
+
+class _Entry:
+    __slots__ = ("array", "nbytes")
+
+    def __init__(self, array: Any, nbytes: int) -> None:
+        self.array = array
+        self.nbytes = nbytes
+
+
+def _references_when_alone() -> int:
+    """What `sys.getrefcount` reports in `TensorStore._forget` for an array nothing else holds:
+    measured, not assumed, so the interpreter's counting conventions cancel out."""
+    entries = {0: _Entry(object(), 0)}
+    entry = entries.pop(0)
+    array = entry.array
+    return sys.getrefcount(array)
+
+
+_ALONE = _references_when_alone()
+
+
+def keep_charged(quota: Quota, array: Any, nbytes: int) -> None:
+    """Keep `nbytes` charged to `quota` until `array` is garbage (released on any thread); at once
+    if the array cannot be weakly referenced."""
+    try:
+        weakref.finalize(array, quota.release, nbytes)
+    except TypeError:
+        quota.release(nbytes)
+
+
+class TensorStore:
+    """Client-assigned tensor ids to backend arrays, with each array's size charged to the quota."""
+
+    def __init__(self, quota: Quota) -> None:
+        self.quota = quota
+        self._entries: dict[int, _Entry] = {}
+        self._failures: dict[int, Failure] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
 
     def put(self, tid: int, array: Any, nbytes: int, *, charged: bool) -> None:
-        """Store an array (replacing tid); `charged`: its bytes were reserved already, else charge them now.
+        """Store an array (replacing tid); `charged`: nbytes + ID_BYTES were reserved already, else
+        charge them now.
 
         Charging here never refuses: callers check room with `Quota.reserve` before they compute.
         """
         self._forget(tid)
         if not charged:
-            self.quota.charge(nbytes)
-        self._arrays[tid] = array
-        self._sizes[tid] = nbytes
+            self.quota.charge(nbytes + ID_BYTES)
+        self._entries[tid] = _Entry(array, nbytes + ID_BYTES)
 
     def put_many(self, tids: Any, arrays: Any, sizes: list[int], *, reserved: int = 0) -> None:
         """`put(tid, array, size, charged=False)` for each, with one change to the quota, of which
-        `reserved` bytes were reserved already (an Execute's outputs: a step's many results cost
-        one quota update, not two locked updates per result and its parent's)."""
-        store, sized, failures = self._arrays, self._sizes, self._failures
-        freed = 0
+        `reserved` bytes were reserved already (an Execute's outputs: the reservation of its plan's
+        peak becomes its outputs' charge, the rest is released)."""
+        entries, failures = self._entries, self._failures
+        total = 0
         for tid, array, size in zip(tids, arrays, sizes, strict=True):
-            if failures:
-                failures.pop(tid, None)
-            old = sized.pop(tid, None)
-            if old is not None:
-                freed += old
-            store[tid] = array
-            sized[tid] = size
-        delta = sum(sizes) - freed - reserved
+            if tid in entries or (failures and tid in failures):
+                self._forget(tid)
+            charged = size + ID_BYTES
+            entries[tid] = _Entry(array, charged)
+            total += charged
+        delta = total - reserved
         if delta > 0:
             self.quota.charge(delta)
         elif delta < 0:
             self.quota.release(-delta)
 
     def poison(self, tid: int, failure: Failure) -> None:
-        """Make tid stand for a failure; whatever it held is freed."""
+        """Make tid stand for a failure; whatever it held is freed. ProtocolError when the session
+        has no room left to remember one more failure."""
         self._forget(tid)
+        if not self.quota.reserve(ID_BYTES, FAILURE_SLACK):
+            raise ProtocolError(
+                f"the session holds {len(self._failures)} failed tensor ids and has no room for more: "
+                f"{self.quota.refusal(ID_BYTES, f'poisoning tensor {tid}').message}"
+            )
         self._failures[tid] = failure
 
     def get(self, tid: int) -> Any:
         """The array of tid; raises LookupError carrying a Failure if it failed or is unknown."""
         try:
-            return self._arrays[tid]
+            return self._entries[tid].array
         except KeyError:
             raise LookupError(self.failure_of(tid)) from None
 
@@ -139,27 +240,27 @@ class TensorStore:
         self._forget(tid)
 
     def drop_many(self, tids: Any) -> None:
-        """`drop` each, with one change to the quota."""
-        store, sized, failures = self._arrays, self._sizes, self._failures
-        freed = 0
+        """`drop` each (an unknown id is ignored)."""
+        entries, failures, forget = self._entries, self._failures, self._forget
         for tid in tids:
-            if failures:
-                failures.pop(tid, None)
-            store.pop(tid, None)
-            size = sized.pop(tid, None)
-            if size is not None:
-                freed += size
-        if freed:
-            self.quota.release(freed)
+            if tid in entries or (failures and tid in failures):
+                forget(tid)
 
     def clear(self) -> None:
-        for tid in list(self._sizes):
+        for tid in [*self._entries, *self._failures]:
             self._forget(tid)
-        self._failures.clear()
 
     def _forget(self, tid: int) -> None:
-        self._failures.pop(tid, None)
-        self._arrays.pop(tid, None)
-        size = self._sizes.pop(tid, None)
-        if size is not None:
-            self.quota.release(size)
+        if self._failures.pop(tid, None) is not None:
+            self.quota.release(ID_BYTES)
+        entry = self._entries.pop(tid, None)
+        if entry is None:
+            return
+        array = entry.array
+        if sys.getrefcount(array) > _ALONE:  # a reply waiting to be sent still holds it
+            keep_charged(self.quota, array, entry.nbytes)
+        else:
+            self.quota.release(entry.nbytes)
+
+
+__all__ = ["ID_BYTES", "Failure", "Hold", "Quota", "TensorStore", "keep_charged"]

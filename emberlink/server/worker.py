@@ -1,4 +1,5 @@
-"""The worker: what all sessions share (identity, allow policy, device thread, graph cache, stats).
+"""The worker: what all sessions share (identity, allow policy, device thread, compile thread,
+graph cache, memory budget, limits, stats).
 
 A `Worker` is transport-agnostic: `handle` is the `transport.Handler` a listener runs for each
 new Link. Listeners, signals and the ticket are the daemon's business (`server/daemon.py`).
@@ -7,9 +8,11 @@ new Link. Listeners, signals and the ticket are the daemon's business (`server/d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
+from emberlink.errors import ErrorCode
 from emberlink.graph_replay.backend import Backend
 from emberlink.graph_replay.cache import GraphCache
 from emberlink.protocol import messages as m
@@ -18,10 +21,12 @@ from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 from emberlink.server.detached import DEFAULT_RESUME_WINDOW, ResumeRegistry
 from emberlink.server.device import DeviceThread
-from emberlink.server.graphs import GraphView
+from emberlink.server.graphs import Compiler, Costs, GraphView
+from emberlink.server.limits import Limits, WorkerLimits
 from emberlink.server.session import Session, State
 from emberlink.server.store import Quota
 from emberlink.transport.base import Link
+from emberlink.transport.malloc import release_free_memory
 
 log = logging.getLogger("emberlink.server")
 
@@ -44,8 +49,17 @@ def default_graph_cache_bytes(backend: Backend) -> int:
     return DEFAULT_GRAPH_CACHE_BYTES + (free // DEVICE_CACHE_FRACTION if free is not None else 0)
 
 
+TRIM_DELAY = 0.5
+"""Seconds after a session ends before the heap's free pages go back to the OS (at most one trim
+per TRIM_DELAY, on a thread): the worker's RSS then follows what its sessions hold, which
+transport/malloc.py's tuning would otherwise keep (a trim takes a few ms per 100 MB returned)."""
+
+
 class Worker:
-    """Serves sessions on one device. Create it inside the event loop that runs its listeners."""
+    """Serves sessions on one device. Create it inside the event loop that runs its listeners.
+
+    `limits` are the governance limits (server/limits.py), each left None at its default for the
+    device; `max_session_bytes` is a shorthand for `limits.max_session_bytes`."""
 
     def __init__(
         self,
@@ -55,15 +69,25 @@ class Worker:
         device: str = "cpu",
         backend: Backend | None = None,
         max_session_bytes: int | None = None,
+        limits: Limits | None = None,
         graph_cache_bytes: int | None = None,
         chunk_size: int = CHUNK_SIZE,
         resume_window: float = DEFAULT_RESUME_WINDOW,
     ) -> None:
         self.identity = identity
         self.allow = allow  # read by each new session's handshake, so it may be replaced while serving
-        self.max_session_bytes = max_session_bytes
         self.chunk_size = chunk_size
+        configured = limits if limits is not None else Limits()
+        if max_session_bytes is not None:
+            configured = dataclasses.replace(configured, max_session_bytes=max_session_bytes)
         self.device = DeviceThread(device, backend)
+        try:
+            self.limits: WorkerLimits = configured.resolve(self.device.capacity())
+        except BaseException:
+            self.device.shutdown()
+            raise
+        self.compiler = Compiler()
+        self.costs = Costs()
         if graph_cache_bytes is None:
             graph_cache_bytes = default_graph_cache_bytes(self.device.backend)
         self.cache = GraphCache(graph_cache_bytes)
@@ -72,9 +96,16 @@ class Worker:
         self.started = time.monotonic()
         self.sessions_total = 0
         self.sessions_refused = 0
+        self._trim: asyncio.TimerHandle | None = None
         self._closed_bytes_in = 0
         self._closed_bytes_out = 0
-        self.held = Quota(None)  # every session's Quota charges this too
+        # Every session's Quota charges this too: the worker's memory budget.
+        self.held = Quota(
+            self.limits.max_worker_bytes,
+            code=ErrorCode.OUT_OF_MEMORY,
+            label="the worker's memory budget (--max-worker-bytes)",
+        )
+        log.info("worker limits: %s", self.limits)
         self.resumes = ResumeRegistry(resume_window)  # sessions a client may resume on a new link
         if allow.admits_anyone:
             log.warning(
@@ -86,19 +117,23 @@ class Worker:
     def node_id(self) -> str:
         return self.identity.node_id
 
-    def limits(self) -> dict[str, int]:
+    @property
+    def max_session_bytes(self) -> int | None:
+        return self.limits.max_session_bytes
+
+    def welcome_limits(self) -> dict[str, int]:
         """What the Welcome tells a client about this worker."""
         return {
             "chunk_size": self.chunk_size,
-            "max_session_bytes": self.max_session_bytes or 0,
+            "max_session_bytes": self.limits.max_session_bytes or 0,
             "max_unacked_batches": MAX_UNACKED_BATCHES,
             "max_unacked_bytes": MAX_UNACKED_BYTES,
             "resume_window_ms": round(self.resumes.window * 1000),
         }
 
     def graphs_of(self, client: str) -> GraphView:
-        """The cache as `client` sees it (its entries outlive its sessions)."""
-        return GraphView(self.cache, client)
+        """The cache as `client` sees it (its entries outlive its sessions), under this worker's limits."""
+        return GraphView(self.cache, client, self.limits, self.costs)
 
     async def handle(self, link: Link) -> None:
         """The per-Link coroutine listeners run (a `transport.Handler`)."""
@@ -110,12 +145,22 @@ class Worker:
             await session.run()
         finally:
             self.sessions.discard(session)
+            self._trim_soon()
             if session.client is None:
                 self.sessions_refused += 1
             else:
                 self.sessions_total += 1
             self._closed_bytes_in += session.bytes_in
             self._closed_bytes_out += session.bytes_out
+
+    def _trim_soon(self) -> None:
+        if self._trim is None:
+            loop = asyncio.get_running_loop()
+            self._trim = loop.call_later(TRIM_DELAY, self._start_trim, loop)
+
+    def _start_trim(self, loop: asyncio.AbstractEventLoop) -> None:
+        future = loop.run_in_executor(None, release_free_memory)
+        future.add_done_callback(lambda _: setattr(self, "_trim", None))
 
     async def drain(self) -> None:
         """SIGTERM: refuse new sessions, finish every session's queued work, end them with going_away."""
@@ -128,18 +173,26 @@ class Worker:
             await asyncio.sleep(0.01)
 
     def close(self) -> None:
-        """Stop the device thread (after its queued work)."""
+        """Stop the compile thread and the device thread (after its queued work)."""
+        self.compiler.shutdown()
         self.device.shutdown()
 
     # -- stats --------------------------------------------------------------------------------------------
 
     def memory_stats(self) -> dict[str, int]:
-        """in_use_bytes, peak_bytes, pool_bytes: the backend's figures, or what sessions hold where it has none."""
+        """in_use_bytes, peak_bytes, pool_bytes: the backend's measured figures (what sessions are
+        charged where it measures none), and the budget: `held_bytes` (what sessions hold or have
+        reserved: stored tensors, plans' peaks while they run, replies waiting, 1 MiB a session),
+        its high point `held_peak_bytes`, and `budget_bytes` (--max-worker-bytes)."""
         backend = dict(self.device.backend.memory_stats())
+        measured = "in_use_bytes" in backend
         return {
-            "in_use_bytes": max(self.held.used, int(backend.get("in_use_bytes", 0))),
-            "peak_bytes": max(self.held.peak, int(backend.get("peak_bytes", 0))),
+            "in_use_bytes": int(backend["in_use_bytes"]) if measured else self.held.used,
+            "peak_bytes": int(backend.get("peak_bytes", 0)) if measured else self.held.peak,
             "pool_bytes": int(backend.get("pool_bytes", 0)),
+            "held_bytes": self.held.used,
+            "held_peak_bytes": self.held.peak,
+            "budget_bytes": self.limits.max_worker_bytes,
         }
 
     def stats_for(self, session: Session) -> dict[str, m.StatValue]:

@@ -12,15 +12,18 @@ thresholds with one arena: 1.6–2.2 GB/s (after the first transfer). The worker
 a client process tunes before it starts its I/O thread (transport/loop.py), unless
 `EMBERLINK_TUNE_MALLOC=0`.
 The costs: freed memory up to the trim threshold stays with the process instead of going back to
-the OS, and threads that allocate heavily at the same time share one arena's lock.
+the OS, and threads that allocate heavily at the same time share one arena's lock. So a worker
+hands the heap's free pages back (`release_free_memory`) when a session that held much ends.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import sys
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +33,28 @@ _M_ARENA_MAX = -8
 
 MMAP_THRESHOLD = 256 << 20
 TRIM_THRESHOLD = 512 << 20
+
+
+def release_free_memory() -> bool:
+    """Hand the heap's free pages back to the OS (glibc `malloc_trim(0)`); False where not glibc."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
 
 
 def tune_malloc_unless_disabled() -> bool:

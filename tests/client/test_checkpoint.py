@@ -302,6 +302,9 @@ def worker_process(tmp_path: Path) -> Iterator[Device]:
     Identity.generate(os.urandom).save(worker_key)
     Identity.generate(os.urandom).save(client_key)
     argv = [sys.executable, "-m", "emberlink", "worker", "--listen", "127.0.0.1:0"]
+    # The test builds its whole state in one segment: more work in one plan than a shared worker
+    # runs by default (server/limits.py), so this single-user worker lifts the limit.
+    argv += ["--max-plan-elements", "4G"]
     worker = Process([*argv, "--key", str(worker_key), "--allow-any"], tmp_path / "worker.log")
     try:
         ticket = worker.next_line(30)

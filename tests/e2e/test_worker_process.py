@@ -177,7 +177,8 @@ print("finished", flush=True)
 
 
 def test_client_killed_mid_upload_frees_its_memory_and_others_are_served(start_worker, keys: Keys) -> None:
-    worker = start_worker()
+    # Its session is detached, still charged, for the resume window, then ends and frees everything.
+    worker = start_worker("--resume-window", "1")
     observer = remote(worker.ticket, keys.client_key)
     baseline = observer.memory_stats()["in_use_bytes"]
     env = subprocess_env() | {"EMBERLINK_KEY": str(keys.client_key)}

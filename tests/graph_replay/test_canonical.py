@@ -17,6 +17,7 @@ from emberlink.graph_replay.canonical import (
     decode_registered,
     encode_graph,
     graph_id,
+    graph_size,
 )
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
 from emberlink.graph_replay.ops import check_attrs
@@ -256,3 +257,15 @@ def test_a_valid_graph_with_any_part_replaced_raises_only_protocol_error(
     except ProtocolError:
         return
     assert encode_graph(graph) == _with(path, value)
+
+
+def test_graph_size_counts_nodes_and_outputs_without_decoding_them() -> None:
+    nodes = tuple(Node("negative", (k,)) for k in range(5000))
+    raw = encode_graph(Graph((TensorSpec("float32", (4,)),), (), nodes, (5000, 3, 1)))
+    assert graph_size(raw) == (5000, 3)
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x91\x01", b"\x95\x01\x90\x90", msgpack.packb([1, [], [], 7, []])])
+def test_graph_size_of_bytes_that_are_not_a_graph_is_a_protocol_error(raw: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        graph_size(raw)

@@ -1,17 +1,21 @@
-"""Memory figures: the meter counts each live buffer once, and the NumPy backend reports real bytes."""
+"""Memory figures: the meter counts each live buffer once, the NumPy backend reports real bytes, and a
+plan's admission peak is never below what a run of it allocates."""
 
 from __future__ import annotations
 
 import threading
+import tracemalloc
+from typing import Any
 
 import numpy as np
+import pytest
 
-from emberlink.graph_replay.ir import Graph, Node, TensorSpec
-from emberlink.graph_replay.memory import MemoryMeter
+from emberlink.graph_replay.ir import Graph, Node, Scalar, TensorSpec, kind_of_scalar
+from emberlink.graph_replay.memory import MemoryMeter, plan_peak_bytes
 from emberlink.graph_replay.numpy_backend import NumpyBackend
 from emberlink.graph_replay.plan import compile_plan
 
-from .graphs import mlp_inputs, mlp_step
+from .graphs import Builder, mlp_inputs, mlp_step
 
 
 def test_a_tracked_array_counts_until_it_is_garbage() -> None:
@@ -114,3 +118,137 @@ def test_keeping_every_intermediate_of_an_mlp_step_costs_more_than_freeing() -> 
         backend.run(compile_plan(graph), held, bindings)
         peaks[name] = backend.memory_stats()["peak_bytes"]
     assert peaks["free"] < peaks["keep"]
+
+
+# -- the admission peak: an upper bound on what a run allocates --------------------------------------
+
+N = 1 << 15  # elements of the test arrays: large enough that Python's own allocations are noise
+SLACK = 16 << 10  # Python objects the run makes (lists of values, messages)
+
+
+def _peak_cases() -> dict[str, tuple[Graph, list[np.ndarray], list[Scalar]]]:
+    f32, f16 = "float32", "float16"
+    cases: dict[str, tuple[Graph, list[np.ndarray], list[Scalar]]] = {}
+
+    def case(name: str, inputs: list[np.ndarray], bindings: list[Scalar], build: Any) -> None:
+        g = Builder(
+            [TensorSpec(str(a.dtype), a.shape) for a in inputs], [kind_of_scalar(b) for b in bindings]
+        )
+        cases[name] = (g.graph(build(g)), inputs, bindings)
+
+    x = np.linspace(-2, 2, N, dtype=np.float32)
+    m = x.reshape(128, N // 128)
+    ints = np.arange(N, dtype=np.int32) % 7
+    case("sigmoid chain", [x], [], lambda g: [g.add("sum", g.add("sigmoid", g.add("exp", 0)))])
+    case("int plus float casts", [ints, x], [], lambda g: [g.add("add", 0, 1)])
+    case(
+        "broadcast then materialize",
+        [x[:1].copy()],
+        [2.0],
+        lambda g: [g.add("sum", g.add("multiply", g.add("broadcast_to", 0, shape=(N,)), 1))],
+    )
+    case(
+        "permute then reshape copies",
+        [m],
+        [],
+        lambda g: [g.add("reshape", g.add("permute_dims", 0, axes=(1, 0)), shape=(N,))],
+    )
+    case(
+        "slice output of a dying base",
+        [x],
+        [],
+        lambda g: [g.add("getitem", g.add("negative", 0), key=(("s", 0, 16, 1),))],
+    )
+    case(
+        "matmul float16",
+        [m.astype(np.float16), m.T.copy().astype(np.float16)],
+        [],
+        lambda g: [g.add("matmul", 0, 1)],
+    )
+    case(
+        "softmax and log_softmax",
+        [m],
+        [],
+        lambda g: [g.add("softmax", 0, axis=1), g.add("log_softmax", 0, axis=0)],
+    )
+    case(
+        "cross entropy",
+        [m, (np.arange(128) % 5).astype(np.int64)],
+        [],
+        lambda g: [g.add("cross_entropy", 0, 1)],
+    )
+    case(
+        "one hot of small ints",
+        [ints.astype(np.uint8)],
+        [],
+        lambda g: [g.add("one_hot", 0, num_classes=7, dtype=f32)],
+    )
+    case(
+        "take and scatter_add",
+        [x, ints],
+        [],
+        lambda g: [g.add("scatter_add", g.add("take", 0, 1, axis=0), 1, axis=0, size=N)],
+    )
+    case(
+        "arange rand randn",
+        [],
+        [7],
+        lambda g: [
+            g.add("arange", start=0, stop=N, step=1, dtype=f32),
+            g.add("rand", 0, shape=(N,), dtype=f32),
+            g.add("randn", 0, shape=(N,), dtype=f16),
+        ],
+    )
+    case(
+        "mean of ints and concat",
+        [ints, x],
+        [],
+        lambda g: [g.add("mean", 0, axis=None, keepdims=False), g.add("concat", 0, 1, axis=0)],
+    )
+    case(
+        "where and astype",
+        [x],
+        [0.5],
+        lambda g: [g.add("where", g.add("greater", 0, 1), g.add("astype", 0, dtype="float64"), 1)],
+    )
+    return cases
+
+
+PEAK_CASES = _peak_cases()
+
+
+@pytest.mark.parametrize("name", sorted(PEAK_CASES))
+def test_the_admission_peak_bounds_what_a_run_really_allocates(name: str) -> None:
+    graph, inputs, bindings = PEAK_CASES[name]
+    plan = compile_plan(graph)
+    backend = NumpyBackend()
+    held = [backend.from_numpy(a) for a in inputs]
+    backend.run(plan, held, bindings)  # once, so first-use caches are not counted
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        outs = backend.run(plan, held, bindings)
+        allocated = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    del outs
+    assert allocated <= plan_peak_bytes(plan) + SLACK
+
+
+def test_the_admission_peak_of_an_mlp_step_is_close_to_what_it_allocates() -> None:
+    graph = mlp_step(batch=256, sizes=(256, 512, 64))
+    inputs, bindings = mlp_inputs(graph)
+    plan = compile_plan(graph)
+    backend = NumpyBackend()
+    held = [backend.from_numpy(a) for a in inputs]
+    backend.run(plan, held, bindings)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        backend.run(plan, held, bindings)
+        allocated = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    estimate = plan_peak_bytes(plan)
+    assert allocated <= estimate + SLACK
+    assert estimate <= 4 * allocated  # conservative, not absurd: honest plans still fit honest quotas

@@ -13,6 +13,7 @@ from emberlink.errors import DTypeError, ShapeError
 from emberlink.graph_replay.ir import (
     DTYPES,
     KIND_OF_DTYPE,
+    AttrValue,
     Graph,
     Node,
     TensorSpec,
@@ -417,3 +418,18 @@ def test_binding_dtypes_give_the_one_dtype_each_binding_is_cast_to() -> None:
     )
     # b5 is used by nothing: no dtype
     assert binding_dtypes(g) == ("float32", None, "float32", "int32", "float64", None)
+
+
+@pytest.mark.parametrize(
+    ("start", "stop", "step"),
+    [(-(1 << 63), (1 << 63) - 1, 1), ((1 << 63) - 1, -(1 << 63), -1), (0, 1e300, 1e-300)],
+)
+def test_an_arange_longer_than_any_array_is_a_shape_error(start: float, stop: float, step: float) -> None:
+    attrs: dict[str, AttrValue] = {"start": start, "stop": stop, "step": step, "dtype": "float64"}
+    with pytest.raises(ShapeError, match="arange"):
+        infer("arange", [], attrs)
+
+
+def test_a_slice_of_an_axis_past_the_index_range_has_its_exact_length() -> None:
+    x = TensorSpec("float32", ((1 << 63) - 1,))
+    assert infer("getitem", [x], {"key": (("s", 0, (1 << 63) - 1, 2),)}).shape == (1 << 62,)

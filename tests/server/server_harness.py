@@ -14,7 +14,7 @@ from emberlink import Device
 from emberlink.client.remote import RemoteExecutor
 from emberlink.errors import TransportError
 from emberlink.protocol import messages as m
-from emberlink.protocol.channel import BULK, MESSAGE, Channel, split_frames
+from emberlink.protocol.channel import BULK, MESSAGE, Channel, pack_frames, split_frames
 from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity
 from emberlink.testing import InProcessWorker
@@ -47,13 +47,14 @@ class RawClient:
         tail: bytes = b"",
     ) -> None:
         """One batch: its MESSAGE frame (plaintext: the msgpack batch, then `tail`, the inline
-        uploads' bytes), then `bulks` in BULK frames."""
+        uploads' bytes), then `bulks` in BULK frames, packed into blobs as a client packs them."""
         frames: list[bytes | bytearray] = [
             self.channel.seal(m.encode_batch(m.Batch(seq, tuple(messages))) + tail, MESSAGE)
         ]
         for array in bulks:
             frames.extend(self.channel.seal_chunks(np.array(array, order="C").data.cast("B")))
-        await self.link.send(b"".join(frames))
+        for blob in pack_frames(frames):
+            await self.link.send(blob)
 
     async def reply(self) -> tuple[m.Reply, list[np.ndarray]]:
         """The next Reply and the arrays of its Results (in message order)."""
@@ -72,7 +73,7 @@ class RawClient:
                 arrays.append(out)
             elif type(msg) is m.Result:
                 out = np.empty(msg.shape, msg.dtype)
-                view = out.data.cast("B")
+                view = out.data.cast("B") if msg.nbytes else memoryview(b"")
                 done = 0
                 while done < msg.nbytes:
                     if not rest:

@@ -14,6 +14,7 @@ from emberlink.errors import ConfigError
 from emberlink.protocol.identity import Identity
 from emberlink.protocol.ticket import Ticket
 from emberlink.server.daemon import WorkerConfig, load_config, parse_host_port, ticket_for, write_ticket
+from emberlink.server.limits import Limits
 
 
 def config(host: str, advertise: tuple[str, int] | None = None, relay: str | None = None) -> WorkerConfig:
@@ -28,7 +29,7 @@ def config(host: str, advertise: tuple[str, int] | None = None, relay: str | Non
         device="cpu",
         relay=relay,
         ticket_file=None,
-        max_session_bytes=None,
+        limits=Limits(),
         graph_cache_bytes=1 << 20,
     )
 
@@ -102,7 +103,35 @@ def test_load_config_reads_key_allow_and_flags(tmp_path: Path) -> None:
     cfg = load_config(args)
     assert cfg.identity.node_id == identity.node_id
     assert cfg.allow.admits(client) and not cfg.allow.admits(identity.node_id)
-    assert (cfg.max_session_bytes, cfg.advertise) == (1 << 30, ("box", 7443))
+    assert (cfg.limits.max_session_bytes, cfg.advertise) == (1 << 30, ("box", 7443))
+
+
+def test_governance_flags_reach_the_workers_limits(tmp_path: Path) -> None:
+    key = tmp_path / "w.key"
+    Identity.generate(os.urandom).save(key)
+    args = build_parser().parse_args(
+        ["worker", "--listen", "127.0.0.1:0", "--key", str(key), "--allow-any"]
+        + ["--max-worker-bytes", "2G", "--max-graph-nodes", "1000", "--max-plan-elements", "64M"]
+        + ["--max-plan-flops", "1G", "--reply-timeout", "2.5"]
+    )
+    assert load_config(args).limits == Limits(
+        max_worker_bytes=2 << 30,
+        max_graph_nodes=1000,
+        max_plan_elements=64 << 20,
+        max_plan_flops=1 << 30,
+        reply_timeout=2.5,
+    )
+
+
+@pytest.mark.parametrize("flag", ["--max-worker-bytes", "--max-graph-nodes", "--reply-timeout"])
+def test_a_limit_that_is_not_positive_is_a_config_error(tmp_path: Path, flag: str) -> None:
+    key = tmp_path / "w.key"
+    Identity.generate(os.urandom).save(key)
+    args = build_parser().parse_args(
+        ["worker", "--listen", "127.0.0.1:0", "--key", str(key), "--allow-any", flag, "0"]
+    )
+    with pytest.raises(ConfigError, match=flag):
+        load_config(args)
 
 
 def test_unknown_device_is_a_config_error(tmp_path: Path) -> None:

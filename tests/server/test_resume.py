@@ -362,8 +362,9 @@ def test_frames_recorded_before_the_drop_are_refused_after_the_resume(worker: In
     tapped.cut()
     assert float(x.sum()) == 4.0 and len(tapped.taps) == 2
     session = open_session(worker)
-    assert session._runner is not None
-    applied = session._runner.counters.batches
+    runner = session._runner  # kept: a session that ended lets go of its runner
+    assert runner is not None
+    applied = runner.counters.batches
 
     # A whole recorded connection replayed as a new one: its Auth does not open under fresh keys.
     async def replay_connection() -> None:
@@ -378,12 +379,12 @@ def test_frames_recorded_before_the_drop_are_refused_after_the_resume(worker: In
         await link.close()
 
     worker.call(replay_connection())
-    assert session._runner.counters.batches == applied and session.state is State.OPEN
+    assert runner.counters.batches == applied and session.state is State.OPEN
     # The old link's batches replayed into the resumed link: refused (wrong keys and session id).
     worker.call(tapped.tap.inner.send(recorded[2]))
     with pytest.raises(el.RemoteError, match="refused|another session|authentication"):
         dev.sync()
-    assert session._runner.counters.batches == applied
+    assert runner.counters.batches == applied
 
 
 def test_a_resume_takes_over_a_link_the_worker_still_believes_alive(worker: InProcessWorker) -> None:

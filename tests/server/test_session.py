@@ -12,6 +12,7 @@ import pytest
 from emberlink.graph_replay.canonical import encode_graph, graph_id
 from emberlink.graph_replay.ir import Graph, Node, TensorSpec
 from emberlink.protocol import messages as m
+from emberlink.server.store import ID_BYTES
 from emberlink.testing import InProcessWorker
 
 from .server_harness import RawClient, memory_device, worker_stats
@@ -316,11 +317,12 @@ def test_upload_over_the_session_quota_is_poisoned_and_its_bytes_are_skipped(mak
 
 
 def test_execute_whose_outputs_would_pass_the_quota_is_poisoned_and_later_work_fits(make_worker) -> None:
-    worker = make_worker(max_session_bytes=1000)
+    quota = 1000 + ID_BYTES  # every stored id costs ID_BYTES besides its bytes
+    worker = make_worker(max_session_bytes=quota)
     gid, body = scale_graph(200)
     x = np.ones(200, np.float32)  # 800 bytes: the upload fits, its doubled copy does not
 
-    async def go() -> list[m.WorkerMessage]:
+    async def go() -> tuple[list[m.WorkerMessage], int]:
         c = await RawClient.connect(worker)
         await c.send(
             1,
@@ -328,20 +330,19 @@ def test_execute_whose_outputs_would_pass_the_quota_is_poisoned_and_later_work_f
             [x],
         )
         await c.send(2, [m.Drop((1,))])
-        await c.send(3, [upload(3, x[:100]), m.Read(3, 3), m.Stats(4)], [x[:100]])
+        await c.send(3, [upload(3, x[:100]), m.Read(3, 3)], [x[:100]])
         got = await c.reply_until(3)
+        (session,) = worker.worker.sessions  # (a StatsReply itself would not fit this quota)
+        held = session.quota.used
         await c.close()
-        return got
+        return got, held
 
-    refused, sync_error, later, stats = run(worker, go())
-    assert (
-        type(refused) is m.Error
-        and refused.code == "quota"
-        and "quota of 1000 bytes (800 in use)" in refused.message
-    )
+    (refused, sync_error, later), held = run(worker, go())
+    assert type(refused) is m.Error and refused.code == "quota"
+    assert f"quota of {quota} bytes ({800 + ID_BYTES} in use)" in refused.message
     assert type(sync_error) is m.Error and sync_error.code == "quota"
     assert type(later) is m.Result and later.nbytes == 400
-    assert type(stats) is m.StatsReply and stats.stats["session_bytes"] == 400
+    assert held == 400 + 2 * ID_BYTES  # tensor 3, and the poisoned id 2 until it is dropped
 
 
 def test_a_client_that_ignores_flow_control_is_cut_off(
@@ -368,3 +369,21 @@ def test_a_client_that_ignores_flow_control_is_cut_off(
     last = messages[-1]
     assert type(last) is m.Error and last.code == "refused" and "without waiting for acks" in last.message
     assert run(worker, client.ended())
+
+
+def test_an_empty_result_before_another_in_one_reply_leaves_each_its_own_bytes(
+    worker: InProcessWorker,
+) -> None:
+    empty = np.zeros((0, 3), np.float32)
+
+    async def go() -> list[np.ndarray]:
+        c = await RawClient.connect(worker)
+        await c.send(1, [upload(1, empty), upload(2, X), m.Read(1, 1), m.Read(2, 2)], [X])
+        reply, arrays = await c.reply()
+        await c.close()
+        assert [type(x) for x in reply.messages] == [m.Result, m.Result]
+        return arrays
+
+    got_empty, got_x = run(worker, go())
+    assert got_empty.shape == (0, 3)
+    np.testing.assert_array_equal(got_x, X)

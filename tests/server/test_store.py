@@ -5,19 +5,21 @@ from __future__ import annotations
 import numpy as np
 
 from emberlink.errors import ErrorCode
-from emberlink.server.store import Failure, Quota, TensorStore
+from emberlink.server.store import ID_BYTES, Failure, Quota, TensorStore
 
 
 def test_storing_many_results_charges_their_bytes_net_of_replaced_values_and_the_reservation() -> None:
     worker = Quota(None)
-    store = TensorStore(Quota(1000, parent=worker))
+    store = TensorStore(Quota(4000, parent=worker))
     store.put(1, np.zeros(10, np.uint8), 10, charged=False)
     store.poison(3, Failure(ErrorCode.EXECUTION, "old failure"))
     assert store.quota.reserve(60)  # an Execute's outputs, reserved before it ran
     store.put_many([1, 2, 3], [np.zeros(n, np.uint8) for n in (20, 30, 10)], [20, 30, 10], reserved=60)
-    assert store.quota.used == worker.used == 60  # 10 (replaced) + 60 reserved - 10 freed
+    # Each id also costs ID_BYTES (store.py): 3 ids of 20 + 30 + 10 bytes; the replaced value and
+    # the replaced failure are freed, the 60 reserved bytes become part of the charge.
+    assert store.quota.used == worker.used == 60 + 3 * ID_BYTES
     assert store.get(3).nbytes == 10  # the stored value replaced the failure
     store.drop_many([1, 3, 99])  # an unknown id is ignored
-    assert store.quota.used == worker.used == 30 and len(store) == 1
+    assert store.quota.used == worker.used == 30 + ID_BYTES and len(store) == 1
     store.clear()
-    assert store.quota.used == worker.used == 0 and store.quota.peak == worker.peak == 70
+    assert store.quota.used == worker.used == 0 and store.quota.peak == worker.peak == 60 + 3 * ID_BYTES
