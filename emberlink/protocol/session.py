@@ -498,19 +498,26 @@ class ReplyLog(Generic[K]):
         self._kept.clear()
 
 
-class WorkerConnection:
-    """The worker's end of one session: frames in, batches out; replies in, frames out."""
+class WorkerConnection(Generic[K]):
+    """The worker's end of one session: frames in, batches out; replies in, frames out.
+
+    `plaintext_buffer(n)`, asked for frames of at least `buffer_from` plaintext bytes, gives a
+    buffer to open one into (the backend's pinned host memory), or None for a fresh one. `replies`
+    keeps what the client has not confirmed (the pump keeps each reply it applies there)."""
 
     def __init__(
         self,
         channel: Channel,
         chunk_size: int,
         plaintext_buffer: Callable[[int], memoryview | None] | None = None,
+        buffer_from: int = 0,
     ) -> None:
         self.channel = channel
         self.chunk_size = chunk_size
         self.acked = 0  # the highest ack sealed in a reply
+        self.replies: ReplyLog[K] = ReplyLog()
         self._plaintext_buffer = plaintext_buffer
+        self._buffer_from = buffer_from
         self._template: tuple[m.ClientMessage, ...] | None = None
         self._targets: deque[_Arriving] = deque()
         self._expecting = False  # a batch arrived and `expect` has not been told where its bulk goes
@@ -530,7 +537,9 @@ class WorkerConnection:
 
     def _open(self, frame: memoryview) -> tuple[Kind, bytes | memoryview]:
         n = len(frame) - OVERHEAD
-        buffer = self._plaintext_buffer(n) if self._plaintext_buffer is not None else None
+        buffer = None
+        if self._plaintext_buffer is not None and n >= self._buffer_from:
+            buffer = self._plaintext_buffer(n)
         if buffer is None:
             return self.channel.open(frame)
         kind, _ = self.channel.open_into(frame, buffer)
@@ -551,6 +560,8 @@ class WorkerConnection:
         batch = m.expand_batch(batch, self._template)
         m.check_tail(batch, len(plaintext) - start)
         self._template = batch.messages
+        if batch.received:
+            self.replies.confirm(batch.received)
         self._count_uploads(batch)
         self._expecting = True
         return BatchArrived(batch, plaintext, start)
@@ -568,11 +579,12 @@ class WorkerConnection:
             self._unacked_bytes[batch.seq] = held - self._held
             self._held = held
 
-    def expect(self, targets: Iterable[tuple[Any, memoryview | None, int]]) -> bool:
-        """Where the BULK uploads of the batch that arrived last go, in order: `(what, view,
-        nbytes)`, view None for bytes to discard. True when it is whole already."""
+    def expect(self, targets: Sequence[tuple[memoryview | None, int]]) -> bool:
+        """Where the BULK uploads of the batch that arrived last go, in order: `(view, nbytes)`,
+        view None for bytes to discard. True when it is whole already."""
         self._expecting = False
-        self._targets.extend(_Arriving(0, what, view, n) for what, view, n in targets if n)
+        if targets:
+            self._targets.extend(_Arriving(0, None, view, n) for view, n in targets if n)
         return not self._targets
 
     def _on_bulk(self, frame: memoryview) -> BulkComplete | None:
@@ -652,9 +664,11 @@ class WorkerConnection:
         self._acknowledge(ack)
         return self.channel.seal(m.encode_reply(m.Reply(ack, (error,))), MESSAGE)
 
-    def resume(self, channel: Channel, applied: int) -> Frame:
-        """Carry on over a new link: the frame that tells the client the last batch applied."""
+    def resume(self, channel: Channel, applied: int, received: int) -> Frame:
+        """Carry on over a new link to a client that took in replies up to `received`: the frame
+        that tells it the last batch applied (the replies in `replies` then go again)."""
         self.channel = channel
+        self.replies.confirm(received)
         self.discard_partial()
         self._template = None  # the first batch on the new link has no previous one to repeat
         self._unacked_bytes.clear()

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from emberlink.errors import ErrorCode, ProtocolError
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import MESSAGE, Channel
 from emberlink.protocol.resume import Credential, parse_token
-from emberlink.server.runner import Outgoing
 from emberlink.transport.base import Link
 
 log = logging.getLogger("emberlink.server")
@@ -44,36 +42,6 @@ class Attach:
     def release(self) -> None:
         if not self.released.done():
             self.released.set_result(None)
-
-
-class ReplyLog:
-    """The replies a client has not yet confirmed having taken in whole (a later batch's `received`),
-    to send again on a new link. It charges nothing itself: the result arrays it keeps alive stay
-    charged to their session for as long as anything holds them (server/store.py's rules), so a
-    detached session's unconfirmed replies count against its quota and the worker's budget.
-    A reply that says only `GraphUnknown` is not kept: the batches it asks for go again anyway."""
-
-    def __init__(self) -> None:
-        self._kept: deque[Outgoing] = deque()
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
-    def __iter__(self) -> Iterator[Outgoing]:
-        return iter(self._kept)
-
-    def keep(self, out: Outgoing) -> None:
-        if any(type(msg) is not m.GraphUnknown for msg in out.messages):
-            self._kept.append(out)
-
-    def confirm(self, received: int) -> None:
-        """Forget every reply up to ack `received`."""
-        kept = self._kept
-        while kept and kept[0].ack <= received:
-            kept.popleft()
-
-    def clear(self) -> None:
-        self.confirm(1 << 63)
 
 
 class Resumable:
@@ -219,4 +187,4 @@ class ResumeRegistry:
         await attach.released
 
 
-__all__ = ["DEFAULT_RESUME_WINDOW", "Attach", "ReplyLog", "Resumable", "ResumeRegistry"]
+__all__ = ["DEFAULT_RESUME_WINDOW", "Attach", "Resumable", "ResumeRegistry"]

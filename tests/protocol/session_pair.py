@@ -37,13 +37,12 @@ class Reply:
 class MiniWorker:
     """The worker's end: a WorkerConnection and a toy runner."""
 
-    conn: s.WorkerConnection
+    conn: s.WorkerConnection[Reply]
     graphs: set[bytes] = field(default_factory=set)
     forget_graphs_once: set[bytes] = field(default_factory=set)
     store: dict[int, np.ndarray] = field(default_factory=dict)
     applied: int = 0
     resync: int | None = None
-    replies: s.ReplyLog[Reply] = field(default_factory=s.ReplyLog)
     pending: Any = None  # (batch, uploads) whose bulk is arriving
     out: list[Reply] = field(default_factory=list)  # applied, not yet sent
     closed: str | None = None
@@ -64,10 +63,8 @@ class MiniWorker:
 
     def _arrived(self, event: s.BatchArrived) -> None:
         batch, start = event.batch, event.start
-        if batch.received:
-            self.replies.confirm(batch.received)
         uploads: list[np.ndarray] = []
-        targets = []
+        targets: list[tuple[memoryview, int]] = []
         for msg in batch.messages:
             if type(msg) is m.Upload:
                 array = np.empty(msg.shape, msg.dtype)
@@ -77,7 +74,7 @@ class MiniWorker:
                     )
                     start += msg.nbytes
                 else:
-                    targets.append((None, array.reshape(-1).view(np.uint8).data, msg.nbytes))
+                    targets.append((array.reshape(-1).view(np.uint8).data, msg.nbytes))
                 uploads.append(array)
         if self.conn.expect(targets):
             self._apply(batch, uploads)
@@ -128,7 +125,7 @@ class MiniWorker:
                     raise AssertionError("a Repeat reached the runner unexpanded")
         self.applied = batch.seq
         self.out.append(reply)
-        self.replies.keep(reply)
+        self.conn.replies.keep(reply)
         for gid in self.forget_graphs_once & self.graphs:  # evicted from the cache after this batch
             self.graphs.discard(gid)
             self.forget_graphs_once.discard(gid)
@@ -223,11 +220,10 @@ class Pair:
         self.worker.pending = None
         self.worker.out.clear()
         client_channel, worker_channel = Channel.pair(b"\x09" * 8, b"\x0a" * 32, b"\x0b" * 32)
-        self.worker.replies.confirm(self.client.received)
-        confirm = self.worker.conn.resume(worker_channel, self.worker.applied)
+        confirm = self.worker.conn.resume(worker_channel, self.worker.applied, self.client.received)
         self.waiter.on(self.client.resume(client_channel, self.worker.applied))
         # the worker's confirmation, then the replies the client had not taken in
         self.waiter.on(self.client.receive(confirm))
-        for reply in self.worker.replies:
+        for reply in self.worker.conn.replies:
             for blob in self.worker.conn.reply(reply.ack, reply.messages, reply.arrays):
                 self.waiter.on(self.client.receive(blob))

@@ -168,7 +168,7 @@ def test_a_reply_with_many_messages_is_split_into_frames_that_fit() -> None:
 
 def test_worker_refuses_a_batch_too_far_ahead_of_its_acks() -> None:
     client, worker = channels()
-    conn = s.WorkerConnection(worker, CHUNK)
+    conn: s.WorkerConnection[m.Reply] = s.WorkerConnection(worker, CHUNK)
     frame = client.seal(m.encode_batch(m.Batch(MAX_UNACKED_BATCHES + 1, (m.Sync(1),))), MESSAGE)
     with pytest.raises(ProtocolError, match="without waiting for acks"):
         conn.receive_frame(memoryview(frame))
@@ -181,7 +181,7 @@ def upload_batch(client: Channel, seq: int, nbytes: int) -> memoryview:
 
 def test_worker_refuses_uploads_past_the_unacknowledged_bytes() -> None:
     client, worker = channels()
-    conn = s.WorkerConnection(worker, CHUNK)
+    conn: s.WorkerConnection[m.Reply] = s.WorkerConnection(worker, CHUNK)
     half = MAX_UNACKED_BYTES // 2 + 8
     assert isinstance(conn.receive_frame(upload_batch(client, 1, half)), s.BatchArrived)
     conn.expect([])  # where its bulk goes is not what this test is about
@@ -191,7 +191,7 @@ def test_worker_refuses_uploads_past_the_unacknowledged_bytes() -> None:
 
 def test_an_ack_sent_frees_the_unacknowledged_bytes() -> None:
     client, worker = channels()
-    conn = s.WorkerConnection(worker, CHUNK)
+    conn: s.WorkerConnection[m.Reply] = s.WorkerConnection(worker, CHUNK)
     half = MAX_UNACKED_BYTES // 2 + 8
     for seq in (1, 2, 3):
         assert isinstance(conn.receive_frame(upload_batch(client, seq, half)), s.BatchArrived)
@@ -201,23 +201,23 @@ def test_an_ack_sent_frees_the_unacknowledged_bytes() -> None:
 
 def test_one_batch_alone_may_pass_the_unacknowledged_bytes() -> None:
     client, worker = channels()
-    conn = s.WorkerConnection(worker, CHUNK)
+    conn: s.WorkerConnection[m.Reply] = s.WorkerConnection(worker, CHUNK)
     assert isinstance(conn.receive_frame(upload_batch(client, 1, MAX_UNACKED_BYTES + 8)), s.BatchArrived)
 
 
 def test_worker_refuses_a_batch_before_the_bulk_of_the_previous_one() -> None:
     client, worker = channels()
-    conn = s.WorkerConnection(worker, CHUNK)
+    conn: s.WorkerConnection[m.Reply] = s.WorkerConnection(worker, CHUNK)
     u = m.Upload(1, "uint8", (CHUNK * 2,), CHUNK * 2)
     conn.receive_frame(memoryview(client.seal(m.encode_batch(m.Batch(1, (u,))), MESSAGE)))
-    conn.expect([(None, None, u.nbytes)])
+    conn.expect([(None, u.nbytes)])
     with pytest.raises(ProtocolError, match="before the bulk bytes"):
         conn.receive_frame(memoryview(client.seal(m.encode_batch(m.Batch(2, (m.Sync(1),))), MESSAGE)))
 
 
 def test_worker_refuses_bulk_nobody_announced() -> None:
     client, worker = channels()
-    conn = s.WorkerConnection(worker, CHUNK)
+    conn: s.WorkerConnection[m.Reply] = s.WorkerConnection(worker, CHUNK)
     (frame,) = client.seal_chunks(b"x" * 10)
     with pytest.raises(ProtocolError, match="without an upload"):
         conn.receive_frame(memoryview(frame))
@@ -225,7 +225,7 @@ def test_worker_refuses_bulk_nobody_announced() -> None:
 
 def test_worker_refuses_a_repeat_with_nothing_to_repeat() -> None:
     client, worker = channels()
-    conn = s.WorkerConnection(worker, CHUNK)
+    conn: s.WorkerConnection[m.Reply] = s.WorkerConnection(worker, CHUNK)
     frame = client.seal(m.encode_batch(m.Batch(1, (m.Repeat(1, 1),))), MESSAGE)
     with pytest.raises(ProtocolError, match="has none"):
         conn.receive_frame(memoryview(frame))

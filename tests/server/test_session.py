@@ -348,7 +348,7 @@ def test_execute_whose_outputs_would_pass_the_quota_is_poisoned_and_later_work_f
 def test_a_client_that_ignores_flow_control_is_cut_off(
     worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from emberlink.server import session as session_module
+    from emberlink.protocol import session as session_module
 
     monkeypatch.setattr(session_module, "MAX_UNACKED_BYTES", 1000)
     x = np.ones(200, np.float32)  # 800 bytes a batch
