@@ -220,7 +220,8 @@ class _Arriving:
 
 
 ResultTarget = Callable[[m.Result], tuple[Any, memoryview | None]]
-"""The client's: `(value, view of its bytes)` for a Result, view None when nobody wants it."""
+"""The client's: `(value, view of its bytes)` for a Result, view None when nobody wants it (an
+empty result arrives whatever its view)."""
 
 
 class ClientConnection:
@@ -285,13 +286,17 @@ class ClientConnection:
         """The frames of the next queued batch (sealed as iterated), or None when none waits."""
         if not self._queue:
             return None
+        return self.next_frames_of()[2]
+
+    def next_frames_of(self) -> tuple[int, int, Iterator[Frame]]:
+        """`(seq, upload bytes, frames)` of the next queued batch; one must be queued (`pending`)."""
         batch = self._queue.popleft()
         resent = batch.seq <= self._sent_upto
         if resent:
             self.counters.batches_resent += 1
         self._sent_upto = max(self._sent_upto, batch.seq)
         self.counters.batches_sent += 1
-        return self._frames(batch, resent)
+        return batch.seq, batch.nbytes, self._frames(batch, resent)
 
     def _layout(
         self, batch: OutBatch, room: int
