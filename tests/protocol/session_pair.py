@@ -152,7 +152,7 @@ class Waiter:
         if msg.rid not in self.wanted:
             return None, None
         array = np.empty(msg.shape, msg.dtype)
-        return array, array.reshape(-1).view(np.uint8).data
+        return array, array.data.cast("B") if msg.nbytes else None  # (no view of a zero dim)
 
     def on(self, events: list[s.ClientEvent]) -> None:
         for event in events:
@@ -204,14 +204,15 @@ class Pair:
         for blob in blobs:
             self.waiter.on(self.client.receive(blob))
 
-    def run(self) -> None:
-        """Until nothing moves."""
-        while True:
+    def run(self, rounds: int = 100) -> None:
+        """Until nothing moves (AssertionError if it still moves after `rounds` round trips)."""
+        for _ in range(rounds):
             self.send_all()
             if not self.wire_up and not self.wire_down:
                 return
             self.deliver_up()
             self.deliver_down()
+        raise AssertionError(f"the session still moves after {rounds} round trips")
 
     def resume(self) -> None:
         """The link dropped (whatever was on the wire is lost) and the session resumes on a new one."""

@@ -36,6 +36,14 @@ def test_upload_and_result_arrive_intact_at_every_chunk_boundary(nbytes: int) ->
     np.testing.assert_array_equal(got, array)
 
 
+def test_an_empty_result_with_a_zero_dim_arrives_with_its_shape() -> None:
+    pair = Pair()
+    submit_roundtrip(pair, 1, 1, np.zeros((0, 3), np.float32))
+    pair.run()
+    (got,) = pair.waiter.answers[1]
+    assert got.shape == (0, 3) and got.dtype == np.float32
+
+
 def test_uploads_go_inline_while_they_fit_one_chunk_together_then_in_bulk() -> None:
     pair = Pair(chunk_size=CHUNK)
     arrays = [np.full(CHUNK // 2, i, np.uint8) for i in range(3)]  # two fit inline, the third not
