@@ -353,14 +353,20 @@ class ClientConnection:
                 self._on_reply(frame, events)
         return events
 
-    def _on_reply(self, frame: memoryview, events: list[ClientEvent]) -> None:
-        if self._results:
-            raise ProtocolError("worker sent a reply before the bytes of its previous result")
+    def open_reply(self, frame: memoryview) -> tuple[m.Reply, bytes, int]:
+        """Open and decode one reply MESSAGE frame, changing nothing but the channel: the Reply,
+        its plaintext and where its inline results' bytes start (tests read the wire with it)."""
         kind, plaintext = self.channel.open(frame)
         if kind is not MESSAGE:
             raise ProtocolError(f"expected a MESSAGE frame, got {kind.name}")
         reply, start = m.decode_reply_prefix(plaintext)
         m.check_reply_tail(reply, len(plaintext) - start)
+        return reply, plaintext, start
+
+    def _on_reply(self, frame: memoryview, events: list[ClientEvent]) -> None:
+        if self._results:
+            raise ProtocolError("worker sent a reply before the bytes of its previous result")
+        reply, plaintext, start = self.open_reply(frame)
         self._acknowledge(reply.ack, events)
         for msg in reply.messages:
             if type(msg) is m.Result and msg.inline:

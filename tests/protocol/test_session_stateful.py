@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from emberlink.protocol import messages as m
+from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
+from emberlink.protocol.session import within_flow
 
 from .session_pair import Pair
 
@@ -47,6 +49,7 @@ class SessionPair(RuleBasedStateMachine):
         self.once = Once(self.pair)
         self.expected: dict[int, Any] = {}
         self.batch_of: dict[int, int] = {}  # rid -> the seq of the batch that asked
+        self.sent_bytes = 0
         self.next_rid = 1
         self.next_tid = 1
         self.registered: set[bytes] = set()
@@ -58,6 +61,20 @@ class SessionPair(RuleBasedStateMachine):
         self.pair.waiter.wanted.add(rid)
         self.batch_of[rid] = self.pair.client.submitted + 1
         return rid
+
+    def _submit(self, messages: list[m.ClientMessage], bulks: list[np.ndarray], nbytes: int) -> None:
+        """As the executor does: wait for acks while one more batch would break flow control."""
+        pair = self.pair
+        while not within_flow(
+            pair.client.unacked,
+            self.sent_bytes - pair.waiter.acked_bytes,
+            nbytes,
+            MAX_UNACKED_BATCHES,
+            MAX_UNACKED_BYTES,
+        ):
+            pair.run()
+        self.sent_bytes += nbytes
+        pair.client.submit(messages, bulks, nbytes)
 
     def _tid(self, n: int = 1) -> int:
         tid, self.next_tid = self.next_tid, self.next_tid + n
@@ -79,7 +96,7 @@ class SessionPair(RuleBasedStateMachine):
             if size:
                 bulks.append(array)
             self.expected[rid] = array
-        self.pair.client.submit(messages, bulks, sum(sizes))
+        self._submit(messages, bulks, sum(sizes))
 
     @rule(gid=st.sampled_from(GIDS), value=st.floats(-4, 4, width=32), steps=st.integers(1, 3))
     def graph_steps(self, gid: bytes, value: float, steps: int) -> None:
@@ -95,14 +112,14 @@ class SessionPair(RuleBasedStateMachine):
             messages += [m.Upload(tid, "float32", (4,), 16), m.Execute(gid, (tid,), (), tid + 1)]
             messages += [m.Read(rid, tid + 1), m.Drop((tid, tid + 1))]
             self.expected[rid] = x
-            self.pair.client.submit(messages, [x], 16)
+            self._submit(messages, [x], 16)
             self.batch_of[rid] = self.pair.client.submitted
 
     @rule()
     def sync(self) -> None:
         rid = self._rid()
         self.expected[rid] = None
-        self.pair.client.submit([m.Sync(rid)], [], 0)
+        self._submit([m.Sync(rid)], [], 0)
 
     @rule()
     def send(self) -> None:
@@ -155,5 +172,5 @@ class SessionPair(RuleBasedStateMachine):
 
 TestSessionPair = SessionPair.TestCase
 TestSessionPair.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
