@@ -1,7 +1,9 @@
-"""One client session on the worker: handshake, frames in and out, bulk buffers; the asyncio half.
+"""One client session on the worker: handshake, governance, the device queue; the asyncio pump around the protocol.
 
-The event loop moves bytes: it opens frames, decrypts uploads straight into preallocated arrays
-(the backend's pinned host buffers on a GPU), and seals replies. Registers are compiled on the
+The session protocol itself (seqs, acks, flow limits, Repeat expansion, where BULK bytes go, reply
+framing, the reply log kept for a resume) is protocol/session.py's `WorkerConnection`; this pump
+feeds it frames from the Link, decides where uploads' bytes go (quota and budget first: the
+backend's pinned host buffers on a GPU), sends what it seals, and acts on its events. Registers are compiled on the
 worker's compile thread, and applying batches (every backend call) happens on the device thread
 through `BatchRunner`, in arrival order, in this session's lane (sessions take turns on the
 device), with two exceptions, both for a batch that finds the device idle and both saving its two
