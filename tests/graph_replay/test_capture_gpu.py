@@ -100,6 +100,49 @@ def test_an_mlp_step_captured_replays_the_eager_values_step_after_step(
     assert captures.captured(plan) and captures.replays == 4
 
 
+_SPIN = r"""
+extern "C" __global__ void emberlink_test_spin(volatile int* flag) {
+    while (*flag == 0) __nanosleep(1000);
+}
+"""
+
+
+def test_a_replayed_steps_loss_is_readable_while_later_work_on_its_stream_waits(
+    backend: Any, captures: Captures
+) -> None:
+    """The loss of a captured training step is copied out by the first of its two graphs: a read
+    (async, and blocking from another thread) finishes while a kernel queued after the replay
+    holds the stream, which a read queued behind the whole step could not."""
+    import threading
+
+    import cupy
+
+    graph = mlp_step(batch=128, sizes=(784, 512, 10))
+    inputs, bindings = mlp_inputs(graph)
+    plan = compile_plan(graph)
+    ins = [backend.from_numpy(a) for a in inputs]
+    (want,) = _numpy(backend, backend.run(compile_plan(graph), ins, bindings)[:1])
+    for _ in range(2):  # eager, capture
+        captures.run(plan, ins, bindings)
+    outs = captures.run(plan, ins, bindings)
+    assert captures.replays == 1
+    flag = cupy.zeros(1, np.int32)
+    cupy.RawKernel(_SPIN, "emberlink_test_spin")((1,), (1,), (flag,))  # holds the stream
+    got: list[np.ndarray] = []
+    try:
+        read = backend.to_numpy_async(outs[0])
+        threading.Thread(target=lambda: got.append(backend.to_numpy(outs[0])), daemon=True).start()
+        _wait_until(lambda: read.done() and len(got) == 1)
+    finally:
+        with cupy.cuda.Stream(non_blocking=True):
+            flag.fill(1)  # let the stream go, from beside it
+        backend.synchronize()
+    for value in (read.result(), got[0]):
+        assert_close(value, want, "the early loss", loose=True)
+    for g, w in zip(_numpy(backend, outs), _numpy(backend, backend.run(compile_plan(graph), ins, bindings))):
+        assert_close(g, w, "the step's outputs", loose=True)
+
+
 def test_new_binding_values_reach_a_replay(backend: Any, captures: Captures) -> None:
     """A learning rate and an offset that change every call, in a fused chain and a plain op."""
     full: dict[str, AttrValue] = {"shape": (3,), "dtype": "float64"}
