@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -169,7 +170,7 @@ one launch ahead (a loop reading each loss one step late) never waits to stage."
 class _Staging:
     """One staging buffer in pinned host memory (capture.StagingLayout) and what its launch reads."""
 
-    __slots__ = ("done", "held", "host_views", "in_table", "made", "mem", "out_table", "slot_views")
+    __slots__ = ("bound", "done", "held", "host_views", "in_table", "made", "mem", "out_table", "slot_views")
 
     def __init__(self, xp: Any, plan: Plan, layout: cap.StagingLayout, n_outputs: int, slots: Any) -> None:
         self.mem = xp.cuda.alloc_pinned_memory(layout.nbytes)
@@ -190,6 +191,7 @@ class _Staging:
         self.done = xp.cuda.Event(block=False, disable_timing=True)
         self.made = xp.cuda.Event(block=False, disable_timing=True)  # the early outputs are made
         self.held: list[np.ndarray] = []  # pinned host inputs its launch copies from
+        self.bound: list[Any] | None = None  # the bindings its slots hold
 
 
 def _pinned(xp: Any, a: np.ndarray) -> bool:
@@ -274,6 +276,8 @@ class CapturedPlan:
             self._parts = [(0, cut, 0, n_early), (cut, n_steps, n_early, n_rows)]
         self._args = [self._step_args(step) for step in plan.steps]
         self._values: list[Any] = []
+        # The device array each fixed buffer holds a copy of (weakly), or None: unknown, or not one.
+        self._copied: list[weakref.ref[Any] | None] = [None] * self._n_inputs
         self._arena: Any = None
         self._graphs: list[Any] = []
         self._fixed_bytes = (
@@ -300,12 +304,21 @@ class CapturedPlan:
         staging = self._staging[self._turn]
         staging.done.synchronize()  # the launch that last read this buffer has finished
         staging.held = []
-        for slot, view in zip(self._slots, staging.slot_views):
-            try:
-                view[0] = cap.slot_value(slot, values[slot.value - n_in])
-            except (OverflowError, ValueError, TypeError) as e:
-                raise cap.StagingError(str(e)) from e
+        bound = staging.bound
+        # The same binding objects as this buffer last held (a jitted step's constants): its slots
+        # hold their values already.
+        if bound is None or len(bound) != len(values) or not all(map(operator.is_, values, bound)):
+            staging.bound = None
+            for slot, view in zip(self._slots, staging.slot_views):
+                try:
+                    view[0] = cap.slot_value(slot, values[slot.value - n_in])
+                except (OverflowError, ValueError, TypeError) as e:
+                    raise cap.StagingError(str(e)) from e
+            staging.bound = values
         call = _Call(staging, self._tables_end)
+        copied = self._copied
+        now: list[weakref.ref[Any] | None] = [None] * n_in
+        call.copied = now
         hosts_at = self._layout.hosts_at
         # Whole columns at once: a numpy row per input costs more than the rest of the loop.
         sources: list[int] = []
@@ -329,6 +342,16 @@ class CapturedPlan:
             elif not a.flags.c_contiguous:
                 a = xp.ascontiguousarray(a)
                 call.keep.append(a)
+            elif region is None:
+                # A device array never changes once made (results are new arrays; only a dying
+                # intermediate is written into): the one the fixed buffer holds needs no copy. (Not
+                # for a fixed buffer in the staging buffer's device copy, which staging overwrites.)
+                held = copied[k]
+                now[k] = held if held is not None and held() is a else weakref.ref(a)
+                if now[k] is held:
+                    sources.append(0)
+                    sizes.append(0)
+                    continue
             sources.append(a.data.ptr)
             sizes.append(a.nbytes)
         if sources:
@@ -351,6 +374,7 @@ class CapturedPlan:
 
     def _sent(self, call: _Call, stream: Any) -> None:
         """After the launch: the staging buffer and the host inputs stay ours until it has run."""
+        self._copied = call.copied
         call.staging.done.record(stream)
         call.staging.held = [a for _, a in call.direct]
         self._turn = (self._turn + 1) % STAGING_BUFFERS
@@ -476,6 +500,7 @@ class CapturedPlan:
         except Exception as e:  # the eager path runs it instead and, if the plan is at fault, says why
             raise cap.CaptureRefused(f"running a plan for capture failed: {type(e).__name__}: {e}") from e
         current.synchronize()  # the sizing run has read the staging buffer we now change
+        self._copied = call.copied
         results = call.results
         del call
         try:
@@ -547,11 +572,16 @@ class CapturedPlan:
                         mark(results[k], made)
                     graphs[1].launch(stream)
                 self._sent(call, stream)
-            except (cap.StagingError, ExecutionError):
+            except cap.StagingError:
+                raise  # nothing was launched: the fixed buffers hold what they held
+            except ExecutionError:
+                self._copied = [None] * self._n_inputs
                 raise
             except xp.cuda.memory.OutOfMemoryError as e:
+                self._copied = [None] * self._n_inputs
                 raise OutOfMemory(f"captured graph: out of memory for its outputs: {e}") from e
             except Exception as e:
+                self._copied = [None] * self._n_inputs
                 raise ExecutionError(f"captured graph failed: {type(e).__name__}: {e}") from e
             # The pool reuses `call.keep`'s memory only for work queued after the launch.
             return call.results
@@ -571,11 +601,12 @@ class _Call:
     """One staged call: its staging buffer, how much of it to copy, the pinned host inputs to copy
     straight to their fixed buffers, arrays to hold until the launch is queued, and its results."""
 
-    __slots__ = ("direct", "keep", "results", "staging", "upto")
+    __slots__ = ("copied", "direct", "keep", "results", "staging", "upto")
 
     def __init__(self, staging: _Staging, upto: int) -> None:
         self.staging = staging
         self.upto = upto
+        self.copied: list[weakref.ref[Any] | None] = []  # what each fixed buffer holds once it has run
         self.direct: list[tuple[int, np.ndarray]] = []
         self.keep: list[Any] = []
         self.results: list[Any] = []

@@ -183,6 +183,53 @@ def test_host_and_device_inputs_reach_a_replay_whichever_kind_it_was_captured_wi
     assert captures.captured(plan) and captures.replays == 4
 
 
+def test_a_device_input_passed_again_or_replaced_at_the_same_address_gives_its_own_values(
+    backend: Any, captures: Captures
+) -> None:
+    """A replay does not copy a device input its fixed buffer already holds (the same array as the
+    last launch's); a new array is copied, also one the pool put where a dead one was."""
+    graph = Graph((TensorSpec("float32", (1000,)),), (), (Node("exp", (0,)),), (1,))
+    plan, eager = compile_plan(graph), compile_plan(graph)
+    rng = np.random.default_rng(11)
+    x = backend.from_numpy(rng.standard_normal(1000).astype(np.float32))
+    for k in range(4):  # eager, capture, replays of the same array
+        (got,) = _numpy(backend, captures.run(plan, [x], []))
+        (want,) = _numpy(backend, backend.run(eager, [x], []))
+        np.testing.assert_array_equal(got, want, err_msg=f"call {k}")
+    address = x.data.ptr
+    reused = False
+    for k in range(4):
+        del x
+        x = backend.from_numpy(rng.standard_normal(1000).astype(np.float32))
+        reused |= x.data.ptr == address
+        (got,) = _numpy(backend, captures.run(plan, [x], []))
+        (want,) = _numpy(backend, backend.run(eager, [x], []))
+        np.testing.assert_array_equal(got, want, err_msg=f"new array {k}")
+    assert reused, "the pool never reused the dead input's memory: the case this test is for did not occur"
+    assert captures.replays == 6
+
+
+def test_a_large_batch_on_a_cuda_device_is_staged_in_page_locked_memory() -> None:
+    pytest.importorskip("nvmath")
+    import cupy
+
+    rng = np.random.default_rng(12)
+    data = rng.standard_normal((256, 128)).astype(np.float32)  # 128 KiB: over PINNED_UPLOAD_BYTES
+    w = rng.standard_normal((128, 4)).astype(np.float32)
+    with el.Device.cuda(0) as dev:
+        weight = dev.tensor(w)
+        for k in range(4):  # eager, capture, replays: each batch copied by the graph's DMA
+            batch = data * np.float32(k + 1)
+            x = dev.tensor(batch)
+            stored = dev._executor._store[x._v.buf]  # type: ignore[attr-defined]
+            pointer = cupy.cuda.runtime.pointerGetAttributes(stored.ctypes.data)
+            assert isinstance(stored, np.ndarray) and pointer.type == 1  # cudaMemoryTypeHost
+            batch[...] = 0  # the tensor holds its own copy
+            got = (x @ weight).numpy()
+            np.testing.assert_allclose(got, (data * np.float32(k + 1)) @ w, rtol=1e-4, atol=1e-4)
+        assert dev.stats()["captured_replays"] == 2
+
+
 def test_a_take_of_uploaded_indices_is_captured_and_checked_on_the_host(
     backend: Any, captures: Captures
 ) -> None:
