@@ -102,7 +102,16 @@ def test_an_mlp_step_captured_replays_the_eager_values_step_after_step(
 
 _SPIN = r"""
 extern "C" __global__ void emberlink_test_spin(volatile int* flag) {
-    while (*flag == 0) __nanosleep(1000);
+    // Holds its stream until flag[0] is set, or gives up after 5 s and says so in flag[1] (so a
+    // read that waits for the stream fails the test rather than hanging it).
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        if (flag[0] != 0) return;
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < 5000000000ULL);
+    flag[1] = 1;
 }
 """
 
@@ -124,19 +133,30 @@ def test_a_replayed_steps_loss_is_readable_while_later_work_on_its_stream_waits(
     (want,) = _numpy(backend, backend.run(compile_plan(graph), ins, bindings)[:1])
     for _ in range(2):  # eager, capture
         captures.run(plan, ins, bindings)
+    # Everything the reads and the release use exists before the stream is held (first uses can
+    # allocate page-locked memory or load modules, which may wait for the device to go idle).
     outs = captures.run(plan, ins, bindings)
-    assert captures.replays == 1
-    flag = cupy.zeros(1, np.int32)
-    cupy.RawKernel(_SPIN, "emberlink_test_spin")((1,), (1,), (flag,))  # holds the stream
+    backend.to_numpy_async(outs[0]).result()
+    backend.to_numpy(outs[0])
+    flag = cupy.zeros(2, np.int32)
+    one = cupy.cuda.alloc_pinned_memory(4)
+    np.frombuffer(one, np.int32, 1)[0] = 1
+    release = cupy.cuda.Stream(non_blocking=True)
+    spin = cupy.RawKernel(_SPIN, "emberlink_test_spin")
+    backend.synchronize()
+    outs = captures.run(plan, ins, bindings)
+    assert captures.replays == 2
+    spin((1,), (1,), (flag,))  # holds the stream after the replay
     got: list[np.ndarray] = []
     try:
         read = backend.to_numpy_async(outs[0])
         threading.Thread(target=lambda: got.append(backend.to_numpy(outs[0])), daemon=True).start()
         _wait_until(lambda: read.done() and len(got) == 1)
-    finally:
-        with cupy.cuda.Stream(non_blocking=True):
-            flag.fill(1)  # let the stream go, from beside it
+    finally:  # let the stream go, from beside it (a copy: no kernel, no module to load)
+        runtime = cupy.cuda.runtime
+        runtime.memcpyAsync(flag.data.ptr, one.ptr, 4, runtime.memcpyHostToDevice, release.ptr)
         backend.synchronize()
+    assert int(flag[1]) == 0, "the reads finished only once the kernel holding the stream gave up"
     for value in (read.result(), got[0]):
         assert_close(value, want, "the early loss", loose=True)
     for g, w in zip(_numpy(backend, outs), _numpy(backend, backend.run(compile_plan(graph), ins, bindings))):
