@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import queue
@@ -334,10 +335,17 @@ class Hostile:
         kind, plain = self.channel.open(await self.frame())
         if kind is not MESSAGE:
             raise ProtocolError("the worker sent a BULK frame where a reply should be")
-        reply = m.decode_reply(plain)
+        reply, start = m.decode_reply_prefix(plain)
+        m.check_reply_tail(reply, len(plain) - start)
         arrays = []
         for msg in reply.messages:
-            if type(msg) is m.Result:
+            if type(msg) is m.Result and msg.inline:  # its bytes follow the reply in the same frame
+                out = np.empty(msg.shape, msg.dtype)
+                if msg.nbytes:
+                    out.data.cast("B")[:] = plain[start : start + msg.nbytes]
+                start += msg.nbytes
+                arrays.append(out)
+            elif type(msg) is m.Result:
                 out = np.empty(msg.shape, msg.dtype)
                 view, done = (out.data.cast("B") if msg.nbytes else memoryview(b"")), 0
                 while done < msg.nbytes:
@@ -715,10 +723,12 @@ class Setup:
     honest: subprocess.Popen[str]
     hostile: list[Identity]
     probe: Identity
+    started: float
 
 
 def start(args: argparse.Namespace) -> Setup:
     """Keys, an allow file, the worker process and the honest client's process."""
+    started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="emberlink-fuzz-"))
     worker_key, honest_key = tmp / "worker.key", tmp / "honest.key"
     worker_id, honest = Identity.generate(os.urandom), Identity.generate(os.urandom)
@@ -749,7 +759,7 @@ def start(args: argparse.Namespace) -> Setup:
         str(args.rate),
     ]
     honest_proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    return Setup(tmp, worker, log, ticket, honest_proc, hostile, probe)
+    return Setup(tmp, worker, log, ticket, honest_proc, hostile, probe, started)
 
 
 async def run(args: argparse.Namespace, setup: Setup) -> int:
@@ -762,17 +772,27 @@ async def run(args: argparse.Namespace, setup: Setup) -> int:
         honest_proc.stdin.flush()  # type: ignore[union-attr]
 
     stall = stalling_graphs(args.stall)
+    marks = [("start", setup.started)]
+
+    def mark(name: str) -> None:
+        marks.append((name, time.monotonic()))
+
+    mark("worker and honest client started")
     honest_phase("warm-up")
     # Warm-up of the worker's hostile paths, so the baseline counts what a served worker keeps.
     warm = Tally()
     await hostile_session(0, ticket, hostile[0], warm, time.monotonic() + 2.0, None, stall, args)
+    mark("warm-up")
     for _ in range(300):  # the honest client's session is open (its process may start slowly)
         if (await worker_stats(ticket, probe))["sessions_open"] >= 2:
             break
         await asyncio.sleep(0.1)
+    mark("honest session open")
     before, rss_before = await settled_stats(ticket, probe, worker.pid, 1)
+    mark("baseline settled")
     honest_phase("alone")
     await asyncio.sleep(args.alone)
+    mark("honest alone")
 
     tally = Tally()
     deadline = time.monotonic() + (args.seconds if args.frames is None else 1e9)
@@ -795,16 +815,21 @@ async def run(args: argparse.Namespace, setup: Setup) -> int:
             )
     sessions.result()
     elapsed = time.monotonic() - started
+    mark("hostile sessions")
     honest_phase("after")
     after, rss_after = await settled_stats(ticket, probe, worker.pid, 1)
+    mark("after settled")
     honest_phase("stop")
     out = await asyncio.get_running_loop().run_in_executor(None, honest_proc.stdout.read)
+    mark("honest client stopped")
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     report: dict[str, Any] = next(
         (x for x in lines if "latencies" in x), {"latencies": {}, "wrong": -1, "errors": -1}
     )
     final, _ = await settled_stats(ticket, probe, worker.pid, 0)
     alive = worker.poll() is None
+    mark("final settled")
+    phases = ", ".join(f"{name} {t - t0:.1f}" for (_, t0), (name, t) in itertools.pairwise(marks))
 
     lat = report["latencies"]
     in_use_ok = abs(after["in_use_bytes"] - before["in_use_bytes"]) <= 0.05 * max(
@@ -840,6 +865,7 @@ async def run(args: argparse.Namespace, setup: Setup) -> int:
         ("honest wrong values / errors", f"{report['wrong']} / {report['errors']}"),
         ("honest latency alone, p50 / p99 / max ms", percentiles(lat.get("alone", []))),
         ("honest latency under attack, p50 / p99 / max ms", percentiles(lat.get("hostile", []))),
+        ("seconds by phase", phases),
     ]
     for k, v in rows:
         print(f"| {k} | {v} |")

@@ -91,6 +91,8 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         max_plan_elements=args.max_plan_elements,
         max_plan_flops=args.max_plan_flops,
         reply_timeout=args.reply_timeout,
+        max_client_sessions=args.max_client_sessions,
+        max_client_detached=args.max_client_detached,
     )
     for flag, value in (
         ("--max-session-bytes", limits.max_session_bytes),
@@ -99,6 +101,8 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         ("--max-plan-elements", limits.max_plan_elements),
         ("--max-plan-flops", limits.max_plan_flops),
         ("--reply-timeout", limits.reply_timeout),
+        ("--max-client-sessions", limits.max_client_sessions),
+        ("--max-client-detached", limits.max_client_detached),
     ):
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} must be positive")

@@ -113,6 +113,7 @@ def test_governance_flags_reach_the_workers_limits(tmp_path: Path) -> None:
         ["worker", "--listen", "127.0.0.1:0", "--key", str(key), "--allow-any"]
         + ["--max-worker-bytes", "2G", "--max-graph-nodes", "1000", "--max-plan-elements", "64M"]
         + ["--max-plan-flops", "1G", "--reply-timeout", "2.5"]
+        + ["--max-client-sessions", "3", "--max-client-detached", "1"]
     )
     assert load_config(args).limits == Limits(
         max_worker_bytes=2 << 30,
@@ -120,10 +121,14 @@ def test_governance_flags_reach_the_workers_limits(tmp_path: Path) -> None:
         max_plan_elements=64 << 20,
         max_plan_flops=1 << 30,
         reply_timeout=2.5,
+        max_client_sessions=3,
+        max_client_detached=1,
     )
 
 
-@pytest.mark.parametrize("flag", ["--max-worker-bytes", "--max-graph-nodes", "--reply-timeout"])
+@pytest.mark.parametrize(
+    "flag", ["--max-worker-bytes", "--max-graph-nodes", "--reply-timeout", "--max-client-detached"]
+)
 def test_a_limit_that_is_not_positive_is_a_config_error(tmp_path: Path, flag: str) -> None:
     key = tmp_path / "w.key"
     Identity.generate(os.urandom).save(key)
