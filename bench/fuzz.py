@@ -437,14 +437,16 @@ async def hostile_round(
     stall: list[Any],
     p_mutate: float,
     kinds: tuple[str, ...] = KINDS,
+    chosen: str | None = None,
 ) -> None:
-    """One batch: valid, or mutated structurally, byte by byte, or in its framing."""
+    """One batch: valid, or mutated structurally, byte by byte, or in its framing; of kind
+    `chosen` ("stall:NAME" for one stalling input) or, by default, of a random one of `kinds`."""
     allowed = [k for k in kinds if (k != "stall" or stall) and (k != "repeat" or h.previous)]
     if not allowed:
         allowed = [k for k in kinds if k != "repeat"] or ["drop"]
-    name = rng.choices(allowed, [_WEIGHTS[k] for k in allowed])[0]
-    if name == "stall":
-        await stall_round(rng, h, stall)
+    name = chosen or rng.choices(allowed, [_WEIGHTS[k] for k in allowed])[0]
+    if name.startswith("stall"):
+        await stall_round(rng, h, [x for x in stall if name in ("stall", f"stall:{x[0]}")])
         return
     if name == "repeat":
         shift = rng.choice((0, 1, 7, -3, m.MAX_ID))
@@ -575,18 +577,22 @@ async def hostile_session(
     max_frames: int | None,
     stall: list[Any],
     args: argparse.Namespace,
+    warm_up: bool = False,
 ) -> None:
-    rng = random.Random(args.seed * 1000 + index)
+    """One hostile session after another as `identity` until `deadline` or `max_frames`; a warm-up
+    session (its own random stream) first sends one batch of every kind and every stalling input."""
+    rng = random.Random(args.seed * 1000 + index + (500 if warm_up else 0))
     pool = [random_graph(rng) for _ in range(16)]
     h = Hostile(ticket, identity, tally, args.answer_timeout)
     h.verbose = args.verbose
-    while time.monotonic() < deadline and (max_frames is None or tally.frames < max_frames):
+    plan = [k for k in args.kinds if k != "stall"] + [f"stall:{x[0]}" for x in stall] if warm_up else []
+    while plan or (time.monotonic() < deadline and (max_frames is None or tally.frames < max_frames)):
         t0 = time.monotonic()
         before = dict(tally.outcomes)
         try:
             if h.link is None:
                 await h.open()
-            await hostile_round(rng, h, pool, stall, args.mutate, args.kinds)
+            await hostile_round(rng, h, pool, stall, args.mutate, args.kinds, plan.pop(0) if plan else None)
         except Ended:
             await h.close()
         except (TransportError, EmberlinkError) as e:
@@ -828,6 +834,7 @@ async def hostile_phase(
     seconds: float,
     frames: int | None,
     progress: bool,
+    warm_up: bool = False,
 ) -> float:
     """All hostile sessions for `seconds` (or until `frames` more frames); the seconds it took."""
     started = time.monotonic()
@@ -835,7 +842,7 @@ async def hostile_phase(
     limit = None if frames is None else tally.frames + frames
     sessions = asyncio.gather(
         *(
-            hostile_session(i, setup.ticket, setup.hostile[i], tally, deadline, limit, stall, args)
+            hostile_session(i, setup.ticket, setup.hostile[i], tally, deadline, limit, stall, args, warm_up)
             for i in range(args.sessions)
         )
     )
@@ -864,7 +871,7 @@ async def run(args: argparse.Namespace, setup: Setup) -> int:
     # Warm-up: every hostile session, as in the run, so that the baseline counts what a worker
     # that has served hostile sessions keeps for good (imports, code paths, allocator pools);
     # the honest client's process starts meanwhile.
-    await hostile_phase(args, setup, Tally(), stall, args.warm_up, None, False)
+    await hostile_phase(args, setup, Tally(), stall, args.warm_up, None, False, warm_up=True)
     mark("warm-up")
     if not (await honest.line()).get("ready"):
         raise RuntimeError("the honest client did not start")
