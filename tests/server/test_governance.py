@@ -28,8 +28,9 @@ from emberlink.protocol import messages as m
 from emberlink.protocol.channel import MESSAGE, split_frames
 from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.limits import MAX_BATCH_MESSAGES, MAX_REPLY_FRAME_BYTES
-from emberlink.server.detached import ResumeRegistry
+from emberlink.server.detached import MAX_KEPT_REPLIES, ReplyLog, ResumeRegistry
 from emberlink.server.limits import SESSION_BYTES, DeviceCapacity, Limits
+from emberlink.server.runner import Outgoing
 from emberlink.server.session import Session, State
 from emberlink.server.store import ID_BYTES
 from emberlink.testing import InProcessWorker
@@ -425,6 +426,22 @@ def test_a_batch_of_more_messages_than_the_limit_is_refused_with_an_error(worker
     async def go() -> m.Error:
         c = await RawClient.connect(worker)
         await c.send(1, [m.Sync(i) for i in range(1, MAX_BATCH_MESSAGES + 2)])
+        return await final_error(c)
+
+    error = run(worker, go())
+    assert error.code == "refused" and str(MAX_BATCH_MESSAGES) in error.message
+
+
+def test_a_batch_whose_replies_would_pass_the_transport_limit_is_refused_with_an_error(
+    worker: InProcessWorker,
+) -> None:
+    # The input: 65,536 Stats in one batch, about 16 MB of replies. The client must hear
+    # why (before, the reply blob passed MAX_BLOB and the session died as "link lost", unexplained).
+    count = 1 << 16
+
+    async def go() -> m.Error:
+        c = await RawClient.connect(worker)
+        await c.send(1, [m.Stats(i) for i in range(1, count + 1)])
         return await final_error(c)
 
     error = run(worker, go())
@@ -850,3 +867,41 @@ def test_nothing_a_session_held_outlives_it_without_the_cycle_collector(
     assert in_use(worker) == baseline
     assert worker.worker.held.used == held_before
     assert session() is None
+
+
+def test_a_client_that_never_confirms_its_replies_does_not_make_the_worker_keep_them_all(
+    worker: InProcessWorker,
+) -> None:
+    batches = MAX_KEPT_REPLIES + 40
+
+    async def go() -> tuple[int, int, bool]:
+        c = await RawClient.connect(worker)  # its batches say received=0: nothing is ever confirmed
+        for seq in range(1, batches + 1):
+            await c.send(seq, [m.Sync(seq)])
+            await until_ack(c, seq)
+        session = the_session(worker)
+        kept, forgotten = len(session._replies), session._replies.forgotten
+        await c.close()
+        return kept, forgotten, session._replies.covers(batches - MAX_KEPT_REPLIES)
+
+    kept, forgotten, covers_the_kept = run(worker, go())
+    assert kept == MAX_KEPT_REPLIES and forgotten == batches - MAX_KEPT_REPLIES and covers_the_kept
+
+
+def test_a_reply_forgotten_while_detached_releases_what_it_kept_charged() -> None:
+    released: list[int] = []
+
+    class Held:
+        def __init__(self, ack: int) -> None:
+            self.ack = ack
+
+        def release(self) -> None:
+            released.append(self.ack)
+
+    log = ReplyLog()
+    for ack in range(1, MAX_KEPT_REPLIES + 3):
+        out = Outgoing(ack, [m.Done(ack)])
+        out.holds = [Held(ack)]  # type: ignore[list-item]
+        log.keep(out)
+    assert released == [1, 2] and len(log) == MAX_KEPT_REPLIES
+    assert not log.covers(1) and log.covers(2)
