@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 from pathlib import Path
@@ -13,7 +14,15 @@ from emberlink.cli import _byte_count, build_parser
 from emberlink.errors import ConfigError
 from emberlink.protocol.identity import Identity
 from emberlink.protocol.ticket import Ticket
-from emberlink.server.daemon import WorkerConfig, load_config, parse_host_port, ticket_for, write_ticket
+from emberlink.server.daemon import (
+    GC_THRESHOLDS,
+    WorkerConfig,
+    load_config,
+    parse_host_port,
+    settle_collector,
+    ticket_for,
+    write_ticket,
+)
 from emberlink.server.limits import Limits
 
 
@@ -166,3 +175,14 @@ def test_the_default_cache_budget_grows_by_an_eighth_of_a_devices_free_memory() 
 
     assert default_graph_cache_bytes(NumpyBackend()) == DEFAULT_GRAPH_CACHE_BYTES  # host memory: plans only
     assert default_graph_cache_bytes(Gpu()) == DEFAULT_GRAPH_CACHE_BYTES + (10 << 30)  # captures too
+
+
+def test_a_worker_process_freezes_start_up_out_of_the_collectors_scans() -> None:
+    thresholds = gc.get_threshold()
+    try:
+        settle_collector()
+        assert gc.get_freeze_count() > 0 and gc.get_threshold() == GC_THRESHOLDS
+        assert GC_THRESHOLDS[0] > thresholds[0]
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
