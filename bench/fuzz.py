@@ -1,6 +1,7 @@
 """A real `emberlink worker` under hostile sessions, with an honest client checking results and latency.
 
     .venv/bin/python bench/fuzz.py [--sessions 4] [--seconds 20 | --frames N] [--stall] [--seed 0]
+                                   [--rounds 1] [--warm-up 3] [--check-rss]
 
 The worker runs as `emberlink worker` (default limits unless `--worker-arg` adds flags), in its
 own process. N hostile sessions, each with an allowed key, run in this process over gRPC: they
@@ -15,6 +16,12 @@ ends is replaced by a new one.
 
 Meanwhile an honest client, in a process of its own, runs a small step at a steady pace and
 checks every value. It runs alone first, then under the hostile load: the table compares the two.
+
+Memory is measured three times, each while the honest client is idle and once every hostile
+session has ended, through one probe session of the fuzzer's own: the baseline, after a warm-up
+in which every hostile session sends each kind of batch and each stalling input once (so that
+what a worker keeps for good once it has served them counts in it); after each of `--rounds`
+hostile rounds (growth must stop); and at the end.
 
 Outcomes of hostile batches, by class: `answered` (the reply came; per-request errors are counted
 by code as `error:<code>`), `ended:<code>` (the worker ended the session with that error, then
