@@ -911,9 +911,8 @@ async def run(args: argparse.Namespace, setup: Setup) -> int:
     lat = report["latencies"]
 
     def in_use_ok(stats: dict[str, Any]) -> bool:
-        return abs(stats["in_use_bytes"] - before["in_use_bytes"]) <= 0.05 * max(
-            before["in_use_bytes"], 1 << 20
-        )
+        base, now = int(before["in_use_bytes"]), int(stats["in_use_bytes"])
+        return abs(now - base) <= 0.05 * max(base, 1 << 20)
 
     def rss_ok(value: int) -> bool:
         return abs(value - rss_before) <= 0.05 * rss_before
