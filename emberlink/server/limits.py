@@ -10,10 +10,11 @@ The rules these limits serve (docs/internals.md section 6, "Governance"):
 - Work. A graph has at most `max_graph_nodes` nodes; a plan touches at most `max_plan_elements`
   elements and does at most `max_plan_flops` floating-point operations (graph_replay/work.py).
   The device runs sessions' batches in turns of at most `TURN_SECONDS` each.
-- Clients. One client NodeId has at most `max_client_sessions` sessions open and at most
-  `max_client_detached` of them detached (waiting for a resume, each still holding its memory and
-  `SESSION_BYTES` of the budget); when one more of its sessions detaches, its session detached
-  longest ends.
+- Clients. One client NodeId has at most `max_client_detached` sessions detached (waiting for a
+  resume, each still holding its memory and `SESSION_BYTES` of the budget); when one more of its
+  sessions detaches, its session detached longest ends (server/detached.py). A session is to be
+  refused at admission when its client has `max_client_sessions` already
+  (`ResumeRegistry.refusal`; server/session.py does not ask it yet).
 - Replies. While a session has more than `max_reply_bytes` of replies waiting to be sent, the
   worker stops reading its frames; a session whose replies make no progress for `reply_timeout`
   seconds is ended.
