@@ -8,11 +8,17 @@ of its own: `carry` checks the token, and if the session accepts it, offers the 
 keeps the link's handler alive until the session lets the link go (the listener closes a link
 when its handler returns). A valid resume of a session whose old link still looks alive (the
 worker has not yet noticed it died) takes the session over: the old link is dropped.
+
+Per client NodeId (server/limits.py): at most `max_detached` of its sessions wait detached at once
+(each holds its memory and a share of the worker's budget for the whole window); when one more
+detaches, the one detached longest is given up. `refusal` says why a client may not open one more
+session (it has `max_open` open), for the session to answer before it is admitted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 from emberlink.errors import ErrorCode, ProtocolError
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import MESSAGE, Channel
+from emberlink.protocol.limits import MAX_UNACKED_BATCHES
 from emberlink.protocol.resume import Credential, parse_token
 from emberlink.server.runner import Outgoing
 from emberlink.transport.base import Link
@@ -29,6 +36,8 @@ log = logging.getLogger("emberlink.server")
 
 DEFAULT_RESUME_WINDOW = 30.0
 """Seconds a session whose link dropped keeps its tensors for the client to come back."""
+
+_detach_order = itertools.count()
 
 
 @dataclass(slots=True)
@@ -46,15 +55,28 @@ class Attach:
             self.released.set_result(None)
 
 
+MAX_KEPT_REPLIES = 2 * MAX_UNACKED_BATCHES
+"""Most replies a session keeps for a resume. A client confirms, with every batch, the last reply
+it took in whole (`received`), and may not send a batch more than MAX_UNACKED_BATCHES ahead of
+the acks it has received, so an honest client never leaves more than MAX_UNACKED_BATCHES replies
+unconfirmed; twice that is the margin. One that never confirms would otherwise make the worker
+keep every reply of its session: 100,000 Syncs a blob kept ~100 MB of uncharged Done messages
+until the session ended, and the worker's RSS stayed 27% above its baseline after it."""
+
+
 class ReplyLog:
     """The replies a client has not yet confirmed having taken in whole (a later batch's `received`),
-    to send again on a new link. It charges nothing itself: the result arrays it keeps alive stay
-    charged to their session for as long as anything holds them (server/store.py's rules), so a
-    detached session's unconfirmed replies count against its quota and the worker's budget.
-    A reply that says only `GraphUnknown` is not kept: the batches it asks for go again anyway."""
+    to send again on a new link; at most MAX_KEPT_REPLIES, the oldest forgotten past that. It
+    charges nothing itself: the result arrays it keeps alive stay charged to their session for as
+    long as anything holds them (server/store.py's rules), so a detached session's unconfirmed
+    replies count against its quota and the worker's budget. A reply that says only
+    `GraphUnknown` is not kept: the batches it asks for go again anyway."""
 
     def __init__(self) -> None:
         self._kept: deque[Outgoing] = deque()
+        self.forgotten = 0
+        """The ack of the last reply forgotten unconfirmed (0: none): a resume from before it
+        cannot be served whole (`covers`)."""
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -65,6 +87,14 @@ class ReplyLog:
     def keep(self, out: Outgoing) -> None:
         if any(type(msg) is not m.GraphUnknown for msg in out.messages):
             self._kept.append(out)
+            if len(self._kept) > MAX_KEPT_REPLIES:
+                oldest = self._kept.popleft()
+                oldest.release()  # one posted while detached is in no outbox: nothing else would
+                self.forgotten = oldest.ack
+
+    def covers(self, received: int) -> bool:
+        """Whether every reply after ack `received` is still kept (a resume from it is whole)."""
+        return received >= self.forgotten
 
     def confirm(self, received: int) -> None:
         """Forget every reply up to ack `received`."""
@@ -89,6 +119,7 @@ class Resumable:
         self._takeover = takeover
         self._offer: asyncio.Future[Attach | None] = asyncio.get_running_loop().create_future()
         self.attached = True
+        self.detached_at = 0  # when it last detached, in `_detach_order`
         self.closed = False
         self.ended: str | None = None
         """Why the session ended while detached (its Close applied, the worker draining)."""
@@ -112,6 +143,8 @@ class Resumable:
     async def wait(self) -> Attach | None:
         """The next link offered, or None once the window passed or the session was given up."""
         self.attached = False
+        self.detached_at = next(_detach_order)
+        self._registry._detached(self)
         try:
             if self.ended is not None:
                 return None
@@ -151,11 +184,19 @@ class Resumable:
 class ResumeRegistry:
     """Every resumable session of one worker, by credential id; on the worker's event loop only."""
 
-    def __init__(self, window: float = DEFAULT_RESUME_WINDOW) -> None:
+    def __init__(
+        self,
+        window: float = DEFAULT_RESUME_WINDOW,
+        *,
+        max_open: int | None = None,
+        max_detached: int | None = None,
+    ) -> None:
         if window < 0:
             raise ValueError(f"the resume window must be at least 0 s, got {window}")
         self.window = window
+        self.max_open, self.max_detached = max_open, max_detached
         self._by_id: dict[bytes, Resumable] = {}
+        self._by_client: dict[str, list[Resumable]] = {}  # each client's sessions, oldest first
         self.resumed = 0
         self.refused = 0
 
@@ -166,7 +207,45 @@ class ResumeRegistry:
         """Register a new session, resumable with the credential its opening handshake gave."""
         resumable = Resumable(self, client, Credential(secret), takeover)
         self._by_id[resumable.credential.id] = resumable
+        self._by_client.setdefault(client, []).append(resumable)
         return resumable
+
+    def refusal(self, client: str) -> str | None:
+        """Why `client` may not open another session now (it has `max_open` open), else None."""
+        mine = self._by_client.get(client, ())
+        if self.max_open is not None and len(mine) >= self.max_open:
+            return (
+                f"client {client} has {len(mine)} sessions open or detached, the most this worker "
+                f"allows one client (--max-client-sessions {self.max_open}); close one first"
+            )
+        return None
+
+    def sessions_of(self, client: str) -> tuple[int, int]:
+        """How many sessions of `client` are registered, and how many of them wait detached."""
+        mine = self._by_client.get(client, ())
+        return len(mine), sum(1 for r in mine if not r.attached)
+
+    def _detached(self, resumable: Resumable) -> None:
+        """One of a client's sessions detached: past `max_detached`, its oldest detached one ends."""
+        if self.max_detached is None:
+            return
+        waiting = [
+            r
+            for r in self._by_client.get(resumable.client, ())
+            if not r.attached and r.ended is None and r.window > 0
+        ]
+        for oldest in sorted(waiting, key=lambda r: r.detached_at)[
+            : max(0, len(waiting) - self.max_detached)
+        ]:
+            log.info(
+                "client %s has more than %d sessions detached: the one detached longest ends",
+                resumable.client,
+                self.max_detached,
+            )
+            oldest.give_up(
+                f"the client has more than {self.max_detached} sessions detached "
+                "(--max-client-detached): the one detached longest ends"
+            )
 
     def _rekey(self, resumable: Resumable, credential: Credential) -> None:
         self._by_id.pop(resumable.credential.id, None)
@@ -177,6 +256,11 @@ class ResumeRegistry:
     def _forget(self, resumable: Resumable) -> None:
         if self._by_id.get(resumable.credential.id) is resumable:
             del self._by_id[resumable.credential.id]
+        mine = self._by_client.get(resumable.client)
+        if mine is not None and resumable in mine:
+            mine.remove(resumable)
+            if not mine:
+                del self._by_client[resumable.client]
 
     def accept(self, client: str, token: bytes, transcript: bytes, secret: bytes) -> Resumable:
         """The session `token` resumes, its credential consumed and the next one taken; ProtocolError
@@ -219,4 +303,4 @@ class ResumeRegistry:
         await attach.released
 
 
-__all__ = ["DEFAULT_RESUME_WINDOW", "Attach", "ReplyLog", "Resumable", "ResumeRegistry"]
+__all__ = ["DEFAULT_RESUME_WINDOW", "MAX_KEPT_REPLIES", "Attach", "ReplyLog", "Resumable", "ResumeRegistry"]
