@@ -106,7 +106,7 @@ def install(side: str) -> None:
     wrap(BatchRunner, "_execute", "w.execute", "w.executed")
     for backend in (CupyBackend, NumpyBackend):
         wrap(backend, "to_numpy", "w.read", "w.readed")
-    wrap(Session, "_post", "w.post")
+    wrap(Session, "_finished", "w.post")
     wrap(server_link, "send", "w.write", "w.written")
     out = os.environ[OUT_ENV]
     atexit.register(lambda: np.save(out, np.array([(t, n) for t, n in EVENTS], dtype=object)))
