@@ -124,7 +124,7 @@ def _astype(xp: Any, args: Sequence[Any], step: Step) -> Array:
 # -- reductions ------------------------------------------------------------------------------------
 
 
-_NP_REDUCE = {"sum": np.add.reduce, "prod": np.multiply.reduce}
+_NP_REDUCE: dict[str, Any] = {"sum": np.add.reduce, "prod": np.multiply.reduce}
 
 
 def _reduce(xp: Any, args: Sequence[Any], step: Step) -> Array:
