@@ -166,6 +166,25 @@ class TcpLink(asyncio.Protocol):
     # -- Link ------------------------------------------------------------------------------------
 
     async def send(self, blob: Blob) -> None:
+        n = len(blob)
+        if (
+            n <= SMALL
+            and type(blob) is bytes
+            and not self._write_paused
+            and not self._send_lock.locked()
+            and self._ended is None
+            and not self._closed
+        ):
+            # A step's frame, nothing being written before it: one write, no lock to take (the
+            # checks below, all but the closing transport's, are the ones done here).
+            transport = self._transport
+            if transport is not None and not transport.is_closing():
+                self._last_out = time.monotonic()
+                transport.write(n.to_bytes(_PREFIX, "big") + blob)
+                if self._write_paused:  # this write filled the buffer: wait as the slow path does
+                    async with self._send_lock:
+                        await self._drain()
+                return
         check_size(blob)
         if not isinstance(blob, (bytes, bytearray, memoryview)):
             raise TypeError(f"a blob must be bytes, not {type(blob).__name__}")
