@@ -53,7 +53,7 @@ def test_frame_bytes_are_header_then_aes_gcm_with_counter_nonce() -> None:
 @pytest.mark.parametrize("size", [0, 100, SMALL_FRAME - 1, SMALL_FRAME, 3 * SMALL_FRAME])
 def test_a_frame_of_parts_is_the_frame_of_the_joined_parts(size: int) -> None:
     """seal_parts seals small frames one way and large ones another; the bytes are the same."""
-    parts = [b"head", memoryview(bytes(range(256)) * (size // 256 + 1))[:size]]
+    parts: list[bytes | memoryview] = [b"head", memoryview(bytes(range(256)) * (size // 256 + 1))[:size]]
     joined = b"".join(parts)
     one, _ = pair()
     other, worker = pair()
