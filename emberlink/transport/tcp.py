@@ -96,6 +96,12 @@ class TcpLink(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._last_in = time.monotonic()
+        end = len(data)
+        if end > _PREFIX and self._body is None and not self._head and self._ended is None:
+            n = int.from_bytes(data[:_PREFIX], "big")
+            if n == end - _PREFIX:  # exactly one whole blob (a step's frame): no parsing loop
+                self._deliver(data[_PREFIX:])
+                return
         view = memoryview(data)
         pos, end = 0, len(data)
         while pos < end and self._ended is None:
