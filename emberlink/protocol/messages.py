@@ -584,14 +584,14 @@ def _writer(s: _Schema) -> Writer:
     optional = s.wire[-1].kind.optional
     if not converts and not optional and s.flag is None:
         return lambda x: [tag, *get(x)]
-    inline_tag = None if s.flag is None else int(s.tags[-1])
-    flag = attrgetter(s.flag.name if s.flag is not None else names[0])
+    inline_tag = int(s.tags[-1])
+    flag = None if s.flag is None else attrgetter(s.flag.name)
 
     def write(x: Any) -> list[Any]:
         out = [tag, *get(x)]
         for i, convert in converts:
             out[i] = convert(out[i])
-        if inline_tag is not None and flag(x):
+        if flag is not None and flag(x):
             out[0] = inline_tag
         if optional and out[-1] is None:
             out.pop()
@@ -724,7 +724,7 @@ def _reader(s: _Schema, tag: Tag) -> MessageReader:
     ints = tuple((i, *f.kind.bounds, f.name) for i, f in enumerate(s.wire) if f.kind.bounds is not None)
     calls = tuple((i, f.kind.read) for i, f in enumerate(s.wire) if f.kind.bounds is None)
     calls_short = tuple(c for c in calls if c[0] < least - 1)  # the optional field left off
-    extra = [] if s.flag is None else [tag == s.flag.kind.inline_tag]
+    extra = [] if s.flag is None else [tag == s.flag.kind.inline_tag]  # the flag: which tag it came as
     tensor = s.tensor
 
     def read(m: list[Any], budget: _Budget) -> Any:
@@ -742,12 +742,13 @@ def _reader(s: _Schema, tag: Tag) -> MessageReader:
         except ProtocolError as e:
             raise ProtocolError(f"{name}: {e}") from None
         if n < most:
-            args.append(None)
+            args.append(None)  # the optional last field, left off
+        args += extra
         if tensor is not None:
             dtype, shape, nbytes = args[tensor[0]], args[tensor[1]], args[tensor[2]]
             if nbytes != math.prod(shape) * ITEMSIZE[dtype]:
                 _refuse(f"{name}: nbytes {nbytes} does not match {dtype} of shape {shape}")
-        return cls(*args, *extra) if extra else cls(*args)
+        return cls(*args)
 
     return read
 
