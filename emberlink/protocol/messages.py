@@ -1,19 +1,23 @@
-"""The session message schema (docs/internals.md section 6): messages declared as data, one MessagePack codec built from the declarations; no I/O, never pickle or eval.
+"""The session message schema (docs/internals.md section 6): messages as declared data, one MessagePack codec; no I/O, never pickle or eval.
 
 Rules (everything that decides what is a valid message lives in this file):
-- Messages are data. Each message is a frozen dataclass that names its `Tag` and annotates each
-  field with its *kind* (`TensorId`, `TensorIds`, `RequestId`, `GraphId`, `DType`, `Shape`,
-  `NBytes`, `Bindings`, `Text`, `Code`, `StatMap`, ...). A kind says how the field travels, how it
-  is checked, and what a Repeat does to it. One encoder, one decoder/validator and one id shift are
-  built from these declarations at import; no message has code of its own.
+- Messages are data. Each message is a frozen dataclass that names its `TAG` (a `Tag`) and
+  annotates every field with its *kind*, an `Annotated` alias: `TensorId`, `TensorIds` (an id list,
+  run-length encoded), `RequestId`, `AnswerId` (a request id or 0), `Seq`, `Shift`, `GraphId`
+  (16 bytes), `Graph`, `DType`, `Shape`, `NBytes`, `Bindings`, `BindingRows`, `Text`, `Code`,
+  `StatMap`, or `inline_as(tag)`. The alias's `Kind` says how the field travels (`write`), how it
+  is checked (`read`, `bounds`) and what a Repeat does to it (`role`). At import the declarations
+  are read once into a writer per class, a reader (decoder and validator) per tag and a shift per
+  class; no message has code of its own. A new message is a dataclass, a `Tag` and a place in
+  `ClientMessage` or `WorkerMessage`; handlers `match` on those unions and end in `assert_never`.
 - A Batch is `[seq, [message, ...]]` or `[seq, [message, ...], received]`, a Reply
   `[ack, [message, ...]]`. `received` (absent: 0) is the highest Reply ack the client has taken in
   whole, bulk included: the worker may forget the replies up to it (it keeps the others to send
   again when the session resumes on a new link, protocol/resume.py). A message is the array
-  `[tag, field, field, ...]`, its fields in declaration order; a field of kind `Inline` does not
-  travel (it picks the message's inline tag), and an optional last field (Repeat's bindings) is
-  left off when None. Client-to-worker tags are 1..10, worker-to-client tags 16..21, so a message
-  sent the wrong way is an unknown tag.
+  `[tag, field, field, ...]`, its fields in declaration order; an `inline_as(tag)` flag does not
+  travel (True sends the message as that tag instead), and an optional last field (Repeat's
+  bindings) is left off when None. Client-to-worker tags are 1..10, worker-to-client tags
+  16..21, so a message sent the wrong way is an unknown tag.
 - Decoding is validation: known tag, exact arity, exact types (a bool is not an int, an int is
   not a float), bounded sizes, dtypes from `protocol.dtypes`. Anything else is a ProtocolError, and
   nothing else escapes a decoder.
