@@ -216,12 +216,10 @@ def rle_encode(ids: Iterable[int]) -> list[int]:
     return runs
 
 
-_dtype_code_of = _ints("dtype code", 1, len(DTYPES))
-
-
 def _read_dtype(v: object, budget: _Budget) -> str:
-    code: int = _dtype_code_of(v, budget)
-    return DTYPES[code - 1]
+    if type(v) is not int or not 1 <= v <= len(DTYPES):
+        _refuse(f"a dtype code must be an int in 1..{len(DTYPES)}, got {_show(v)}")
+    return DTYPES[v - 1]
 
 
 def _write_dtype(dtype: str) -> int:
@@ -232,16 +230,17 @@ def _write_dtype(dtype: str) -> int:
 
 
 def _read_shape(v: object, budget: _Budget) -> tuple[int, ...]:
-    dims = _list(v, "shape", MAX_RANK)
+    if type(v) is not list or len(v) > MAX_RANK:
+        _refuse(f"a shape must be an array of at most {MAX_RANK} dimensions, got {_show(v)}")
     nonzero = 1
-    for d in dims:
+    for d in v:
         if type(d) is not int or not 0 <= d <= MAX_NBYTES:
             _refuse(f"a dimension must be an int in 0..{MAX_NBYTES}, got {_show(d)}")
         if d:
             nonzero *= d
     if nonzero > MAX_NBYTES:
-        _refuse(f"shape {dims!r} has more than {MAX_NBYTES} elements (zero dims aside)")
-    return tuple(dims)
+        _refuse(f"shape {v!r} has more than {MAX_NBYTES} elements (zero dims aside)")
+    return tuple(v)
 
 
 _FLOAT_OR_BOOL = frozenset((float, bool))
@@ -812,7 +811,8 @@ def _unpack(data: BytesLike) -> list[Any]:
 def _unpack_prefix(data: BytesLike) -> tuple[list[Any], int]:
     """The msgpack object at the start of data and where it ends; the bytes after it are not
     copied (fed to the decoder in growing slices until one object is complete)."""
-    view = memoryview(data).cast("B")
+    small = type(data) is bytes and len(data) <= _FIRST_FEED
+    view = data if small else memoryview(data).cast("B")  # slices of a view below copy nothing
     n = len(view)
     if n <= _FIRST_FEED:  # small: one call, and ExtraData says where the object ends
         try:
