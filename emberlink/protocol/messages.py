@@ -550,17 +550,20 @@ _WORKER_SCHEMA = tuple(_schema(c) for c in typing.get_args(WorkerMessage))
 # -- encoding ---------------------------------------------------------------------------------
 
 _packers = threading.local()
+_KEEP_PACKER = 1 << 20  # a Packer whose buffer grew past this is dropped, not kept for the thread
 
 
 def _pack(obj: Any) -> bytes:
     try:
         packer = _packers.packer
-    except AttributeError:  # one Packer a thread: reused, it costs half of packb's set-up
+    except AttributeError:  # one Packer a thread, reused: half of packb's cost is making one
         packer = _packers.packer = msgpack.Packer(use_bin_type=True)
     try:
         data: bytes = packer.pack(obj)
     except (TypeError, ValueError, OverflowError) as e:
         raise ProtocolError(f"cannot encode message: {e}") from e
+    if len(data) > _KEEP_PACKER:  # its buffer is at least this big now (a Register's graph)
+        del _packers.packer
     return data
 
 

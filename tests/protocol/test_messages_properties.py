@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
+import tracemalloc
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, assert_never
@@ -411,3 +412,17 @@ def test_repeat_of_finds_the_shift_that_expand_batch_undoes(
     found = m.repeat_of(template, shifted)
     assert found is not None
     assert m.expand_batch(Batch(2, (found,)), template).messages == shifted
+
+
+def test_encoding_a_large_batch_keeps_no_large_buffer_alive() -> None:
+    m.encode_batch(Batch(1, (Sync(1),)))  # this thread's packer exists already
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        data = m.encode_batch(Batch(1, (Register(GID, bytes(8 << 20)),)))
+        assert len(data) > 8 << 20
+        del data
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 1 << 20, held  # a reused packer would keep a buffer of twice the batch
