@@ -918,32 +918,19 @@ def check_reply_tail(reply: Reply, tail: int) -> None:
 # -- the id shift (Repeat) --------------------------------------------------------------------
 
 
+ShiftFn = Callable[[Any, int, int, Iterator[tuple[Scalar, ...]] | None], list[Any]]
+
+
 @dataclass(frozen=True, slots=True)
 class _Shifted:
-    """What a Repeat changes in one message class, by field index (from its fields' kinds)."""
+    """What a Repeat changes in one message class (from its fields' kinds)."""
 
     cls: type
     get: Callable[[Any], tuple[Any, ...]]  # every field's value
-    ids: tuple[int, ...]  # its TensorId and TensorIds fields, in order
-    one_id: tuple[int, ...]  # its TensorId fields
-    id_lists: tuple[int, ...]  # its TensorIds fields
-    rids: tuple[int, ...]  # its RequestId fields
-    bindings: tuple[int, ...]  # its Bindings fields
-
-
-def _shifted(s: _Schema) -> _Shifted | None:
-    def at(role: Role, many: tuple[bool, ...] = (False, True)) -> tuple[int, ...]:
-        return tuple(f.index for f in s.fields if f.kind.role is role and f.kind.many in many)
-
-    if all(f.kind.role is Role.KEPT for f in s.fields):
-        return None
-    get = _values([f.name for f in s.fields])
-    tensor = at(Role.TENSOR), at(Role.TENSOR, (False,)), at(Role.TENSOR, (True,))
-    return _Shifted(s.cls, get, *tensor, at(Role.REQUEST), at(Role.BINDINGS))
-
-
-_SHIFTS = {s.cls: sh for s in _CLIENT_SCHEMA if (sh := _shifted(s)) is not None}
-_BINDS = frozenset(cls for cls, sh in _SHIFTS.items() if sh.bindings)
+    shift: ShiftFn  # (message, id_shift, rid_shift, bindings or None) -> its values, changed
+    ids: tuple[int, ...]  # where its TensorId and TensorIds fields are, in order
+    rids: tuple[int, ...]  # where its RequestId fields are
+    bindings: tuple[int, ...]  # where its Bindings fields are
 
 
 def _out_of_range(x: int, by: int, lo: int) -> NoReturn:
@@ -951,33 +938,54 @@ def _out_of_range(x: int, by: int, lo: int) -> NoReturn:
     _refuse(f"{kind} id {x} shifted by {by} leaves {lo}..{MAX_ID}")
 
 
-def _shift_values(
-    sh: _Shifted, x: Any, d: int, dr: int, rows: Iterator[tuple[Scalar, ...]] | None
-) -> list[Any]:
-    """x's field values with its tensor ids shifted by d, its request ids by dr and its bindings
-    the next of rows (when given): the one id shift, for expand_batch and repeat_of alike."""
-    v = list(sh.get(x))
-    if d:
-        for i in sh.one_id:
-            if not 0 <= v[i] + d <= MAX_ID:
-                _out_of_range(v[i], d, 0)
-            v[i] += d
-        for i in sh.id_lists:
-            ids = v[i]
-            if ids:
-                edge = max(ids) if d > 0 else min(ids)  # the id a shift this way takes out first
-                if not 0 <= edge + d <= MAX_ID:
-                    _out_of_range(edge, d, 0)
-                v[i] = tuple(map(add, ids, repeat(d)))
-    if dr:
-        for i in sh.rids:
-            if not 1 <= v[i] + dr <= MAX_ID:
-                _out_of_range(v[i], dr, 1)
-            v[i] += dr
-    if rows is not None:
-        for i in sh.bindings:
-            v[i] = next(rows)
-    return v
+def _shifter(get: Callable[[Any], tuple[Any, ...]], changes: tuple[tuple[int, Role, bool], ...]) -> ShiftFn:
+    """The one id shift, for expand_batch and repeat_of alike: a message's field values with each
+    tensor id shifted by d, each request id by dr, and its bindings the next of rows (if given)."""
+
+    def shift(x: Any, d: int, dr: int, rows: Iterator[tuple[Scalar, ...]] | None) -> list[Any]:
+        v = list(get(x))
+        for i, role, many in changes:
+            if role is _TENSOR:
+                if not d:
+                    continue
+                if many:
+                    ids = v[i]
+                    if ids:
+                        edge = max(ids) if d > 0 else min(ids)  # the id a shift this way takes out first
+                        if not 0 <= edge + d <= MAX_ID:
+                            _out_of_range(edge, d, 0)
+                        v[i] = tuple(map(add, ids, repeat(d)))
+                else:
+                    y = v[i] + d
+                    if not 0 <= y <= MAX_ID:
+                        _out_of_range(v[i], d, 0)
+                    v[i] = y
+            elif role is _REQUEST:
+                y = v[i] + dr
+                if not 1 <= y <= MAX_ID:
+                    _out_of_range(v[i], dr, 1)
+                v[i] = y
+            elif rows is not None:
+                v[i] = next(rows)
+        return v
+
+    return shift
+
+
+_TENSOR, _REQUEST = Role.TENSOR, Role.REQUEST
+
+
+def _shifted(s: _Schema) -> _Shifted | None:
+    changes = tuple((f.index, f.kind.role, f.kind.many) for f in s.fields if f.kind.role is not Role.KEPT)
+    if not changes:
+        return None
+    at = {role: tuple(i for i, r, _ in changes if r is role) for role in Role}
+    get = _values([f.name for f in s.fields])
+    return _Shifted(s.cls, get, _shifter(get, changes), at[Role.TENSOR], at[Role.REQUEST], at[Role.BINDINGS])
+
+
+_SHIFTS = {s.cls: sh for s in _CLIENT_SCHEMA if (sh := _shifted(s)) is not None}
+_BINDS = frozenset(cls for cls, sh in _SHIFTS.items() if sh.bindings)
 
 
 def _rows(repeat: Repeat, template: tuple[ClientMessage, ...]) -> Iterator[tuple[Scalar, ...]] | None:
@@ -1005,7 +1013,7 @@ def expand_batch(batch: Batch, template: tuple[ClientMessage, ...] | None) -> Ba
     out = []
     for x in template:
         sh = _SHIFTS.get(type(x))
-        out.append(x if sh is None else sh.cls(*_shift_values(sh, x, d, dr, rows)))
+        out.append(x if sh is None else sh.cls(*sh.shift(x, d, dr, rows)))
     return Batch(batch.seq, tuple(out), batch.received)
 
 
@@ -1067,7 +1075,7 @@ def repeat_of(previous: tuple[ClientMessage, ...], messages: tuple[ClientMessage
             if sh is None:
                 if p != c:
                     return None
-            elif _shift_values(sh, p, found.id_shift, found.rid_shift, rows) != list(sh.get(c)):
+            elif sh.shift(p, found.id_shift, found.rid_shift, rows) != list(sh.get(c)):
                 return None
     except ProtocolError:
         return None
