@@ -1,6 +1,7 @@
 """A real `emberlink worker` under hostile sessions, with an honest client checking results and latency.
 
     .venv/bin/python bench/fuzz.py [--sessions 4] [--seconds 20 | --frames N] [--stall] [--seed 0]
+                                   [--rounds 1] [--warm-up 3] [--check-rss]
 
 The worker runs as `emberlink worker` (default limits unless `--worker-arg` adds flags), in its
 own process. N hostile sessions, each with an allowed key, run in this process over gRPC: they
@@ -15,6 +16,12 @@ ends is replaced by a new one.
 
 Meanwhile an honest client, in a process of its own, runs a small step at a steady pace and
 checks every value. It runs alone first, then under the hostile load: the table compares the two.
+
+Memory is measured three times, each while the honest client is idle and once every hostile
+session has ended, through one probe session of the fuzzer's own: the baseline, after a warm-up
+in which every hostile session sends each kind of batch and each stalling input once (so that
+what a worker keeps for good once it has served them counts in it); after each of `--rounds`
+hostile rounds (growth must stop); and at the end.
 
 Outcomes of hostile batches, by class: `answered` (the reply came; per-request errors are counted
 by code as `error:<code>`), `ended:<code>` (the worker ended the session with that error, then
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import queue
@@ -60,7 +68,7 @@ from emberlink.protocol.ticket import Ticket
 from emberlink.transport import grpc as grpc_transport
 
 MiB = 1 << 20
-SETTLE_SECONDS = 1.5  # after the last hostile session ends, before memory is measured
+SETTLE_SECONDS = 1.0  # after the last hostile session ends, before memory is measured (TRIM_DELAY 0.5)
 PROBE_AFTER = 1.0  # seconds without an answer before a probe batch follows (see Hostile.answer)
 BUGS = ("closed without an error", "no answer")
 DTYPES = ("float32", "float64", "int32", "int64", "uint8", "int8", "int16", "float16", "bool")
@@ -334,10 +342,17 @@ class Hostile:
         kind, plain = self.channel.open(await self.frame())
         if kind is not MESSAGE:
             raise ProtocolError("the worker sent a BULK frame where a reply should be")
-        reply = m.decode_reply(plain)
+        reply, start = m.decode_reply_prefix(plain)
+        m.check_reply_tail(reply, len(plain) - start)
         arrays = []
         for msg in reply.messages:
-            if type(msg) is m.Result:
+            if type(msg) is m.Result and msg.inline:  # its bytes follow the reply in the same frame
+                out = np.empty(msg.shape, msg.dtype)
+                if msg.nbytes:
+                    out.data.cast("B")[:] = plain[start : start + msg.nbytes]
+                start += msg.nbytes
+                arrays.append(out)
+            elif type(msg) is m.Result:
                 out = np.empty(msg.shape, msg.dtype)
                 view, done = (out.data.cast("B") if msg.nbytes else memoryview(b"")), 0
                 while done < msg.nbytes:
@@ -429,14 +444,16 @@ async def hostile_round(
     stall: list[Any],
     p_mutate: float,
     kinds: tuple[str, ...] = KINDS,
+    chosen: str | None = None,
 ) -> None:
-    """One batch: valid, or mutated structurally, byte by byte, or in its framing."""
+    """One batch: valid, or mutated structurally, byte by byte, or in its framing; of kind
+    `chosen` ("stall:NAME" for one stalling input) or, by default, of a random one of `kinds`."""
     allowed = [k for k in kinds if (k != "stall" or stall) and (k != "repeat" or h.previous)]
     if not allowed:
         allowed = [k for k in kinds if k != "repeat"] or ["drop"]
-    name = rng.choices(allowed, [_WEIGHTS[k] for k in allowed])[0]
-    if name == "stall":
-        await stall_round(rng, h, stall)
+    name = chosen or rng.choices(allowed, [_WEIGHTS[k] for k in allowed])[0]
+    if name.startswith("stall"):
+        await stall_round(rng, h, [x for x in stall if name in ("stall", f"stall:{x[0]}")])
         return
     if name == "repeat":
         shift = rng.choice((0, 1, 7, -3, m.MAX_ID))
@@ -567,18 +584,22 @@ async def hostile_session(
     max_frames: int | None,
     stall: list[Any],
     args: argparse.Namespace,
+    warm_up: bool = False,
 ) -> None:
-    rng = random.Random(args.seed * 1000 + index)
+    """One hostile session after another as `identity` until `deadline` or `max_frames`; a warm-up
+    session (its own random stream) first sends one batch of every kind and every stalling input."""
+    rng = random.Random(args.seed * 1000 + index + (500 if warm_up else 0))
     pool = [random_graph(rng) for _ in range(16)]
     h = Hostile(ticket, identity, tally, args.answer_timeout)
     h.verbose = args.verbose
-    while time.monotonic() < deadline and (max_frames is None or tally.frames < max_frames):
+    plan = [k for k in args.kinds if k != "stall"] + [f"stall:{x[0]}" for x in stall] if warm_up else []
+    while plan or (time.monotonic() < deadline and (max_frames is None or tally.frames < max_frames)):
         t0 = time.monotonic()
         before = dict(tally.outcomes)
         try:
             if h.link is None:
                 await h.open()
-            await hostile_round(rng, h, pool, stall, args.mutate, args.kinds)
+            await hostile_round(rng, h, pool, stall, args.mutate, args.kinds, plan.pop(0) if plan else None)
         except Ended:
             await h.close()
         except (TransportError, EmberlinkError) as e:
@@ -608,51 +629,68 @@ def rss(pid: int) -> int:
     return 0
 
 
-async def worker_stats(ticket: Ticket, identity: Identity) -> dict[str, Any]:
-    """The worker's StatsReply, from a session of its own (which it then closes)."""
-    tally = Tally()
-    h = Hostile(ticket, identity, tally, 30.0)
-    await h.open()
-    try:
-        got, _ = await h.exchange([m.Stats(1)])
-        (stats,) = [x for x in got if type(x) is m.StatsReply]
-        return dict(stats.stats)
-    finally:
-        await h.close()
+class Probe:
+    """One session of the fuzzer's own for the whole run, asking the worker for its StatsReply.
+    One session, not one per question: a session that hangs up stays detached for the resume
+    window, charged to the worker's budget, and would be counted in what it measures."""
+
+    def __init__(self, ticket: Ticket, identity: Identity) -> None:
+        self.h = Hostile(ticket, identity, Tally(), 30.0)
+
+    async def stats(self) -> dict[str, Any]:
+        for _ in range(3):
+            try:
+                if self.h.link is None:
+                    await self.h.open()
+                got, _ = await self.h.exchange([m.Stats(self.h.next_rid())])
+                (stats,) = [x for x in got if type(x) is m.StatsReply]
+                return dict(stats.stats)
+            except (Ended, TransportError, EmberlinkError) as e:
+                print(f"the probe session ended ({type(e).__name__}: {e}); opening another", file=sys.stderr)
+                await self.h.close()
+        raise RuntimeError("the worker does not answer the probe session")
+
+    async def close(self) -> None:
+        if self.h.link is not None:
+            self.h.seq += 1
+            await self.h.send_frames(self.h.frames(self.h.seq, [m.Close("probe done")], [], b"", None))
+            await self.h.expect_closed()
+            await self.h.close()
 
 
 RESUME_WINDOW = 1.0
 """The worker's `--resume-window` here (a later `--worker-arg` may change it): a hostile session
 that hangs up is kept that long, charged to the worker's budget, before it ends (server/session.py)."""
+SESSIONS_END_WITHIN = 60.0
+"""Seconds the sessions of a finished phase may take to end (each waits out its resume window)."""
 
 
-async def settled_stats(
-    ticket: Ticket, identity: Identity, pid: int, open_sessions: int
-) -> tuple[dict[str, Any], int]:
-    """Worker stats and RSS once only `open_sessions` sessions besides the probe are open (none
-    left detached, waiting for a resume), and the worker has had time to hand freed memory back
-    (server/worker.py's TRIM_DELAY) and the bytes charged to sessions have stopped changing (a
-    session that ended may still be freeing what it held on a busy device)."""
-    for _ in range(300):
-        stats = await worker_stats(ticket, identity)
-        if stats["sessions_open"] + stats["sessions_detached"] <= open_sessions + 1:
-            await asyncio.sleep(SETTLE_SECONDS)
-            stats = await worker_stats(ticket, identity)
-            for _ in range(20):
-                await asyncio.sleep(0.5)
-                again = await worker_stats(ticket, identity)
-                if again["held_bytes"] == stats["held_bytes"]:
-                    break
-                stats = again
-            return stats, rss(pid)
-        await asyncio.sleep(0.1)
+async def settled_stats(probe: Probe, pid: int, sessions: int) -> tuple[dict[str, Any], int]:
+    """Worker stats and RSS once at most `sessions` sessions (the probe's included) are open or
+    detached, the worker has had time to hand freed memory back (server/worker.py's TRIM_DELAY),
+    and what sessions hold has stopped changing (a session that ended may still be freeing what
+    it held on a busy device). The honest client is idle meanwhile, so what it holds is steady."""
+    deadline = time.monotonic() + SESSIONS_END_WITHIN
+    stats = await probe.stats()
+    while stats["sessions_open"] + stats["sessions_detached"] > sessions and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        stats = await probe.stats()
+    await asyncio.sleep(SETTLE_SECONDS)
+    for _ in range(40):
+        again = await probe.stats()
+        if (again["held_bytes"], again["in_use_bytes"]) == (stats["held_bytes"], stats["in_use_bytes"]):
+            break
+        stats = again
+        await asyncio.sleep(0.25)
     return stats, rss(pid)
 
 
 def honest_main(args: argparse.Namespace) -> int:
-    """The honest client: a small step at a steady pace, every value checked. Each stdin line
-    starts a phase (and ends the one before); "stop" ends the last, and the results go to stdout
-    as one JSON line."""
+    """The honest client: a small step at a steady pace, every value checked. It says
+    `{"ready": true}` once its session is open and a first step came back; then each stdin line
+    starts a phase (and ends the one before), acknowledged with `{"phase": name}` once the step
+    in flight is done; in phase "idle" it runs no steps. "stop" ends the last phase, and the
+    results go to stdout as one JSON line."""
     import emberlink as el
 
     commands: queue.Queue[str] = queue.Queue()
@@ -662,16 +700,22 @@ def honest_main(args: argparse.Namespace) -> int:
             commands.put(line.strip())
         commands.put("stop")
 
+    def say(what: dict[str, Any]) -> None:
+        print(json.dumps(what), flush=True)
+
     threading.Thread(target=read_commands, daemon=True).start()
     dev = el.Device.remote(args.honest, key=args.key)
     rng = np.random.default_rng(1)
+    float(dev.tensor(np.ones(64, np.float32)).sum())  # the session is open and serves
+    say({"ready": True})
     phases: dict[str, list[float]] = {}
     wrong = errors = 0
     period = 1.0 / args.rate
     command = commands.get()
     while command != "stop":
+        say({"phase": command})
         latencies = phases.setdefault(command, [])
-        while commands.empty():
+        while command != "idle" and commands.empty():
             x = rng.standard_normal(64).astype(np.float32)
             t0 = time.perf_counter()
             try:
@@ -688,7 +732,7 @@ def honest_main(args: argparse.Namespace) -> int:
             time.sleep(max(0.0, period - (time.perf_counter() - t0)))
         command = commands.get()
     dev.close()
-    print(json.dumps({"latencies": phases, "wrong": wrong, "errors": errors}), flush=True)
+    say({"latencies": phases, "wrong": wrong, "errors": errors})
     return 0
 
 
@@ -715,10 +759,12 @@ class Setup:
     honest: subprocess.Popen[str]
     hostile: list[Identity]
     probe: Identity
+    started: float
 
 
 def start(args: argparse.Namespace) -> Setup:
     """Keys, an allow file, the worker process and the honest client's process."""
+    started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="emberlink-fuzz-"))
     worker_key, honest_key = tmp / "worker.key", tmp / "honest.key"
     worker_id, honest = Identity.generate(os.urandom), Identity.generate(os.urandom)
@@ -749,78 +795,140 @@ def start(args: argparse.Namespace) -> Setup:
         str(args.rate),
     ]
     honest_proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    return Setup(tmp, worker, log, ticket, honest_proc, hostile, probe)
+    return Setup(tmp, worker, log, ticket, honest_proc, hostile, probe, started)
 
 
-async def run(args: argparse.Namespace, setup: Setup) -> int:
-    tmp, worker, ticket, honest_proc = setup.tmp, setup.worker, setup.ticket, setup.honest
-    hostile, probe = setup.hostile, setup.probe
-    assert honest_proc.stdin is not None and honest_proc.stdout is not None
+class Honest:
+    """The parent's end of the honest client's process: phases started and acknowledged."""
 
-    def honest_phase(name: str) -> None:
-        honest_proc.stdin.write(f"{name}\n")  # type: ignore[union-attr]
-        honest_proc.stdin.flush()  # type: ignore[union-attr]
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        self.proc, self.stdin, self.stdout = proc, proc.stdin, proc.stdout
 
-    stall = stalling_graphs(args.stall)
-    honest_phase("warm-up")
-    # Warm-up of the worker's hostile paths, so the baseline counts what a served worker keeps.
-    warm = Tally()
-    await hostile_session(0, ticket, hostile[0], warm, time.monotonic() + 2.0, None, stall, args)
-    for _ in range(300):  # the honest client's session is open (its process may start slowly)
-        if (await worker_stats(ticket, probe))["sessions_open"] >= 2:
-            break
-        await asyncio.sleep(0.1)
-    before, rss_before = await settled_stats(ticket, probe, worker.pid, 1)
-    honest_phase("alone")
-    await asyncio.sleep(args.alone)
+    async def line(self, timeout: float = SESSIONS_END_WITHIN) -> dict[str, Any]:
+        """The honest client's next JSON line ({} if it ended or said nothing in time)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                text = await asyncio.wait_for(loop.run_in_executor(None, self.stdout.readline), timeout)
+            except TimeoutError:
+                return {}
+            if not text:
+                return {}
+            if text.startswith("{"):
+                return dict(json.loads(text))
 
-    tally = Tally()
-    deadline = time.monotonic() + (args.seconds if args.frames is None else 1e9)
+    async def phase(self, name: str) -> None:
+        """Start phase `name` and wait until the honest client is in it."""
+        self.stdin.write(f"{name}\n")
+        self.stdin.flush()
+        said = await self.line()
+        if said.get("phase") != name:
+            raise RuntimeError(f"the honest client did not start phase {name!r} (it said {said})")
+
+    async def stop(self) -> dict[str, Any]:
+        self.stdin.write("stop\n")
+        self.stdin.flush()
+        report = await self.line()
+        return report if "latencies" in report else {"latencies": {}, "wrong": -1, "errors": -1}
+
+
+async def hostile_phase(
+    args: argparse.Namespace,
+    setup: Setup,
+    tally: Tally,
+    stall: list[Any],
+    seconds: float,
+    frames: int | None,
+    progress: bool,
+    warm_up: bool = False,
+) -> float:
+    """All hostile sessions for `seconds` (or until `frames` more frames); the seconds it took."""
     started = time.monotonic()
-    honest_phase("hostile")
+    deadline = started + (seconds if frames is None else 1e9)
+    limit = None if frames is None else tally.frames + frames
     sessions = asyncio.gather(
         *(
-            hostile_session(i, ticket, hostile[i], tally, deadline, args.frames, stall, args)
+            hostile_session(i, setup.ticket, setup.hostile[i], tally, deadline, limit, stall, args, warm_up)
             for i in range(args.sessions)
         )
     )
     while not sessions.done():  # progress, for long runs
         await asyncio.wait([sessions], timeout=args.report_every)
-        if not sessions.done():
+        if progress and not sessions.done():
             print(
                 f"{time.monotonic() - started:7.0f} s: {tally.frames:,} frames, {tally.batches:,} batches, "
-                f"worker RSS {rss(worker.pid) / MiB:.1f} MiB",
+                f"worker RSS {rss(setup.worker.pid) / MiB:.1f} MiB",
                 file=sys.stderr,
                 flush=True,
             )
     sessions.result()
-    elapsed = time.monotonic() - started
-    honest_phase("after")
-    after, rss_after = await settled_stats(ticket, probe, worker.pid, 1)
-    honest_phase("stop")
-    out = await asyncio.get_running_loop().run_in_executor(None, honest_proc.stdout.read)
-    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
-    report: dict[str, Any] = next(
-        (x for x in lines if "latencies" in x), {"latencies": {}, "wrong": -1, "errors": -1}
-    )
-    final, _ = await settled_stats(ticket, probe, worker.pid, 0)
+    return time.monotonic() - started
+
+
+async def run(args: argparse.Namespace, setup: Setup) -> int:
+    worker, honest = setup.worker, Honest(setup.honest)
+    stall = stalling_graphs(args.stall)
+    marks = [("start", setup.started)]
+
+    def mark(name: str) -> None:
+        marks.append((name, time.monotonic()))
+
+    mark("worker started")
+    # Warm-up: every hostile session, as in the run, so that the baseline counts what a worker
+    # that has served hostile sessions keeps for good (imports, code paths, allocator pools);
+    # the honest client's process starts meanwhile.
+    await hostile_phase(args, setup, Tally(), stall, args.warm_up, None, False, warm_up=True)
+    mark("warm-up")
+    if not (await honest.line()).get("ready"):
+        raise RuntimeError("the honest client did not start")
+    probe = Probe(setup.ticket, setup.probe)
+    await honest.phase("idle")
+    before, rss_before = await settled_stats(probe, worker.pid, 2)  # the honest client and the probe
+    mark("baseline settled")
+    await honest.phase("alone")
+    await asyncio.sleep(args.alone)
+    mark("honest alone")
+
+    tally = Tally()
+    elapsed = 0.0
+    rounds: list[tuple[dict[str, Any], int]] = []
+    for _ in range(args.rounds):
+        await honest.phase("hostile")
+        elapsed += await hostile_phase(args, setup, tally, stall, args.seconds, args.frames, True)
+        mark("hostile sessions")
+        await honest.phase("idle")
+        rounds.append(await settled_stats(probe, worker.pid, 2))
+        mark("settled")
+    after, rss_after = rounds[-1]
+    report = await honest.stop()
+    final, _ = await settled_stats(probe, worker.pid, 1)
+    await probe.close()
     alive = worker.poll() is None
+    mark("honest client stopped, final settled")
+    phases = ", ".join(f"{name} {t - t0:.1f}" for (_, t0), (name, t) in itertools.pairwise(marks))
 
     lat = report["latencies"]
-    in_use_ok = abs(after["in_use_bytes"] - before["in_use_bytes"]) <= 0.05 * max(
-        before["in_use_bytes"], 1 << 20
-    )
-    rss_ok = abs(rss_after - rss_before) <= 0.05 * rss_before
+
+    def in_use_ok(stats: dict[str, Any]) -> bool:
+        base, now = int(before["in_use_bytes"]), int(stats["in_use_bytes"])
+        return abs(now - base) <= 0.05 * max(base, 1 << 20)
+
+    def rss_ok(value: int) -> bool:
+        return abs(value - rss_before) <= 0.05 * rss_before
+
     bugs = sum(tally.outcomes[b] for b in BUGS)
     print(
-        f"\nbench/fuzz.py: {args.sessions} hostile sessions, {elapsed:.1f} s, seed {args.seed}, stall {args.stall}"
+        f"\nbench/fuzz.py: {args.sessions} hostile sessions, {elapsed:.1f} s in {args.rounds} round(s), "
+        f"seed {args.seed}, stall {args.stall}"
     )
     print(
         f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, worker: `emberlink worker` {' '.join(args.worker_arg)}\n"
     )
     print("| measure | value |\n|---|---:|")
+    rss_rounds = " / ".join(f"{r / MiB:.1f}" for _, r in rounds)
     rows = [
-        ("hostile frames sent", f"{tally.frames:,} ({tally.frames / elapsed:,.0f}/s)"),
+        ("hostile frames sent", f"{tally.frames:,} ({tally.frames / max(elapsed, 1e-9):,.0f}/s)"),
         ("hostile batches sent", f"{tally.batches:,}"),
         ("hostile sessions opened", f"{tally.sessions:,}"),
         ("uploads read back and checked / wrong", f"{tally.checked:,} / {tally.wrong}"),
@@ -830,6 +938,7 @@ async def run(args: argparse.Namespace, setup: Setup) -> int:
             "worker RSS before / after, MiB",
             f"{rss_before / MiB:.1f} / {rss_after / MiB:.1f} ({(rss_after - rss_before) / max(rss_before, 1):+.1%})",
         ),
+        ("worker RSS after each round, MiB", rss_rounds),
         ("worker in_use_bytes before / after", f"{before['in_use_bytes']:,} / {after['in_use_bytes']:,}"),
         (
             "worker held_bytes (charged to sessions) before / after",
@@ -840,6 +949,7 @@ async def run(args: argparse.Namespace, setup: Setup) -> int:
         ("honest wrong values / errors", f"{report['wrong']} / {report['errors']}"),
         ("honest latency alone, p50 / p99 / max ms", percentiles(lat.get("alone", []))),
         ("honest latency under attack, p50 / p99 / max ms", percentiles(lat.get("hostile", []))),
+        ("seconds by phase", phases),
     ]
     for k, v in rows:
         print(f"| {k} | {v} |")
@@ -855,15 +965,18 @@ async def run(args: argparse.Namespace, setup: Setup) -> int:
             (f"honest client: {report['wrong']} wrong values", report["wrong"]),
             (f"honest client: {report['errors']} errors", report["errors"]),
             (f"{final['sessions_open'] - 1} sessions left open", final["sessions_open"] != 1),
-            ("in_use_bytes not back within 5%", not in_use_ok),
-            ("held_bytes not back to the baseline", after["held_bytes"] != before["held_bytes"]),
-            ("RSS not back within 5%", args.check_rss and not rss_ok),
+            ("in_use_bytes not back within 5%", not all(in_use_ok(s) for s, _ in rounds)),
+            (
+                "held_bytes not back to the baseline",
+                any(s["held_bytes"] != before["held_bytes"] for s, _ in rounds),
+            ),
+            ("RSS not back within 5%", args.check_rss and not all(rss_ok(r) for _, r in rounds)),
         )
         if bad
     ]
     failed = bool(reasons)
     print(
-        f"\nresult: {'FAILED: ' + '; '.join(reasons) if failed else 'ok'} (worker log: {tmp / 'worker.log'})"
+        f"\nresult: {'FAILED: ' + '; '.join(reasons) if failed else 'ok'} (worker log: {setup.tmp / 'worker.log'})"
     )
     return 1 if failed else 0
 
@@ -885,6 +998,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rate", type=float, default=50.0, help="honest steps a second")
     parser.add_argument("--alone", type=float, default=5.0, help="seconds the honest client runs alone")
+    parser.add_argument(
+        "--warm-up", type=float, default=3.0, help="seconds of hostile sessions before the baseline is taken"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="hostile rounds, memory measured after each (growth must stop)"
+    )
     parser.add_argument("--answer-timeout", type=float, default=10.0, help="seconds a batch may wait")
     parser.add_argument("--check-rss", action="store_true", help="fail unless RSS is back within 5%%")
     parser.add_argument("--worker-arg", action="append", default=[], help="an extra `emberlink worker` flag")

@@ -354,7 +354,7 @@ def captured_gpu_ms(dev: el.Device) -> float | None:
     begin, end = cp.cuda.Event(), cp.cuda.Event()
     begin.record(stream)
     for _ in range(20):
-        plan._graph.launch(stream)
+        plan.launch(stream)
     end.record(stream)
     end.synchronize()
     return float(cp.cuda.get_elapsed_time(begin, end)) / 20

@@ -1,6 +1,7 @@
-"""Protocol benchmark: handshake, small frames and chunked bulk against the bare primitives; no network.
+"""Protocol benchmark: handshake, small frames, chunked bulk and the message codec against the bare
+primitives; no network.
 
-Run: .venv/bin/python bench/protocol.py [--quick]
+Run: .venv/bin/python bench/protocol.py [--quick] [--codec]   (--codec: only the message codec rows)
 Prints one markdown table; every figure is a median over repeats, measured in this run.
 """
 
@@ -12,11 +13,13 @@ import sys
 import time
 from collections.abc import Callable
 
+import msgpack
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.mlkem import MLKEM768PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from emberlink.protocol import messages as m
 from emberlink.protocol.channel import HEADER_SIZE, TAG_SIZE, Channel
 from emberlink.protocol.handshake import ClientHandshake, WorkerHandshake
 from emberlink.protocol.identity import AllowPolicy, Identity
@@ -133,10 +136,102 @@ def bench_bulk(total: int, chunk: int, repeats: int) -> tuple[float, float]:
     return paired_medians(ours, bare, 1, repeats)
 
 
+def replayed_step(step: int) -> tuple[m.ClientMessage, ...]:
+    """Step `step` of a small jitted training loop as the client builds it: one small inline
+    upload, an Execute over it and the 18 parameters and moments the previous step made, with four
+    bindings (F32 where the graph casts to float32), those 18 dropped, the loss read."""
+    base = 1_000 + 20 * step
+    state = tuple(range(base - 18, base))
+    return (
+        m.Upload(base, "float32", (8, 16), 8 * 16 * 4, True),
+        m.Execute(bytes(range(16)), (base, *state), (m.F32.of(1e-3), m.F32.of(0.9), 0.999, step), base + 1),
+        m.Drop(state),
+        m.Read(10 + step, base + 1),
+    )
+
+
+def bench_codec(repeats: int) -> list[tuple[str, float, float]]:
+    """Median seconds per call of the message codec on a replayed step, each against bare msgpack
+    packing and unpacking the same wire objects: (what, emberlink, bare)."""
+    previous, current = replayed_step(7), replayed_step(8)
+    repeat = m.repeat_of(previous, current)
+    assert repeat is not None and repeat.bindings is not None
+    tail = bytes(8 * 16 * 4)
+    full = m.encode_batch(m.Batch(9, current, 8)) + tail
+    repeated = m.encode_batch(m.Batch(9, (repeat,), 8)) + tail
+    reply = m.Reply(9, (m.Result(18, "float32", (), 4, True),))
+    replied = m.encode_reply(reply) + bytes(4)
+    full_wire = msgpack.unpackb(full[: -len(tail)])
+    repeat_wire = msgpack.unpackb(repeated[: -len(tail)])
+    reply_wire = msgpack.unpackb(replied[:-4])
+
+    def bare(wire: object) -> Callable[[], object]:
+        return lambda: msgpack.unpackb(msgpack.packb(wire))
+
+    def full_step() -> object:
+        batch, start = m.decode_batch_prefix(m.encode_batch(m.Batch(9, current, 8)) + tail)
+        m.check_tail(batch, len(full) - start)
+        return batch
+
+    def client_repeat() -> object:
+        return m.encode_batch(m.Batch(9, (m.repeat_of(previous, current) or repeat,), 8))
+
+    def worker_repeat() -> object:
+        batch, start = m.decode_batch_prefix(repeated)
+        batch = m.expand_batch(batch, previous)
+        m.check_tail(batch, len(repeated) - start)
+        return batch
+
+    def reply_trip() -> object:
+        got, start = m.decode_reply_prefix(m.encode_reply(reply) + bytes(4))
+        m.check_reply_tail(got, len(replied) - start)
+        return got
+
+    rows = []
+    for what, ours, floor in (
+        ("codec: full step batch, encode + decode_prefix + check_tail", full_step, bare(full_wire)),
+        ("codec: replayed step, client (repeat_of + encode_batch)", client_repeat, bare(repeat_wire)),
+        (
+            "codec: replayed step, worker (decode_prefix + expand + check_tail)",
+            worker_repeat,
+            bare(repeat_wire),
+        ),
+        ("codec: Reply of one inline Result, encode + decode_prefix", reply_trip, bare(reply_wire)),
+    ):
+        rows.append((what, *paired_medians(ours, floor, 2000, repeats)))
+    return rows
+
+
+def codec_rows(repeats: int) -> list[tuple[str, ...]]:
+    return [
+        (
+            what,
+            f"{ours * 1e6:.2f} µs",
+            f"{bare * 1e6:.2f} µs (msgpack packb + unpackb)",
+            f"{ours / bare:.2f}x time",
+            "-",
+            "-",
+        )
+        for what, ours, bare in bench_codec(repeats)
+    ]
+
+
+def print_table(rows: list[tuple[str, ...]]) -> None:
+    header = ("measurement", "emberlink", "bare", "ratio", "goal", "met")
+    print(f"| {' | '.join(header)} |")
+    print(f"|{'|'.join('---' for _ in header)}|")
+    for row in rows:
+        print(f"| {' | '.join(row)} |")
+
+
 def main(argv: list[str]) -> int:
     quick = "--quick" in argv
     handshakes = 40 if quick else 200
     repeats = 3 if quick else 9
+    if "--codec" in argv:
+        print_table(codec_rows(repeats * 3))
+        print(f"\nmedians of {repeats * 3} repeats of 2000 calls", file=sys.stderr)
+        return 0
     total = 16 * MiB if quick else 64 * MiB
 
     client_hs, worker_hs, client_floor, worker_floor = bench_handshake(handshakes)
@@ -177,12 +272,9 @@ def main(argv: list[str]) -> int:
             ">= 0.8x",
             "yes" if gbps_ours >= 0.8 * gbps_bare else "NO",
         ),
+        *codec_rows(repeats),
     ]
-    header = ("measurement", "emberlink", "bare", "ratio", "goal", "met")
-    print(f"| {' | '.join(header)} |")
-    print(f"|{'|'.join('---' for _ in header)}|")
-    for row in rows:
-        print(f"| {' | '.join(row)} |")
+    print_table(rows)
     print(
         f"\nmedians: {handshakes} handshakes; {repeats} repeats of 5000 small frames and of the bulk transfer",
         file=sys.stderr,

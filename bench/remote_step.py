@@ -181,11 +181,52 @@ def floor_rows(n: int, cpu: el.Device) -> dict[str, float]:
     }
 
 
+def tiny_only(repeats: int, n: int, worker: str) -> None:
+    """The jitted tiny step over gRPC and tcp against both bare ping-pongs (server in another
+    process), `repeats` interleaved repeats of `n` samples each: quick to compare two trees."""
+    loop = io_loop()
+    client = Identity.generate(os.urandom)
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("bare_pp_proc", "bare_tcp_proc", "tiny_jit", "tiny_jit_tcp")
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        key = Path(tmp) / "client.key"
+        client.save(key)
+        with (worker_process if worker == "process" else worker_thread)(client) as ticket:
+            grpc_ticket, tcp_ticket = split_ticket(ticket)
+            dev = el.Device.remote(grpc_ticket, key=str(key))
+            dev_tcp = el.Device.remote(tcp_ticket, key=str(key))
+            steps = {"tiny_jit": jit_tiny_step(dev), "tiny_jit_tcp": jit_tiny_step(dev_tcp)}
+            for _ in range(repeats):
+                rows["bare_pp_proc"].append(loop.call(bare.grpc_bare_pingpong_process(n)))
+                rows["bare_tcp_proc"].append(loop.call(bare.tcp_bare_pingpong_process(n)))
+                for k, step in steps.items():
+                    rows[k].append(median_us(step, n))
+            dev.close()
+            dev_tcp.close()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    bp = med["bare_pp_proc"]
+    print(f"{repeats} interleaved repeat(s) of {n}, {type(loop.loop).__module__.split('.')[0]} event loop")
+    print("| row | median µs | vs bare gRPC (proc) |")
+    print("|---|---:|---:|")
+    for k, v in med.items():
+        print(f"| {k} | {v:.0f} | {v / bp:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples, one repeat")
     parser.add_argument("--worker", choices=("process", "thread"), default="process")
+    parser.add_argument(
+        "--tiny",
+        type=int,
+        metavar="REPEATS",
+        help="only the jitted tiny step against the bare ping-pongs, interleaved",
+    )
     args = parser.parse_args()
+    if args.tiny:
+        tiny_only(args.tiny, 500 if args.quick else 1000, args.worker)
+        return
     n, steps, repeats, total = (500, 20, 1, 64 * MiB) if args.quick else (2000, 60, 5, 64 * MiB)
     loop = io_loop()
     client = Identity.generate(os.urandom)

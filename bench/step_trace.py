@@ -9,7 +9,10 @@ transport (transport/tcp.py) instead of gRPC; the "gRPC" stages are then that tr
 process) and of the worker (its process starts with the same wrappers installed) to record
 `time.perf_counter_ns()` (CLOCK_MONOTONIC, shared by both processes) as each step passes, then
 prints the median of each stage over the steps, in the order a step goes through them. The
-wrappers cost a few microseconds each; the total is printed beside the untraced step time.
+wrappers cost a few microseconds each; the total is printed beside the untraced step time. Last,
+the CPU time a step of the untraced run took on the client's thread, the client's I/O thread and in
+the worker process (Linux: /proc; the worker's includes its wrappers), which a loaded machine
+inflates less than wall time.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ def install(side: str) -> None:
     wrap(BatchRunner, "_execute", "w.execute", "w.executed")
     for backend in (CupyBackend, NumpyBackend):
         wrap(backend, "to_numpy", "w.read", "w.readed")
-    wrap(Session, "_post", "w.post")
+    wrap(Session, "_finished", "w.post")
     wrap(server_link, "send", "w.write", "w.written")
     out = os.environ[OUT_ENV]
     atexit.register(lambda: np.save(out, np.array([(t, n) for t, n in EVENTS], dtype=object)))
@@ -161,7 +164,7 @@ def durations(events: list[tuple[str, int]], warm: int) -> dict[str, list[float]
 
 
 @contextmanager
-def traced_worker(key: Path, device: str, out: Path) -> Iterator[str]:
+def traced_worker(key: Path, device: str, out: Path) -> Iterator[tuple[str, int]]:
     from emberlink.protocol.identity import Identity
 
     client = Identity.load(key)
@@ -203,7 +206,7 @@ def traced_worker(key: Path, device: str, out: Path) -> Iterator[str]:
 
             parsed = Ticket.parse(ticket)  # only the address of the transport asked for
             only = Ticket(parsed.node_id, (), tcp=parsed.tcp) if tcp else Ticket(parsed.node_id, parsed.addrs)
-            yield str(only)
+            yield str(only), proc.pid
         finally:
             proc.terminate()
             proc.wait(30)
@@ -231,7 +234,7 @@ def main() -> None:
         for resident in (False,) if args.step == "tiny" else (False, True):
             out = Path(tmp) / f"worker{int(resident)}.npy"
             with (
-                traced_worker(key, args.device, out) as ticket,
+                traced_worker(key, args.device, out) as (ticket, pid),
                 el.Device.remote(ticket, key=str(key)) as dev,
             ):
                 if args.step == "tiny":
@@ -245,10 +248,12 @@ def main() -> None:
                     step = gpu_step.ember_step(dev, model, data, jit=True, resident=resident, lazy=False)
                 for i in range(30):
                     step(i % gpu_step.N_BATCHES)
+                cpu0 = cpu_ns(pid)
                 t0 = time.perf_counter()
                 for i in range(args.steps):
                     step(i % gpu_step.N_BATCHES)
                 plain = (time.perf_counter() - t0) / args.steps * 1e6
+                cpu = {k: (v - cpu0[k]) / args.steps / 1e3 for k, v in cpu_ns(pid).items()}
                 install("client")
                 EVENTS.clear()
                 for i in range(args.steps):
@@ -268,6 +273,31 @@ def main() -> None:
                 values = stages[name]
                 print(f"| {name} | {statistics.median(values):.0f} |" if values else f"| {name} | - |")
             print(f"| the whole step, untraced | {plain:.0f} |")
+            print(f"\n| {what}, untraced: CPU time a step, by thread | µs |")
+            print("|---|---:|")
+            for name, us in cpu.items():
+                print(f"| {name} | {us:.0f} |")
+
+
+def cpu_ns(worker_pid: int) -> dict[str, int]:
+    """CPU time so far (ns) of the client's thread, the client's I/O loop thread and the whole
+    worker process (every thread, from /proc/<pid>/task/*/schedstat). Less noisy than wall time on
+    a loaded machine: waiting for a core is not counted."""
+    from emberlink.transport.loop import io_loop
+
+    worker = 0
+    for stat in Path(f"/proc/{worker_pid}/task").glob("*/schedstat"):
+        try:
+            worker += int(stat.read_text().split()[0])
+        except (OSError, ValueError):
+            pass  # a thread that ended meanwhile
+    io_thread = io_loop()._thread.ident
+    assert io_thread is not None
+    return {
+        "client: the user's thread": time.thread_time_ns(),
+        "client: the I/O loop thread": time.clock_gettime_ns(time.pthread_getcpuclockid(io_thread)),
+        "worker: all its threads": worker,
+    }
 
 
 _ORIGINALS: dict[tuple[Any, str], Any] = {}

@@ -122,6 +122,15 @@ def add_worker(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="SECONDS",
         help="end a session whose replies go unread this long (30)",
     )
+    limits.add_argument(
+        "--max-client-sessions", type=int, metavar="N", help="sessions one client NodeId may have open (16)"
+    )
+    limits.add_argument(
+        "--max-client-detached",
+        type=int,
+        metavar="N",
+        help="sessions of one client NodeId kept detached for a resume; past it the oldest ends (4)",
+    )
     p.add_argument(
         "--graph-cache-bytes",
         type=_byte_count,

@@ -65,6 +65,11 @@ class Device:
     def __init__(self, executor: Executor, name: str) -> None:
         """A device over `executor` (for executor authors; users call cpu(), cuda() or remote())."""
         self._executor = executor
+        # An executor may offer host memory an upload is best copied into (LocalExecutor on a GPU:
+        # page-locked memory, which a captured graph's DMA reads in place); optional.
+        self._host_array: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None] | None = getattr(
+            executor, "host_array", None
+        )
         self.name = name
         self._closed = False
         self._next_buf = 1
@@ -346,7 +351,12 @@ class Device:
             return alias
         want = None if dtype is None else dtype_name(dtype)
         if type(data) is np.ndarray and want is None:  # the per-step batch: keep it cheap
-            array = np.array(data, order="C", copy=True)
+            staged = None if self._host_array is None else self._host_array(data.shape, data.dtype)
+            if staged is not None:
+                np.copyto(staged, data)
+                array = staged
+            else:
+                array = np.array(data, order="C", copy=True)
         else:
             try:
                 array = np.array(data, dtype=want, order="C", copy=True)

@@ -8,6 +8,7 @@ buffer passes the same error on, as a worker does.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,11 @@ class _Failed:
         return True
 
 
+PINNED_UPLOAD_BYTES = 64 << 10
+"""Uploads from this size on go to page-locked memory on a GPU (`host_array`); smaller ones are
+copied into a captured graph's staging buffer, which is cheaper than a pinned block of their own."""
+
+
 class LocalExecutor:
     """The Executor of `Device.cpu()` and `Device.cuda(n)` (docs/internals.md section 4)."""
 
@@ -59,6 +65,21 @@ class LocalExecutor:
         self._store[buf] = array
         self._in_use += self._backend.nbytes(array)
         self._peak = max(self._peak, self._in_use)
+
+    def host_array(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray | None:
+        """Page-locked host memory for an upload of `shape` and `dtype` (Device.tensor copies the
+        batch into it), or None where that does not pay: no captured graphs (their DMA reads such
+        an upload where it lies, with no second copy on the host), a small or non-native array."""
+        if self._captures is None or not dtype.isnative:
+            return None
+        nbytes = dtype.itemsize * math.prod(shape)
+        if nbytes < PINNED_UPLOAD_BYTES:
+            return None
+        host = self._backend.host_buffer(nbytes)
+        if host is None:  # a backend without page-locked memory
+            return None
+        result: np.ndarray = host.view(dtype).reshape(shape)
+        return result
 
     def upload(self, buf: int, array: np.ndarray) -> None:
         self._uploaded += array.nbytes

@@ -18,6 +18,9 @@ on any machine:
   or dropout seeds give the eager values without a new capture.
 - The staging layout: that buffer's copy tables, slots, and the regions of inputs that arrive in
   host memory (an uploaded batch), which the same first node copies to the device.
+- `early_split`: where to cut a plan into two graphs so that a small output made early (a
+  training step's loss, made by the forward pass) can be read while the rest (the backward pass
+  and the update) still runs.
 - `ArenaLayout`: the first-fit placement of a run's intermediates in one arena. Fed the run's
   allocations and frees in order (frees follow the plan's liveness, `Step.free`), it gives the
   arena's size; a capture then places the same sequence inside an arena of that size, so a replay
@@ -96,6 +99,44 @@ def check_indices(check: HostCheck, indices: Any) -> None:
         raise StagingError(f"input {check.input}: indices on the device are checked by the eager path")
     if indices.size and (int(indices.min()) < -check.size or int(indices.max()) >= check.size):
         raise StagingError(f"input {check.input}: an index is out of range for an axis of size {check.size}")
+
+
+# -- early outputs -----------------------------------------------------------------------------------
+
+EARLY_BYTES = 64 << 10
+"""Outputs up to this size (a loss, a metric) are the ones a replay makes readable early."""
+
+EARLY_MIN_AFTER = 4
+"""Fewest steps after the cut that pay for a second launch (a few µs of host time)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EarlySplit:
+    """`plan.steps[:at]` run as the first graph, then `outputs` (node values, in first-listed
+    order) are copied out and readable; the second graph runs the rest."""
+
+    at: int
+    outputs: tuple[int, ...]
+
+
+def early_split(plan: Plan) -> EarlySplit | None:
+    """The cut just after the first step that makes a small output (at most EARLY_BYTES), when at
+    least a quarter of the plan's steps, and EARLY_MIN_AFTER, come after it; None otherwise (one
+    graph serves).
+
+    Every output made before the cut, whatever its size, is copied out with the first graph.
+    """
+    first_node = plan.graph.first_node_value
+    outputs = {v for v in plan.outputs if v >= first_node}
+    steps = plan.steps
+    at = next(
+        (i + 1 for i, s in enumerate(steps) if s.out in outputs and plan.specs[s.out].nbytes <= EARLY_BYTES),
+        None,
+    )
+    if at is None or len(steps) - at < max(EARLY_MIN_AFTER, len(steps) // 4):
+        return None
+    made = {s.out for s in steps[:at]}
+    return EarlySplit(at, tuple(v for v in dict.fromkeys(plan.outputs) if v in made))
 
 
 # -- binding slots -----------------------------------------------------------------------------------
@@ -292,6 +333,8 @@ def staging_layout(n_outputs: int, slots: Sequence[Slot], host_nbytes: Sequence[
 
 __all__ = [
     "ALIGN",
+    "EARLY_BYTES",
+    "EARLY_MIN_AFTER",
     "HOST_ALIGN",
     "HOST_CHECKED_OPS",
     "MAX_CAPTURED_CONCAT",
@@ -299,6 +342,7 @@ __all__ = [
     "ArenaFull",
     "ArenaLayout",
     "CaptureRefused",
+    "EarlySplit",
     "HostCheck",
     "Slot",
     "StagingError",
@@ -306,6 +350,7 @@ __all__ = [
     "aligned",
     "binding_slots",
     "check_indices",
+    "early_split",
     "fused_slots",
     "host_checks",
     "refusal",

@@ -18,7 +18,14 @@ captured.py decides when to capture; this module does it. A captured plan owns:
 - the graph: the plan's steps (CuPy's kernels and fused kernels, matmuls through cuBLAS from
   nvmath_matmul.py, `take` without its device-side range check, which staging did on the host),
   then one kernel that copies the outputs into the arrays the replay allocated for them, so each
-  call's results are its own arrays, as on the eager path.
+  call's results are its own arrays, as on the eager path;
+- or two graphs, where capture.early_split cuts the plan after its first small output (a training
+  step's loss, made by the forward pass): the first runs the steps up to the cut and copies out
+  the outputs made so far, the second the rest. A replay records an event between the two
+  launches and tells the backend (`mark_ready`), so a read of such an output waits for that event
+  only, and the time a reader takes to act on it (a client's round trip, the next step's Python)
+  overlaps the backward pass and the update. Measured on the H200 (bench/gpu_step.py), see the
+  README.
 
 Capturing runs the same body twice. First it runs for real (the sizing run), with every
 allocation taken from CuPy's pool and also placed in an `ArenaLayout`; its outputs are that
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -162,7 +170,7 @@ one launch ahead (a loop reading each loss one step late) never waits to stage."
 class _Staging:
     """One staging buffer in pinned host memory (capture.StagingLayout) and what its launch reads."""
 
-    __slots__ = ("done", "held", "host_views", "in_table", "mem", "out_table", "slot_views")
+    __slots__ = ("bound", "done", "held", "host_views", "in_table", "made", "mem", "out_table", "slot_views")
 
     def __init__(self, xp: Any, plan: Plan, layout: cap.StagingLayout, n_outputs: int, slots: Any) -> None:
         self.mem = xp.cuda.alloc_pinned_memory(layout.nbytes)
@@ -181,7 +189,9 @@ class _Staging:
         self.in_table[:] = 0
         self.out_table[:] = 0
         self.done = xp.cuda.Event(block=False, disable_timing=True)
+        self.made = xp.cuda.Event(block=False, disable_timing=True)  # the early outputs are made
         self.held: list[np.ndarray] = []  # pinned host inputs its launch copies from
+        self.bound: list[Any] | None = None  # the bindings its slots hold
 
 
 def _pinned(xp: Any, a: np.ndarray) -> bool:
@@ -208,6 +218,12 @@ class CapturedPlan:
         # Outputs: node values get a copy-table row each (once, however often listed); inputs are
         # returned as they came, as the eager path returns them.
         self._node_outputs = tuple(dict.fromkeys(v for v in plan.outputs if v >= self._first_node))
+        # Two graphs where a small output is made early: its outputs' rows come first.
+        self._split = cap.early_split(plan)
+        if self._split is not None:
+            early = self._split.outputs
+            self._node_outputs = early + tuple(v for v in self._node_outputs if v not in early)
+        self._n_early = 0 if self._split is None else len(self._split.outputs)
         self._slots = cap.binding_slots(plan)
         self._slot_index = {(s.value, s.dtype): k for k, s in enumerate(self._slots)}
         self._checks = cap.host_checks(plan)
@@ -246,11 +262,24 @@ class CapturedPlan:
         # Each result: (input number, None) for an input returned as it came, else (0, its row).
         row_of = {v: j for j, v in enumerate(self._node_outputs)}
         self._result_of = [(v, None) if v < self._n_inputs else (0, row_of[v]) for v in plan.outputs]
+        # The results a replay marks readable after the first graph.
+        self._early_results = tuple(
+            k for k, v in enumerate(plan.outputs) if v >= self._first_node and row_of[v] < self._n_early
+        )
         self._in_grid = _grid([a.nbytes for a in self._fixed])
-        self._out_grid = _grid([plan.specs[v].nbytes for v in self._node_outputs])
+        # Each graph's steps and output rows: [(first step, end step, first row, end row), ...].
+        n_steps, n_rows = len(plan.steps), len(self._node_outputs)
+        if self._split is None:
+            self._parts = [(0, n_steps, 0, n_rows)]
+        else:
+            cut, n_early = self._split.at, self._n_early
+            self._parts = [(0, cut, 0, n_early), (cut, n_steps, n_early, n_rows)]
         self._args = [self._step_args(step) for step in plan.steps]
+        self._values: list[Any] = []
+        # The device array each fixed buffer holds a copy of (weakly), or None: unknown, or not one.
+        self._copied: list[weakref.ref[Any] | None] = [None] * self._n_inputs
         self._arena: Any = None
-        self._graph: Any = None
+        self._graphs: list[Any] = []
         self._fixed_bytes = (
             cap.aligned(size)
             + STAGING_BUFFERS * size
@@ -275,12 +304,21 @@ class CapturedPlan:
         staging = self._staging[self._turn]
         staging.done.synchronize()  # the launch that last read this buffer has finished
         staging.held = []
-        for slot, view in zip(self._slots, staging.slot_views):
-            try:
-                view[0] = cap.slot_value(slot, values[slot.value - n_in])
-            except (OverflowError, ValueError, TypeError) as e:
-                raise cap.StagingError(str(e)) from e
+        bound = staging.bound
+        # The same binding objects as this buffer last held (a jitted step's constants): its slots
+        # hold their values already.
+        if bound is None or len(bound) != len(values) or not all(map(operator.is_, values, bound)):
+            staging.bound = None
+            for slot, view in zip(self._slots, staging.slot_views):
+                try:
+                    view[0] = cap.slot_value(slot, values[slot.value - n_in])
+                except (OverflowError, ValueError, TypeError) as e:
+                    raise cap.StagingError(str(e)) from e
+            staging.bound = values
         call = _Call(staging, self._tables_end)
+        copied = self._copied
+        now: list[weakref.ref[Any] | None] = [None] * n_in
+        call.copied = now
         hosts_at = self._layout.hosts_at
         # Whole columns at once: a numpy row per input costs more than the rest of the loop.
         sources: list[int] = []
@@ -304,6 +342,16 @@ class CapturedPlan:
             elif not a.flags.c_contiguous:
                 a = xp.ascontiguousarray(a)
                 call.keep.append(a)
+            elif region is None:
+                # A device array never changes once made (results are new arrays; only a dying
+                # intermediate is written into): the one the fixed buffer holds needs no copy. (Not
+                # for a fixed buffer in the staging buffer's device copy, which staging overwrites.)
+                held = copied[k]
+                now[k] = held if held is not None and held() is a else weakref.ref(a)
+                if now[k] is held:
+                    sources.append(0)
+                    sizes.append(0)
+                    continue
             sources.append(a.data.ptr)
             sizes.append(a.nbytes)
         if sources:
@@ -326,6 +374,7 @@ class CapturedPlan:
 
     def _sent(self, call: _Call, stream: Any) -> None:
         """After the launch: the staging buffer and the host inputs stay ours until it has run."""
+        self._copied = call.copied
         call.staging.done.record(stream)
         call.staging.held = [a for _, a in call.direct]
         self._turn = (self._turn + 1) % STAGING_BUFFERS
@@ -367,17 +416,22 @@ class CapturedPlan:
             return xp.take(args[0], wide_indices(args[1]), axis=step.attrs["axis"])
         return self._c.backend.op_table[op](xp, args, step)
 
-    def _body(self, stream_ptr: int, staging: _Staging | None) -> None:
-        """The graph's work; `staging` is the buffer of a sizing run (None while capturing)."""
+    def _body(self, stream_ptr: int, staging: _Staging | None, part: int) -> None:
+        """Graph `part`'s work (see `_parts`); `staging` is the buffer of a sizing run (None while
+        capturing). The values live on from one part to the next; the last part drops them."""
         xp, layout = self._c.xp, self._layout
         runtime = xp.cuda.runtime
-        if self._n_inputs:
-            table = xp.ndarray((self._n_inputs, 3), np.uint64, memptr=self._dev_mem + layout.inputs_at)
-            self._c.copy_kernel((self._in_grid, self._n_inputs), (_THREADS,), (table,))
-        values: list[Any] = [None] * len(self.plan.specs)
-        values[: self._n_inputs] = self._fixed
+        first, end, lo, hi = self._parts[part]
+        if part == 0:
+            if self._n_inputs:
+                table = xp.ndarray((self._n_inputs, 3), np.uint64, memptr=self._dev_mem + layout.inputs_at)
+                self._c.copy_kernel((self._in_grid, self._n_inputs), (_THREADS,), (table,))
+            self._values = [None] * len(self.plan.specs)
+            self._values[: self._n_inputs] = self._fixed
+        values = self._values
         into_ops = self._c.backend.into_table
-        for step, how in zip(self.plan.steps, self._args):
+        steps = self.plan.steps
+        for step, how in zip(steps[first:end], self._args[first:end]):
             args = [self._slot_arrays[k] if slot else values[k] for slot, k in how]
             # The plan's in-place reuse, checked as the eager run loop checks it, so the arena's
             # high point is the eager run's.
@@ -394,23 +448,37 @@ class CapturedPlan:
             del out
             for v in step.free:
                 values[v] = None
-        if not self._node_outputs:
+        if part == len(self._parts) - 1:
+            self._values = []  # this part's sources below are the last references
+        if hi == lo:
             return
-        sources = [xp.ascontiguousarray(values[v]) for v in self._node_outputs]
+        sources = [xp.ascontiguousarray(values[v]) for v in self._node_outputs[lo:hi]]
+        del values
         out_table = (staging or self._staging[self._turn]).out_table
-        for row, a in zip(out_table, sources):
+        for row, a in zip(out_table[lo:hi], sources):
             row[0] = a.data.ptr
-        at = layout.outputs_at
+        at = layout.outputs_at + 24 * lo
         if staging is not None:  # the sources became known after the first copy; a capture's stay fixed
             runtime.memcpyAsync(
                 self._dev_mem.ptr + at,
                 staging.mem.ptr + at,
-                out_table.nbytes,
+                24 * (hi - lo),
                 runtime.memcpyHostToDevice,
                 stream_ptr,
             )
-        table = xp.ndarray((len(self._node_outputs), 3), np.uint64, memptr=self._dev_mem + at)
-        self._c.copy_kernel((self._out_grid, len(self._node_outputs)), (_THREADS,), (table,))
+        table = xp.ndarray((hi - lo, 3), np.uint64, memptr=self._dev_mem + at)
+        grid = _grid([self.plan.specs[v].nbytes for v in self._node_outputs[lo:hi]])
+        self._c.copy_kernel((grid, hi - lo), (_THREADS,), (table,))
+
+    def launch(self, stream: Any) -> None:
+        """Launch the graphs alone, with whatever is staged (a bench's look at the GPU time)."""
+        for graph in self._graphs:
+            graph.launch(stream)
+
+    @property
+    def graphs(self) -> int:
+        """How many graphs a replay launches (2 where an early output splits the plan)."""
+        return len(self._graphs)
 
     # -- capture and replay ------------------------------------------------------------------------
 
@@ -425,12 +493,14 @@ class CapturedPlan:
             with xp.cuda.using_allocator(self._allocator(sizing, None)):
                 c.gemm.bind(current.ptr)
                 self._send(call, current.ptr)
-                self._body(current.ptr, call.staging)
+                for part in range(len(self._parts)):
+                    self._body(current.ptr, call.staging, part)
         except cap.CaptureRefused:
             raise
         except Exception as e:  # the eager path runs it instead and, if the plan is at fault, says why
             raise cap.CaptureRefused(f"running a plan for capture failed: {type(e).__name__}: {e}") from e
         current.synchronize()  # the sizing run has read the staging buffer we now change
+        self._copied = call.copied
         results = call.results
         del call
         try:
@@ -439,19 +509,27 @@ class CapturedPlan:
             raise cap.CaptureRefused(f"no device memory for a {sizing.high_water}-byte arena", results) from e
         arena = cap.ArenaLayout(limit=sizing.high_water)
         stream = c.stream
-        stream.begin_capture()
+        graphs = []
         try:
             with stream, xp.cuda.using_allocator(self._allocator(arena, self._arena)):
                 c.gemm.bind(stream.ptr)
-                self._body(stream.ptr, None)
+                for part in range(len(self._parts)):
+                    stream.begin_capture()
+                    try:
+                        self._body(stream.ptr, None, part)
+                    except BaseException:
+                        # An invalidated capture ends in an error too; the first one is the one that matters.
+                        with contextlib.suppress(Exception):
+                            stream.end_capture()
+                        raise
+                    graphs.append(stream.end_capture())
         except BaseException as e:
-            # An invalidated capture ends in an error too; the first one is the one that matters.
-            with contextlib.suppress(Exception):
-                stream.end_capture()
+            self._values = []
             self._arena = None
             raise cap.CaptureRefused(f"capturing a plan failed: {type(e).__name__}: {e}", results) from e
-        self._graph = stream.end_capture()
-        self._graph.upload(current)
+        for graph in graphs:
+            graph.upload(current)
+        self._graphs = graphs
         sources = self._staging[self._turn].out_table[:, 0].copy()  # the arena's, fixed from now on
         for staging in self._staging:
             staging.out_table[:, 0] = sources
@@ -484,13 +562,26 @@ class CapturedPlan:
                 call = self._stage(inputs, bindings)
                 stream = xp.cuda.get_current_stream()
                 self._send(call, stream.ptr)
-                self._graph.launch(stream)
+                graphs = self._graphs
+                graphs[0].launch(stream)
+                if len(graphs) > 1:
+                    made = call.staging.made
+                    made.record(stream)
+                    mark, results = self._c.backend.mark_ready, call.results
+                    for k in self._early_results:
+                        mark(results[k], made)
+                    graphs[1].launch(stream)
                 self._sent(call, stream)
-            except (cap.StagingError, ExecutionError):
+            except cap.StagingError:
+                raise  # nothing was launched: the fixed buffers hold what they held
+            except ExecutionError:
+                self._copied = [None] * self._n_inputs
                 raise
             except xp.cuda.memory.OutOfMemoryError as e:
+                self._copied = [None] * self._n_inputs
                 raise OutOfMemory(f"captured graph: out of memory for its outputs: {e}") from e
             except Exception as e:
+                self._copied = [None] * self._n_inputs
                 raise ExecutionError(f"captured graph failed: {type(e).__name__}: {e}") from e
             # The pool reuses `call.keep`'s memory only for work queued after the launch.
             return call.results
@@ -500,7 +591,7 @@ class CapturedPlan:
         for staging in self._staging:
             staging.done.synchronize()
             staging.held = []
-        self._graph = None
+        self._graphs = []
         self._arena = None
         self._fixed = []
         self._slot_arrays = []
@@ -510,11 +601,12 @@ class _Call:
     """One staged call: its staging buffer, how much of it to copy, the pinned host inputs to copy
     straight to their fixed buffers, arrays to hold until the launch is queued, and its results."""
 
-    __slots__ = ("direct", "keep", "results", "staging", "upto")
+    __slots__ = ("copied", "direct", "keep", "results", "staging", "upto")
 
     def __init__(self, staging: _Staging, upto: int) -> None:
         self.staging = staging
         self.upto = upto
+        self.copied: list[weakref.ref[Any] | None] = []  # what each fixed buffer holds once it has run
         self.direct: list[tuple[int, np.ndarray]] = []
         self.keep: list[Any] = []
         self.results: list[Any] = []

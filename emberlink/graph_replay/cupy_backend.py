@@ -225,6 +225,10 @@ class CupyBackend:
         self._oom: tuple[type[BaseException], ...] = (MemoryError, cupy.cuda.memory.OutOfMemoryError)
         self._variants: weakref.WeakKeyDictionary[Plan, Plan] = weakref.WeakKeyDictionary()
         self._kernels: dict[tuple[str, str, str], Any] = {}
+        # id(array) -> (weak reference to it, the event after which its value is final): arrays a
+        # captured replay made before the rest of its work (`mark_ready`).
+        self._ready: dict[int, tuple[weakref.ref[Any], Any]] = {}
+        self._side: Any = None
 
     # -- fusion -------------------------------------------------------------------------------------
 
@@ -296,13 +300,45 @@ class CupyBackend:
         self._sample()
         return out
 
+    def mark_ready(self, a: Array, event: Any) -> None:
+        """`a`'s value is final once `event` (recorded on the current stream) has passed, though
+        more work is queued after it: reads of `a` wait for that event only (cuda_graph.py's
+        early outputs). Forgotten when `a` goes."""
+        key, ready = id(a), self._ready
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            entry = ready.get(key)
+            if entry is not None and entry[0] is ref:
+                del ready[key]
+
+        ready[key] = (weakref.ref(a, forget), event)
+
+    def _ready_event(self, a: Array) -> Any:
+        """The event after which `a` is final, if a replay marked it; None otherwise."""
+        entry = self._ready.get(id(a))
+        if entry is None or entry[0]() is not a:
+            return None
+        return entry[1]
+
+    def _side_stream(self) -> Any:
+        """The stream early reads copy on, beside the work still queued on the current one."""
+        if self._side is None:
+            self._side = self._cp.cuda.Stream(non_blocking=True)
+        return self._side
+
     def to_numpy(self, a: Array) -> Any:
         with self._device:
-            return self._cp.asnumpy(a)
+            made = self._ready_event(a) if self._ready else None
+            if made is None:
+                return self._cp.asnumpy(a)
+            made.synchronize()  # a is final: copy it beside the rest of its graph's work
+            return self._cp.asnumpy(a, stream=self._side_stream())
 
     def to_numpy_async(self, a: Array) -> HostCopy:
         """A copy into pinned memory queued on the current stream (up to ASYNC_READ_BYTES; larger
-        arrays are copied at once, so that they do not hold page-locked memory)."""
+        arrays are copied at once, so that they do not hold page-locked memory). An array marked
+        ready (`mark_ready`) is copied on a side stream as soon as its event has passed, and work
+        queued later on the current stream waits for that copy (it may reuse the array's memory)."""
         if isinstance(a, np.ndarray):  # an upload still in host memory
             return Ready(np.array(a, copy=True))
         if a.nbytes > ASYNC_READ_BYTES:
@@ -311,9 +347,17 @@ class CupyBackend:
         with self._device:
             out = cp.cuda.alloc_pinned_memory(max(a.nbytes, 1))
             host = np.frombuffer(out, a.dtype, a.size).reshape(a.shape)
-            cp.asnumpy(a, out=host, blocking=False)
             done = cp.cuda.Event(block=False, disable_timing=True)
-            done.record()
+            made = self._ready_event(a) if self._ready else None
+            if made is None:
+                cp.asnumpy(a, out=host, blocking=False)
+                done.record()
+            else:
+                side = self._side_stream()
+                side.wait_event(made)
+                cp.asnumpy(a, out=host, blocking=False, stream=side)
+                done.record(side)
+                cp.cuda.get_current_stream().wait_event(done)
         return _Download(host, done)
 
     def run(self, plan: Plan, inputs: Sequence[Array], bindings: Sequence[Scalar]) -> list[Array]:

@@ -83,11 +83,12 @@ class MemoryMeter:
             # buffers only), so a session that once held many small arrays leaves no large table.
             self._live = {k: r for k, r in self._live.items() if r() is not None}
             self._most = live
-        self._most = max(self._most, live)
+        if live > self._most:  # noqa: PLR1730 - no max() call: several times a step
+            self._most = live
 
     def track(self, a: Any) -> None:
         """Count `a`'s buffer (once, however many arrays share it) until it is garbage."""
-        root = owner(a)
+        root = a if a.base is None else owner(a)
         key = id(root)
         if key in self._live:  # counted already (a replay's inputs, its step results as outputs)
             return
@@ -100,7 +101,8 @@ class MemoryMeter:
                 ref.nbytes = int(root.nbytes)
                 self._live[key] = ref
                 self._in_use += ref.nbytes
-            self._peak = max(self._peak, self._in_use)
+            if self._in_use > self._peak:  # noqa: PLR1730 - no max() call: several times a step
+                self._peak = self._in_use
 
     @property
     def in_use(self) -> int:

@@ -19,7 +19,7 @@ import numpy as np
 
 from emberlink.errors import DTypeError
 from emberlink.graph_replay import rng
-from emberlink.graph_replay.backend import Array, IntoFn, OpFn, Ready, check_inputs, run_plan
+from emberlink.graph_replay.backend import Array, IntoFn, OpFn, Ready, run_plan
 from emberlink.graph_replay.inference import window_counts
 from emberlink.graph_replay.ir import Key, Scalar
 from emberlink.graph_replay.memory import MemoryMeter
@@ -124,9 +124,17 @@ def _astype(xp: Any, args: Sequence[Any], step: Step) -> Array:
 # -- reductions ------------------------------------------------------------------------------------
 
 
+_NP_REDUCE: dict[str, Any] = {"sum": np.add.reduce, "prod": np.multiply.reduce}
+
+
 def _reduce(xp: Any, args: Sequence[Any], step: Step) -> Array:
     x, axis, keepdims, out = args[0], step.attrs["axis"], step.attrs["keepdims"], step.out_spec.dtype
     if step.op in ("sum", "prod"):
+        if (
+            xp is np
+        ):  # the ufunc's own reduce, as np.sum calls it: its Python wrapper costs more than a small sum
+            reduce = _NP_REDUCE[step.op]
+            return reduce(x, axis=axis, dtype=_wide(out), keepdims=keepdims).astype(out, copy=False)
         fn = xp.sum if step.op == "sum" else xp.prod
         return fn(x, axis=axis, keepdims=keepdims, dtype=_wide(out)).astype(out, copy=False)
     if step.op == "mean":
@@ -364,6 +372,10 @@ INTO_TABLE: dict[str, IntoFn] = dict.fromkeys(REUSE_OPS, _elementwise_into)
 """Op name -> implementation writing into a given buffer; exactly `plan.REUSE_OPS`."""
 
 
+_DTYPE_OBJECTS = frozenset(np.dtype(name) for name in DTYPES)
+"""The dtypes a backend array may have, as dtype objects (native byte order only)."""
+
+
 class NumpyBackend:
     """Runs plans on the CPU with NumPy. Memory figures are exact for arrays (see memory.py).
 
@@ -393,7 +405,7 @@ class NumpyBackend:
         return variant
 
     def from_numpy(self, a: Any) -> Array:
-        if str(a.dtype) not in DTYPES:
+        if a.dtype not in _DTYPE_OBJECTS:  # not str(a.dtype): ~2 µs in NumPy 2, on every upload
             raise DTypeError(f"dtype {a.dtype} is not one of {DTYPES}")
         self._meter.track(a)
         return a
@@ -402,8 +414,7 @@ class NumpyBackend:
         return np.asarray(a, order="C")
 
     def run(self, plan: Plan, inputs: Sequence[Array], bindings: Sequence[Scalar]) -> list[Array]:
-        check_inputs(plan, inputs)
-        track = self._meter.track
+        track = self._meter.track  # inputs are checked by run_plan, before any step
         for a in inputs:
             track(a)
         # inf and nan are results here, as on a GPU, not warnings.

@@ -10,10 +10,12 @@ Two figures, both upper-bound estimates a worker compares with its limits (serve
   element, any other op one per element of its largest operand or result. A fused step counts
   its members.
 `COST` was measured with NumPy on the 2-core development machine (ns per element touched, warm
-buffers, 2^22 elements): a plain elementwise op 0.15-0.25 ns; sigmoid 0.8; where 0.6; softmax
-1.2-2.2; cross-entropy 4.2; arange 3.4, rand 12.5 and randn 49 per result element; np.add.at
-(scatter_add) 1.2. An op missing from `COST` counts as a plain elementwise op; ops with more work
-per element than that (a convolution, attention) must be added here when they join the op table.
+buffers, 2^22 elements): a plain elementwise op, a comparison, a fill or a sum 0.1-0.25 ns; sign
+0.23; prod 0.74; concat and stack 0.4-0.5; getitem_grad 0.24; unfold 0.35 and fold 0.64 (3x3
+windows, all of the image and its columns counted); sigmoid 0.8; where 0.6; softmax 1.2-2.2;
+cross-entropy 4.2; arange 3.4, rand 12.5 and randn 49 per result element; np.add.at (scatter_add)
+1.2. Every op of the op table has its entry (tests/graph_replay/test_work.py checks it), so an op
+that joins the table is estimated on purpose, not by default.
 """
 
 from __future__ import annotations
@@ -31,9 +33,20 @@ VIEW_OPS = frozenset({"permute_dims", "broadcast_to", "expand_dims", "getitem", 
 """Ops that may touch nothing (a view); a copying reshape is counted by the step that reads it."""
 
 COST: dict[str, int] = {
-    **{op: 2 for op in (*UNARY_FLOAT, "pow", "astype", "take")},
+    **{op: 0 for op in VIEW_OPS},
+    **{op: 1 for op in ("add", "subtract", "multiply", "divide", "maximum", "minimum", "negative", "abs")},
+    **{op: 1 for op in ("relu", "square", "round", "floor", "ceil", "trunc", "isfinite", "isinf", "isnan")},
+    **{op: 1 for op in ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal")},
+    **{op: 1 for op in ("logical_and", "logical_or", "logical_not", "zeros", "ones", "full", "eye")},
+    **{op: 1 for op in ("sum", "mean", "max", "min", "argmax", "argmin", "matmul")},  # matmul: its FLOPs
+    **{op: 2 for op in (*UNARY_FLOAT, "pow", "astype", "take", "sign", "getitem_grad")},
     "sigmoid": 4,
     "where": 3,
+    "stack": 3,
+    "concat": 4,
+    "unfold": 3,
+    "fold": 5,
+    "prod": 5,
     "one_hot": 5,
     "scatter_add": 8,
     "softmax": 12,
@@ -43,7 +56,8 @@ COST: dict[str, int] = {
     "rand": 64,
     "randn": 256,
 }
-"""Work per element touched, relative to `add` (see the module docstring); 1 for the rest."""
+"""Work per element touched, relative to `add` (see the module docstring), for every op of the op
+table (views: 0, they touch nothing)."""
 
 TRANSCENDENTAL_FLOPS = 8
 """FLOPs counted per element of exp, log, sqrt, tanh, sigmoid, sin, cos and pow."""
@@ -67,7 +81,7 @@ def plan_work(plan: Plan) -> Work:
         if step.op in VIEW_OPS:
             continue
         members = step.chain if step.op == FUSED else (step,)
-        cost = max(COST.get(s.op, 1) for s in members)
+        cost = max(COST[s.op] for s in members)
         elements += (_tensor_elements(step.in_specs) + step.out_spec.size) * cost
         flops += sum(_flops(s) for s in members)
     return Work(elements, flops)

@@ -43,6 +43,9 @@ SESSION_ID_SIZE = 8
 KEY_SIZE = 32
 MAX_PLAINTEXT = 16 * 1024 * 1024
 CHUNK_SIZE = 1024 * 1024 - 128
+SMALL_FRAME = 16 * 1024
+"""`seal_parts` seals plaintexts shorter than this with one copy of the ciphertext (`seal`), not
+straight into a fresh buffer: measured, 1.4 against 2.8 µs for a step's ~100-byte batch."""
 # A sealed chunk plus a transport's own header (the NATS relay adds 5 bytes) fits one 1 MiB
 # message: NATS's default max_payload, and the size gRPC streams fastest here. Measured: a chunk
 # of exactly 1 MiB became two NATS messages per frame and halved relay uploads.
@@ -219,8 +222,14 @@ class Channel:
     def seal_parts(self, parts: Iterable[BytesLike], kind: Kind = MESSAGE) -> bytes | bytearray:
         """One frame whose plaintext is the parts joined (a MESSAGE with inline bytes after it).
 
-        The parts are joined once, then encrypted straight into the frame's buffer."""
-        return self._seal_new(kind, b"".join(parts))
+        The parts are joined once, then encrypted straight into the frame's buffer; a small frame
+        (below SMALL_FRAME) is sealed as `seal` does it, which costs half as much for a step's
+        batch of a few hundred bytes (the ctypes calls of a fresh frame buffer cost more than
+        the one copy they save)."""
+        plaintext = b"".join(parts)
+        if len(plaintext) < SMALL_FRAME:
+            return self.seal(plaintext, kind)
+        return self._seal_new(kind, plaintext)
 
     def seal_chunks(self, data: BytesLike, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes | bytearray]:
         """BULK frames carrying data in chunks of at most chunk_size, each in a fresh buffer.
@@ -312,7 +321,7 @@ class Channel:
         if counter != expected:
             what = "replayed" if counter < expected else "out of order (a frame was dropped or reordered)"
             raise AuthError(f"frame {counter} {what}; expected frame {expected}")
-        return Kind(kind), length - TAG_SIZE
+        return _KIND_OF[kind], length - TAG_SIZE
 
 
 def parse_header(frame: BytesLike) -> tuple[int, int, bytes, int, int]:
@@ -330,6 +339,7 @@ def parse_header(frame: BytesLike) -> tuple[int, int, bytes, int, int]:
 
 
 _KINDS = frozenset(int(k) for k in Kind)
+_KIND_OF = {int(k): k for k in Kind}  # a dict lookup, not the enum's constructor, per frame opened
 
 
 def split_frames(blob: BytesLike) -> list[memoryview]:

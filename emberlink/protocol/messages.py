@@ -1,20 +1,32 @@
-"""The session message schema (docs/internals.md section 6) in MessagePack; no I/O, never pickle or eval.
+"""The session message schema (docs/internals.md section 6): messages as declared data, one MessagePack codec; no I/O, never pickle or eval.
 
 Rules (everything that decides what is a valid message lives in this file):
+- Messages are data. Each message is a frozen dataclass that names its `TAG` (a `Tag`) and
+  annotates every field with its *kind*, an `Annotated` alias: `TensorId`, `TensorIds` (an id list,
+  run-length encoded), `RequestId`, `AnswerId` (a request id or 0), `Seq`, `Shift`, `GraphId`
+  (16 bytes), `Graph`, `DType`, `Shape`, `NBytes`, `Bindings`, `BindingRows`, `Text`, `Code`,
+  `StatMap`, or `inline_as(tag)`. The alias's `Kind` says how the field travels (`write`), how it
+  is checked (`read`, `bounds`) and what a Repeat does to it (`role`). At import the declarations
+  are read once into a writer per class, a reader (decoder and validator) per tag and a shift per
+  class; no message has code of its own. A new message is a dataclass, a `Tag` and a place in
+  `ClientMessage` or `WorkerMessage`; handlers `match` on those unions and end in `assert_never`.
 - A Batch is `[seq, [message, ...]]` or `[seq, [message, ...], received]`, a Reply
   `[ack, [message, ...]]`. `received` (absent: 0) is the highest Reply ack the client has taken in
   whole, bulk included: the worker may forget the replies up to it (it keeps the others to send
-  again when the session resumes on a new link, protocol/resume.py). A message is an array
-  whose first item is its tag. Client-to-worker tags are 1..10, worker-to-client tags 16..21, so
-  a message sent the wrong way is an unknown tag.
+  again when the session resumes on a new link, protocol/resume.py). A message is the array
+  `[tag, field, field, ...]`, its fields in declaration order; an `inline_as(tag)` flag does not
+  travel (True sends the message as that tag instead), and an optional last field (Repeat's
+  bindings) is left off when None. Client-to-worker tags are 1..10, worker-to-client tags
+  16..21, so a message sent the wrong way is an unknown tag.
 - Decoding is validation: known tag, exact arity, exact types (a bool is not an int, an int is
-  not a float), bounded sizes, dtypes from `protocol.dtypes`. Anything else is a ProtocolError, and nothing
-  else escapes a decoder.
+  not a float), bounded sizes, dtypes from `protocol.dtypes`. Anything else is a ProtocolError, and
+  nothing else escapes a decoder.
 - Sizes are bounded before anything is built: msgpack's own length limits, rank <= MAX_RANK,
-  elements and nbytes <= MAX_NBYTES (and nbytes == elements * itemsize), the product of a
-  shape's non-zero dims <= MAX_NBYTES too (so a zero-element shape is still one an array can
-  have), a batch's messages <= MAX_BATCH_MESSAGES (a reply's <= MAX_MESSAGES), and the ids a
-  batch names after run-length expansion <= MAX_IDS, counted before expanding.
+  elements and nbytes <= MAX_NBYTES (and a message's nbytes == elements * itemsize of its dtype
+  and shape), the product of a shape's non-zero dims <= MAX_NBYTES too (so a zero-element shape is
+  still one an array can have), a batch's messages <= MAX_BATCH_MESSAGES (a reply's <=
+  MAX_MESSAGES), and the ids a batch names after run-length expansion <= MAX_IDS, counted before
+  expanding. Tensor ids are in 0..MAX_ID, request ids in 1..MAX_ID, on the wire and after a shift.
 - dtypes travel as small ints, shapes as arrays, id lists run-length encoded as
   `[start, count, start, count, ...]`; the dataclasses hold plain tuples of ids.
 - Bulk data never travels inside msgpack: an Upload's `nbytes` announces the BULK frames that
@@ -24,16 +36,24 @@ Rules (everything that decides what is a valid message lives in this file):
   Result (tag 21 instead of 16) carries its bytes in the tail after the msgpack reply
   (`decode_reply_prefix`, `check_reply_tail`).
 - A Repeat (tag 9) is a batch's only message: the previous batch of the session again, every
-  tensor id shifted by `id_shift`, every request id by `rid_shift`, and the Executes' bindings
-  replaced when given (`expand_batch`, `repeat_of`).
+  field of kind `TensorId`/`TensorIds` shifted by `id_shift`, every `RequestId` by `rid_shift`,
+  and the `Bindings` fields (the Executes') replaced, in order, when bindings are given
+  (`expand_batch`, `repeat_of`: one shift serves both).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import math
 import struct
-from collections.abc import Callable, Iterable
+import threading
+import typing
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from itertools import chain, repeat
+from operator import add, attrgetter
+from typing import Annotated, Any, ClassVar, NoReturn
 
 import msgpack
 
@@ -59,7 +79,29 @@ _MAX_ARRAY = 2 * MAX_IDS
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
+class Tag(enum.IntEnum):
+    """Every message's wire tag: client -> worker 1..10, worker -> client 16..21."""
+
+    REGISTER = 1
+    EXECUTE = 2
+    UPLOAD = 3
+    READ = 4
+    DROP = 5
+    SYNC = 6
+    STATS = 7
+    CLOSE = 8
+    REPEAT = 9
+    UPLOAD_INLINE = 10
+    RESULT = 16
+    DONE = 17
+    STATS_REPLY = 18
+    ERROR = 19
+    GRAPH_UNKNOWN = 20
+    RESULT_INLINE = 21
+
+
 _FLOAT32 = struct.Struct(">f")
+_FLOAT64 = struct.Struct(">d")
 
 
 class F32(float):
@@ -81,56 +123,300 @@ class F32(float):
             return value
 
 
+# -- checking values --------------------------------------------------------------------------
+
+
+def _refuse(what: str) -> NoReturn:
+    raise ProtocolError(what)
+
+
+def _show(v: object) -> str:
+    if isinstance(v, list | dict | bytes | str):
+        return f"{type(v).__name__} of length {len(v)}"
+    return f"{type(v).__name__} {v!r:.40}"
+
+
+def _list(v: object, what: str, hi: int) -> list[Any]:
+    if type(v) is not list or len(v) > hi:
+        _refuse(f"{what} must be an array of at most {hi} items, got {_show(v)}")
+    return v
+
+
+class _Budget:
+    """Ids one batch may still name; spent before any run is expanded."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_IDS
+
+
+Reader = Callable[[object, _Budget], Any]
+
+
+def _ints(what: str, lo: int, hi: int) -> Reader:
+    def read(v: object, budget: _Budget) -> int:
+        if type(v) is not int or not lo <= v <= hi:
+            _refuse(f"{what} must be an int in {lo}..{hi}, got {_show(v)}")
+        return v
+
+    return read
+
+
+def _strs(what: str, lo: int, hi: int) -> Reader:
+    def read(v: object, budget: _Budget) -> str:
+        if type(v) is not str or not lo <= len(v) <= hi:
+            _refuse(f"{what} must be a string of {lo}..{hi} characters, got {_show(v)}")
+        return v
+
+    return read
+
+
+def _bins(what: str, lo: int, hi: int) -> Reader:
+    def read(v: object, budget: _Budget) -> bytes:
+        if type(v) is not bytes or not lo <= len(v) <= hi:
+            _refuse(f"{what} must be {lo}..{hi} bytes, got {_show(v)}")
+        return v
+
+    return read
+
+
+def _read_ids(v: object, budget: _Budget) -> tuple[int, ...]:
+    runs = _list(v, "id list", _MAX_ARRAY)
+    if len(runs) % 2:
+        _refuse(f"an id list is [start, count, ...] pairs, got {len(runs)} items")
+    starts, counts = runs[0::2], runs[1::2]
+    for start, count in zip(starts, counts, strict=True):
+        if type(start) is not int or not 0 <= start <= MAX_ID:
+            _refuse(f"an id run must start at an int in 0..{MAX_ID}, got {_show(start)}")
+        if type(count) is not int or not 1 <= count <= MAX_IDS or start + count - 1 > MAX_ID:
+            _refuse(
+                f"an id run from {start} must have 1..{min(MAX_IDS, MAX_ID - start + 1)} ids, got {_show(count)}"
+            )
+    total = sum(counts)
+    if total > budget.left:
+        _refuse(f"batch names more than {MAX_IDS} ids")
+    budget.left -= total
+    if total == len(starts):  # every run has count 1: the ids are the starts
+        return tuple(starts)
+    return tuple(chain.from_iterable(map(range, starts, map(add, starts, counts))))
+
+
+def rle_encode(ids: Iterable[int]) -> list[int]:
+    """`[start, count, ...]` runs of consecutive ids."""
+    ids = ids if type(ids) is tuple else tuple(ids)
+    if ids and ids[-1] - ids[0] == len(ids) - 1 and ids == tuple(range(ids[0], ids[0] + len(ids))):
+        return [ids[0], len(ids)]
+    runs: list[int] = []
+    for x in ids:
+        if runs and x == runs[-2] + runs[-1]:
+            runs[-1] += 1
+        else:
+            runs += (x, 1)
+    return runs
+
+
+def _read_dtype(v: object, budget: _Budget) -> str:
+    if type(v) is not int or not 1 <= v <= len(DTYPES):
+        _refuse(f"a dtype code must be an int in 1..{len(DTYPES)}, got {_show(v)}")
+    return DTYPES[v - 1]
+
+
+def _write_dtype(dtype: str) -> int:
+    try:
+        return WIRE_CODE[dtype]
+    except KeyError:
+        raise ProtocolError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}") from None
+
+
+def _read_shape(v: object, budget: _Budget) -> tuple[int, ...]:
+    if type(v) is not list or len(v) > MAX_RANK:
+        _refuse(f"a shape must be an array of at most {MAX_RANK} dimensions, got {_show(v)}")
+    nonzero = 1
+    for d in v:
+        if type(d) is not int or not 0 <= d <= MAX_NBYTES:
+            _refuse(f"a dimension must be an int in 0..{MAX_NBYTES}, got {_show(d)}")
+        if d:
+            nonzero *= d
+    if nonzero > MAX_NBYTES:
+        _refuse(f"shape {v!r} has more than {MAX_NBYTES} elements (zero dims aside)")
+    return tuple(v)
+
+
+_FLOAT_OR_BOOL = frozenset((float, bool))
+_INT64_MIN, _INT64_MAX = _INT64
+
+
+def _read_bindings(v: object, budget: _Budget) -> tuple[Scalar, ...]:
+    values = _list(v, "bindings", MAX_BINDINGS)
+    if not _FLOAT_OR_BOOL.issuperset(map(type, values)):  # checked in C when all are floats
+        for b in values:
+            t = type(b)
+            if t is not float and t is not bool and (t is not int or not _INT64_MIN <= b <= _INT64_MAX):
+                _refuse(f"a binding must be a bool, a float or an int64, got {_show(b)}")
+    return tuple(values)
+
+
+def _read_binding_rows(v: object, budget: _Budget) -> tuple[tuple[Scalar, ...], ...]:
+    return tuple(_read_bindings(row, budget) for row in _list(v, "bindings of each Execute", MAX_MESSAGES))
+
+
+_stat_name = _strs("stat name", 1, MAX_STAT_KEY)
+_stat_text = _strs("stat value", 0, MAX_TEXT)
+_stat_int = _ints("stat value", *_INT64)
+
+
+def _read_stats(v: object, budget: _Budget) -> dict[str, StatValue]:
+    if type(v) is not dict or len(v) > MAX_STATS:
+        _refuse(f"stats must be a map of at most {MAX_STATS} entries, got {_show(v)}")
+    for k, x in v.items():
+        _stat_name(k, budget)
+        t = type(x)
+        if t is str:
+            _stat_text(x, budget)
+        elif t is not float:
+            _stat_int(x, budget)
+    return v
+
+
+# -- kinds: how a field travels, is checked and is shifted -------------------------------------
+
+
+class Role(enum.Enum):
+    """What a Repeat does to a field."""
+
+    KEPT = "kept"
+    TENSOR = "tensor id"  # shifted by id_shift, kept in 0..MAX_ID
+    REQUEST = "request id"  # shifted by rid_shift, kept in 1..MAX_ID
+    BINDINGS = "bindings"  # replaced by the Repeat's next bindings tuple when it gives them
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """A field's kind: `read` checks a wire value and returns the field's value (ProtocolError
+    otherwise); `write` turns a field's value into its wire value (None: it travels as it is)."""
+
+    name: str
+    read: Reader
+    write: Callable[[Any], Any] | None = None
+    role: Role = Role.KEPT
+    many: bool = False  # a tuple of ids rather than one
+    optional: bool = False  # the last field may be None, and is then left off
+    inline_tag: Tag | None = None  # not on the wire: True picks this tag instead of the class's
+    bounds: tuple[int, int] | None = None  # an int in lo..hi (what `read` checks), checked inline
+    scalars: int = 0  # scalars nested this deep (1: a tuple, 2: tuples of them); F32 stays float32
+
+
+def _int_kind(name: str, lo: int, hi: int, role: Role = Role.KEPT) -> Kind:
+    return Kind(name, _ints(name, lo, hi), role=role, bounds=(lo, hi))
+
+
+TENSOR_ID = _int_kind("tensor id", 0, MAX_ID, Role.TENSOR)
+TENSOR_IDS = Kind("tensor ids", _read_ids, rle_encode, role=Role.TENSOR, many=True)
+REQUEST_ID = _int_kind("request id", 1, MAX_ID, Role.REQUEST)
+ANSWER_ID = _int_kind("request id or 0", 0, MAX_ID)  # 0: the session
+SEQ = _int_kind("batch seq", 1, MAX_ID)
+SHIFT = _int_kind("shift", -MAX_ID, MAX_ID)
+GRAPH_ID = Kind("graph id", _bins("graph id", GID_SIZE, GID_SIZE))
+GRAPH = Kind("graph", _bins("graph", 1, MAX_GRAPH_BYTES))
+DTYPE = Kind("dtype", _read_dtype, _write_dtype)
+SHAPE = Kind("shape", _read_shape)
+NBYTES = _int_kind("nbytes", 0, MAX_NBYTES)  # == elements * itemsize of the message's dtype, shape
+BINDINGS = Kind("bindings", _read_bindings, role=Role.BINDINGS, scalars=1)
+BINDING_ROWS = Kind("bindings of each Execute", _read_binding_rows, optional=True, scalars=2)
+TEXT = Kind("text", _strs("text", 0, MAX_TEXT))
+CODE = Kind("error code", _strs("error code", 1, MAX_CODE))
+STAT_MAP = Kind("stats", _read_stats)
+
+
+def _not_on_the_wire(v: object, budget: _Budget) -> NoReturn:
+    raise AssertionError("a flag field is never read from the wire")
+
+
+def inline_as(tag: Tag) -> Kind:
+    """The kind of an `inline` flag: not on the wire, True sends the message as `tag`."""
+    return Kind("inline flag", _not_on_the_wire, inline_tag=tag)
+
+
+TensorId = Annotated[int, TENSOR_ID]
+TensorIds = Annotated[tuple[int, ...], TENSOR_IDS]
+RequestId = Annotated[int, REQUEST_ID]
+AnswerId = Annotated[int, ANSWER_ID]
+Seq = Annotated[int, SEQ]
+Shift = Annotated[int, SHIFT]
+GraphId = Annotated[bytes, GRAPH_ID]
+Graph = Annotated[bytes, GRAPH]
+DType = Annotated[str, DTYPE]
+Shape = Annotated[tuple[int, ...], SHAPE]
+NBytes = Annotated[int, NBYTES]
+Bindings = Annotated[tuple[Scalar, ...], BINDINGS]
+BindingRows = Annotated[tuple[tuple[Scalar, ...], ...] | None, BINDING_ROWS]
+Text = Annotated[str, TEXT]
+Code = Annotated[str, CODE]
+StatMap = Annotated[dict[str, StatValue], STAT_MAP]
+
+
 # -- client -> worker -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class Register:
-    gid: bytes
-    graph: bytes
+    TAG: ClassVar[Tag] = Tag.REGISTER
+    gid: GraphId
+    graph: Graph
 
 
 @dataclass(frozen=True, slots=True)
 class Execute:
-    gid: bytes
-    inputs: tuple[int, ...]
-    bindings: tuple[Scalar, ...]
-    out_base: int
+    """Run graph `gid` on `inputs`; its outputs get ids `out_base, out_base + 1, ...`."""
+
+    TAG: ClassVar[Tag] = Tag.EXECUTE
+    gid: GraphId
+    inputs: TensorIds
+    bindings: Bindings
+    out_base: TensorId
 
 
 @dataclass(frozen=True, slots=True)
 class Upload:
-    tid: int
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    inline: bool = False  # the bytes follow in the MESSAGE plaintext's tail, not in BULK frames
+    TAG: ClassVar[Tag] = Tag.UPLOAD
+    tid: TensorId
+    dtype: DType
+    shape: Shape
+    nbytes: NBytes
+    # the bytes follow in the MESSAGE plaintext's tail, not in BULK frames
+    inline: Annotated[bool, inline_as(Tag.UPLOAD_INLINE)] = False
 
 
 @dataclass(frozen=True, slots=True)
 class Read:
-    rid: int
-    tid: int
+    TAG: ClassVar[Tag] = Tag.READ
+    rid: RequestId
+    tid: TensorId
 
 
 @dataclass(frozen=True, slots=True)
 class Drop:
-    ids: tuple[int, ...]
+    TAG: ClassVar[Tag] = Tag.DROP
+    ids: TensorIds
 
 
 @dataclass(frozen=True, slots=True)
 class Sync:
-    rid: int
+    TAG: ClassVar[Tag] = Tag.SYNC
+    rid: RequestId
 
 
 @dataclass(frozen=True, slots=True)
 class Stats:
-    rid: int
+    TAG: ClassVar[Tag] = Tag.STATS
+    rid: RequestId
 
 
 @dataclass(frozen=True, slots=True)
 class Close:
-    reason: str
+    TAG: ClassVar[Tag] = Tag.CLOSE
+    reason: Text
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +424,10 @@ class Repeat:
     """The previous batch again, ids and rids shifted; `bindings` (one tuple per Execute, in
     order) replace the Executes' bindings, None keeps them."""
 
-    id_shift: int
-    rid_shift: int
-    bindings: tuple[tuple[Scalar, ...], ...] | None = None
+    TAG: ClassVar[Tag] = Tag.REPEAT
+    id_shift: Shift
+    rid_shift: Shift
+    bindings: BindingRows = None
 
 
 ClientMessage = Register | Execute | Upload | Read | Drop | Sync | Stats | Close | Repeat
@@ -158,35 +445,41 @@ class Batch:
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    rid: int
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    inline: bool = False  # the bytes follow in the MESSAGE plaintext's tail, not in BULK frames
+    TAG: ClassVar[Tag] = Tag.RESULT
+    rid: RequestId
+    dtype: DType
+    shape: Shape
+    nbytes: NBytes
+    # the bytes follow in the MESSAGE plaintext's tail, not in BULK frames
+    inline: Annotated[bool, inline_as(Tag.RESULT_INLINE)] = False
 
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    rid: int
+    TAG: ClassVar[Tag] = Tag.DONE
+    rid: RequestId
 
 
 @dataclass(frozen=True, slots=True)
 class StatsReply:
-    rid: int
-    stats: dict[str, StatValue]
+    TAG: ClassVar[Tag] = Tag.STATS_REPLY
+    rid: RequestId
+    stats: StatMap
 
 
 @dataclass(frozen=True, slots=True)
 class Error:
-    rid: int
-    code: str
-    message: str
+    TAG: ClassVar[Tag] = Tag.ERROR
+    rid: AnswerId
+    code: Code
+    message: Text
 
 
 @dataclass(frozen=True, slots=True)
 class GraphUnknown:
-    seq: int
-    gid: bytes
+    TAG: ClassVar[Tag] = Tag.GRAPH_UNKNOWN
+    seq: Seq
+    gid: GraphId
 
 
 WorkerMessage = Result | Done | StatsReply | Error | GraphUnknown
@@ -198,323 +491,295 @@ class Reply:
     messages: tuple[WorkerMessage, ...]
 
 
+# -- the schema: each message class's declarations, read once at import ----------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Field:
+    name: str
+    kind: Kind
+    index: int  # among the dataclass's fields
+
+
+@dataclass(frozen=True, slots=True)
+class _Schema:
+    cls: type
+    tag: Tag
+    fields: tuple[_Field, ...]  # every field, in order
+    wire: tuple[_Field, ...]  # the fields that travel, in order
+    flag: _Field | None  # the inline flag: last, not on the wire
+    tensor: tuple[int, int, int] | None  # where dtype, shape and nbytes are, when it describes one
+
+    @property
+    def tags(self) -> tuple[Tag, ...]:
+        """Its tag, and its inline tag when it has a flag."""
+        inline = None if self.flag is None else self.flag.kind.inline_tag
+        return (self.tag,) if inline is None else (self.tag, inline)
+
+
+def _schema(cls: type) -> _Schema:
+    """cls's declarations, checked: every field has one kind, a flag or an optional field is last,
+    and an nbytes field comes with the dtype and shape it is the size of."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = []
+    for i, f in enumerate(dataclasses.fields(cls)):
+        kinds = [k for k in typing.get_args(hints[f.name])[1:] if isinstance(k, Kind)]
+        if len(kinds) != 1:
+            raise TypeError(f"{cls.__name__}.{f.name} must declare exactly one Kind")
+        fields.append(_Field(f.name, kinds[0], i))
+    wire = tuple(f for f in fields if f.kind.inline_tag is None)
+    flag = fields[-1] if fields and fields[-1].kind.inline_tag is not None else None
+    if len(wire) + (flag is not None) != len(fields) or len(wire) >= 15:
+        raise TypeError(f"{cls.__name__}: a flag must be its last field, and it has at most 14 others")
+    if any(f.kind.optional for f in fields[:-1]) or (flag is not None and fields[-1].kind.optional):
+        raise TypeError(f"{cls.__name__}: only its last field may be optional")
+    at = {f.kind: f.index for f in fields}
+    tensor = None
+    if NBYTES in at:
+        if DTYPE not in at or SHAPE not in at:
+            raise TypeError(f"{cls.__name__}: nbytes is the size of its dtype and shape")
+        tensor = (at[DTYPE], at[SHAPE], at[NBYTES])
+    tag = cls.TAG  # type: ignore[attr-defined]
+    return _Schema(cls, tag, tuple(fields), wire, flag, tensor)
+
+
+_CLIENT_SCHEMA = tuple(_schema(c) for c in typing.get_args(ClientMessage))
+_WORKER_SCHEMA = tuple(_schema(c) for c in typing.get_args(WorkerMessage))
+
+
 # -- encoding ---------------------------------------------------------------------------------
 
-
-def rle_encode(ids: Iterable[int]) -> list[int]:
-    """`[start, count, ...]` runs of consecutive ids."""
-    runs: list[int] = []
-    for x in ids:
-        if runs and x == runs[-2] + runs[-1]:
-            runs[-1] += 1
-        else:
-            runs += (x, 1)
-    return runs
-
-
-def _wire_client(m: ClientMessage) -> list[Any]:
-    if type(m) is Execute:
-        return [2, m.gid, rle_encode(m.inputs), list(m.bindings), m.out_base]
-    if type(m) is Read:
-        return [4, m.rid, m.tid]
-    if type(m) is Register:
-        return [1, m.gid, m.graph]
-    if type(m) is Upload:
-        return [10 if m.inline else 3, m.tid, _dtype_code(m.dtype), list(m.shape), m.nbytes]
-    if type(m) is Repeat:
-        if m.bindings is None:
-            return [9, m.id_shift, m.rid_shift]
-        return [9, m.id_shift, m.rid_shift, [list(b) for b in m.bindings]]
-    if type(m) is Drop:
-        return [5, rle_encode(m.ids)]
-    if type(m) is Sync:
-        return [6, m.rid]
-    if type(m) is Stats:
-        return [7, m.rid]
-    if type(m) is Close:
-        return [8, m.reason]
-    raise ProtocolError(f"not a client message: {type(m).__name__}")
-
-
-def _wire_worker(m: WorkerMessage) -> list[Any]:
-    if type(m) is Done:
-        return [17, m.rid]
-    if type(m) is Result:
-        return [21 if m.inline else 16, m.rid, _dtype_code(m.dtype), list(m.shape), m.nbytes]
-    if type(m) is StatsReply:
-        return [18, m.rid, dict(m.stats)]
-    if type(m) is Error:
-        return [19, m.rid, m.code, m.message]
-    if type(m) is GraphUnknown:
-        return [20, m.seq, m.gid]
-    raise ProtocolError(f"not a worker message: {type(m).__name__}")
-
-
-def _dtype_code(dtype: str) -> int:
-    try:
-        return WIRE_CODE[dtype]
-    except KeyError:
-        raise ProtocolError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}") from None
+_packers = threading.local()
+_KEEP_PACKER = 1 << 20  # a Packer whose buffer grew past this is dropped, not kept for the thread
 
 
 def _pack(obj: Any) -> bytes:
     try:
-        data: bytes = msgpack.packb(obj, use_bin_type=True)
+        packer = _packers.packer
+    except AttributeError:  # one Packer a thread, reused: half of packb's cost is making one
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    try:
+        data: bytes = packer.pack(obj)
     except (TypeError, ValueError, OverflowError) as e:
         raise ProtocolError(f"cannot encode message: {e}") from e
+    if len(data) > _KEEP_PACKER:  # its buffer is at least this big now (a Register's graph)
+        del _packers.packer
     return data
 
 
-def encode_batch(batch: Batch) -> bytes:
-    """The msgpack bytes of a client batch (the plaintext of one MESSAGE frame)."""
-    messages = batch.messages
-    if not any(type(b) is F32 for m in messages for bs in _bindings_of(m) for b in bs):
-        if batch.received:
-            return _pack([batch.seq, [_wire_client(m) for m in messages], batch.received])
-        return _pack([batch.seq, [_wire_client(m) for m in messages]])
-    # msgpack-python writes every float as float64, so batches with F32 bindings are assembled
-    # from parts: an array's encoding is its header followed by its items' encodings.
-    head = b"\x93" if batch.received else b"\x92"
-    parts = [head, _pack(batch.seq), _array_header(len(messages))]
-    for m in messages:
-        if type(m) is Execute:
-            parts.append(_execute_bytes(m))
-        elif type(m) is Repeat and m.bindings is not None:
-            parts += [
-                b"\x94",
-                _pack(9),
-                _pack(m.id_shift),
-                _pack(m.rid_shift),
-                _array_header(len(m.bindings)),
-            ]
-            parts += [_scalars_bytes(b) for b in m.bindings]
-        else:
-            parts.append(_pack(_wire_client(m)))
-    if batch.received:
-        parts.append(_pack(batch.received))
-    return b"".join(parts)
+Writer = Callable[[Any], list[Any]]
 
 
-def _bindings_of(m: ClientMessage) -> tuple[tuple[Scalar, ...], ...]:
-    if type(m) is Execute:
-        return (m.bindings,)
-    if type(m) is Repeat and m.bindings is not None:
-        return m.bindings
-    return ()
+def _values(names: list[str]) -> Callable[[Any], tuple[Any, ...]]:
+    """The function from a message to the tuple of these fields' values."""
+    if len(names) == 1:
+        one = attrgetter(names[0])
+        return lambda x: (one(x),)
+    return attrgetter(*names)
+
+
+def _writer(s: _Schema) -> Writer:
+    """The function from a message to its wire array."""
+    tag = int(s.tag)
+    names = [f.name for f in s.wire]
+    if len(names) == 1 and s.wire[0].kind.write is None and not s.wire[0].kind.optional:
+        one = attrgetter(names[0])
+        return lambda x: [tag, one(x)]
+    get = _values(names)
+    converts = tuple((i, f.kind.write) for i, f in enumerate(s.wire, 1) if f.kind.write is not None)
+    optional = s.wire[-1].kind.optional
+    if not converts and not optional and s.flag is None:
+        return lambda x: [tag, *get(x)]
+    inline_tag = int(s.tags[-1])
+    flag = None if s.flag is None else attrgetter(s.flag.name)
+
+    def write(x: Any) -> list[Any]:
+        out = [tag, *get(x)]
+        for i, convert in converts:
+            out[i] = convert(out[i])
+        if flag is not None and flag(x):
+            out[0] = inline_tag
+        if optional and out[-1] is None:
+            out.pop()
+        return out
+
+    return write
+
+
+_CLIENT_WRITERS: dict[type, Writer] = {s.cls: _writer(s) for s in _CLIENT_SCHEMA}
+_WORKER_WRITERS: dict[type, Writer] = {s.cls: _writer(s) for s in _WORKER_SCHEMA}
+_SCALAR_DEPTHS: dict[type, tuple[int, ...]] = {  # per wire item, tag first: 0 or Kind.scalars
+    s.cls: (0, *(f.kind.scalars for f in s.wire))
+    for s in _CLIENT_SCHEMA
+    if any(f.kind.scalars for f in s.wire)
+}
+
+
+def _wire(messages: tuple[Any, ...], writers: dict[type, Writer], side: str) -> list[list[Any]]:
+    try:
+        return [writers[type(x)](x) for x in messages]
+    except KeyError:
+        for x in messages:
+            if type(x) not in writers:
+                _refuse(f"not a {side} message: {type(x).__name__}")
+        raise
+
+
+def _holds_f32(value: Any, depth: int) -> bool:
+    if depth == 1:
+        return F32 in map(type, value)
+    if value is not None:
+        for v in value:
+            if _holds_f32(v, depth - 1):
+                return True
+    return False
 
 
 def _array_header(n: int) -> bytes:
     if n < 16:
-        return bytes((0x90 | n,))
+        return _FIXARRAY[n]
     if n < 1 << 16:
         return b"\xdc" + n.to_bytes(2, "big")
     return b"\xdd" + n.to_bytes(4, "big")
 
 
-def _execute_bytes(m: Execute) -> bytes:
-    parts = [b"\x95", _pack(2), _pack(m.gid), _pack(rle_encode(m.inputs)), _scalars_bytes(m.bindings)]
-    parts.append(_pack(m.out_base))
+def _scalar_bytes(b: Scalar) -> bytes:
+    t = type(b)
+    if t is int and 0 <= b < 128:  # a positive fixint: the byte itself
+        return _FIXINT[b]  # type: ignore[index]
+    if t is F32:
+        try:
+            return b"\xca" + _FLOAT32.pack(b)
+        except OverflowError:  # an F32 made by hand rather than with F32.of: send it as it is
+            pass
+    if t is float or t is F32:
+        return b"\xcb" + _FLOAT64.pack(b)
+    return _pack(b)
+
+
+_FIXINT = tuple(bytes((i,)) for i in range(128))
+_FIXARRAY = tuple(bytes((0x90 | n,)) for n in range(16))
+
+
+def _scalars_bytes(value: Any, depth: int) -> bytes:
+    if depth == 1:
+        return b"".join([_array_header(len(value)), *map(_scalar_bytes, value)])
+    return b"".join([_array_header(len(value)), *[_scalars_bytes(v, depth - 1) for v in value]])
+
+
+def _message_bytes(wire: list[Any], depths: tuple[int, ...]) -> bytes:
+    """A message's encoding assembled from parts, so that F32 bindings stay float32 (msgpack-python
+    writes every float as float64): an array's encoding is its header, then its items'."""
+    parts = [_array_header(len(wire))]
+    run: list[Any] = []  # items packed together: a short array's encoding less its 1-byte header
+    for v, depth in zip(wire, depths, strict=False):
+        if depth:
+            if run:
+                parts.append(_pack(run)[1:])
+                run = []
+            parts.append(_scalars_bytes(v, depth))
+        else:
+            run.append(v)
+    if run:
+        parts.append(_pack(run)[1:])
     return b"".join(parts)
 
 
-def _scalars_bytes(bindings: tuple[Scalar, ...]) -> bytes:
-    parts = [_array_header(len(bindings))]
-    parts += [_float32(b) if type(b) is F32 else _pack(b) for b in bindings]
+def _holds_f32_at(wire: list[Any], depths: tuple[int, ...] | None) -> bool:
+    if depths is not None:
+        for v, d in zip(wire, depths, strict=False):  # stops early where an optional field was left off
+            if d and _holds_f32(v, d):
+                return True
+    return False
+
+
+def encode_batch(batch: Batch) -> bytes:
+    """The msgpack bytes of a client batch (the plaintext of one MESSAGE frame)."""
+    messages = batch.messages
+    wire = _wire(messages, _CLIENT_WRITERS, "client")
+    depths = [_SCALAR_DEPTHS.get(type(x)) for x in messages]
+    f32 = list(map(_holds_f32_at, wire, depths))
+    if not any(f32):
+        if batch.received:
+            return _pack([batch.seq, wire, batch.received])
+        return _pack([batch.seq, wire])
+    parts = [b"\x93" if batch.received else b"\x92", _pack(batch.seq), _array_header(len(wire))]
+    for w, at, has in zip(wire, depths, f32, strict=True):
+        parts.append(_message_bytes(w, at) if has and at is not None else _pack(w))
+    if batch.received:
+        parts.append(_pack(batch.received))
     return b"".join(parts)
-
-
-def _float32(value: float) -> bytes:
-    try:
-        return b"\xca" + _FLOAT32.pack(value)
-    except OverflowError:  # an F32 made by hand rather than with F32.of: send it as it is
-        return _pack(float(value))
 
 
 def encode_reply(reply: Reply) -> bytes:
     """The msgpack bytes of a worker reply (the plaintext of one MESSAGE frame)."""
-    return _pack([reply.ack, [_wire_worker(m) for m in reply.messages]])
+    return _pack([reply.ack, _wire(reply.messages, _WORKER_WRITERS, "worker")])
 
 
 # -- decoding ---------------------------------------------------------------------------------
 
-
-def _refuse(what: str) -> NoReturn:
-    raise ProtocolError(what)
+MessageReader = Callable[[list[Any], _Budget], Any]
 
 
-def _int(v: object, what: str, lo: int = 0, hi: int = MAX_ID) -> int:
-    if type(v) is not int or not lo <= v <= hi:
-        _refuse(f"{what} must be an int in {lo}..{hi}, got {_show(v)}")
-    return v
+def _reader(s: _Schema, tag: Tag) -> MessageReader:
+    """The function from a wire array with this tag to its message, or ProtocolError."""
+    cls, name = s.cls, s.cls.__name__
+    most = len(s.wire) + 1
+    least = most - (1 if s.wire[-1].kind.optional else 0)
+    arity = f"{most - 1}" if most == least else f"{least - 1} or {most - 1}"
+    ints = tuple((i, *f.kind.bounds, f.name) for i, f in enumerate(s.wire) if f.kind.bounds is not None)
+    calls = tuple((i, f.kind.read) for i, f in enumerate(s.wire) if f.kind.bounds is None)
+    calls_short = tuple(c for c in calls if c[0] < least - 1)  # the optional field left off
+    extra = [] if s.flag is None else [tag == s.flag.kind.inline_tag]  # the flag: which tag it came as
+    tensor = s.tensor
+
+    def read(m: list[Any], budget: _Budget) -> Any:
+        n = len(m)
+        if n != most and n != least:
+            _refuse(f"{name} has {arity} fields, got {n - 1}")
+        args = m[1:]
+        for i, lo, hi, field in ints:
+            v = args[i]
+            if type(v) is not int or not lo <= v <= hi:
+                _refuse(f"{name}.{field} must be an int in {lo}..{hi}, got {_show(v)}")
+        try:
+            for i, r in calls if n == most else calls_short:
+                args[i] = r(args[i], budget)
+        except ProtocolError as e:
+            raise ProtocolError(f"{name}: {e}") from None
+        if n < most:
+            args.append(None)  # the optional last field, left off
+        args += extra
+        if tensor is not None:
+            dtype, shape, nbytes = args[tensor[0]], args[tensor[1]], args[tensor[2]]
+            if nbytes != math.prod(shape) * ITEMSIZE[dtype]:
+                _refuse(f"{name}: nbytes {nbytes} does not match {dtype} of shape {shape}")
+        return cls(*args)
+
+    return read
 
 
-def _str(v: object, what: str, lo: int = 0, hi: int = MAX_TEXT) -> str:
-    if type(v) is not str or not lo <= len(v) <= hi:
-        _refuse(f"{what} must be a string of {lo}..{hi} characters, got {_show(v)}")
-    return v
+def _readers(schema: tuple[_Schema, ...]) -> dict[int, MessageReader]:
+    return {int(tag): _reader(s, tag) for s in schema for tag in s.tags}
 
 
-def _bin(v: object, what: str, lo: int, hi: int) -> bytes:
-    if type(v) is not bytes or not lo <= len(v) <= hi:
-        _refuse(f"{what} must be {lo}..{hi} bytes, got {_show(v)}")
-    return v
+_CLIENT_READERS = _readers(_CLIENT_SCHEMA)
+_WORKER_READERS = _readers(_WORKER_SCHEMA)
 
 
-def _list(v: object, what: str, hi: int) -> list[Any]:
-    if type(v) is not list or len(v) > hi:
-        _refuse(f"{what} must be an array of at most {hi} items, got {_show(v)}")
-    return v
-
-
-def _show(v: object) -> str:
-    if isinstance(v, list | dict | bytes | str):
-        return f"{type(v).__name__} of length {len(v)}"
-    return f"{type(v).__name__} {v!r:.40}"
-
-
-class _Budget:
-    """Ids one batch may still name; spent before any run is expanded."""
-
-    __slots__ = ("left",)
-
-    def __init__(self) -> None:
-        self.left = MAX_IDS
-
-    def ids(self, v: object, what: str) -> tuple[int, ...]:
-        runs = _list(v, what, _MAX_ARRAY)
-        if len(runs) % 2:
-            _refuse(f"{what} must be [start, count, ...] pairs, got {len(runs)} items")
-        total = 0
-        for i in range(0, len(runs), 2):
-            start = _int(runs[i], f"{what} run start")
-            count = _int(runs[i + 1], f"{what} run count", 1, MAX_IDS)
-            if start + count - 1 > MAX_ID:
-                _refuse(f"{what} run {start}+{count} passes the largest id")
-            total += count
-        if total > self.left:
-            _refuse(f"batch names more than {MAX_IDS} ids")
-        self.left -= total
-        if len(runs) == 2 * total:  # every run has count 1: the ids are the starts
-            return tuple(runs[0::2])
-        return tuple(x for i in range(0, len(runs), 2) for x in range(runs[i], runs[i] + runs[i + 1]))
-
-
-def _gid(v: object) -> bytes:
-    return _bin(v, "graph id", GID_SIZE, GID_SIZE)
-
-
-def _tensor_desc(dtype_v: object, shape_v: object, nbytes_v: object) -> tuple[str, tuple[int, ...], int]:
-    code = _int(dtype_v, "dtype code", 1, len(DTYPES))
-    dtype = DTYPES[code - 1]
-    dims = _list(shape_v, "shape", MAX_RANK)
-    elements = nonzero = 1
-    for d in dims:
-        elements *= _int(d, "dimension", 0, MAX_NBYTES)
-        nonzero *= d or 1
-        if nonzero > MAX_NBYTES:
-            _refuse(f"shape {dims!r} has more than {MAX_NBYTES} elements (zero dims aside)")
-    nbytes = _int(nbytes_v, "nbytes", 0, MAX_NBYTES)
-    if nbytes != elements * ITEMSIZE[dtype]:
-        _refuse(f"nbytes {nbytes} does not match {dtype} of shape {tuple(dims)}")
-    return dtype, tuple(dims), nbytes
-
-
-def _binding(v: object) -> Scalar:
-    t = type(v)
-    if t is bool or t is float:
-        return v  # type: ignore[return-value]
-    return _int(v, "binding", *_INT64)
-
-
-def _stat_value(v: object) -> StatValue:
-    t = type(v)
-    if t is float:
-        return v  # type: ignore[return-value]
-    if t is str:
-        return _str(v, "stat value")
-    return _int(v, "stat value", *_INT64)
-
-
-def _arity(m: list[Any], n: int, name: str) -> None:
-    if len(m) != n:
-        _refuse(f"{name} has {n - 1} fields, got {len(m) - 1}")
-
-
-def _client_message(v: object, budget: _Budget) -> ClientMessage:
-    m = _list(v, "message", 8)
-    if not m:
-        _refuse("empty message")
-    tag = m[0]
-    if tag == 2 and type(tag) is int:
-        _arity(m, 5, "Execute")
-        bindings = _list(m[3], "bindings", MAX_BINDINGS)
-        return Execute(
-            _gid(m[1]),
-            budget.ids(m[2], "Execute inputs"),
-            tuple(_binding(b) for b in bindings),
-            _int(m[4], "out_base"),
-        )
-    if tag == 4 and type(tag) is int:
-        _arity(m, 3, "Read")
-        return Read(_int(m[1], "rid", 1), _int(m[2], "tid"))
-    if tag == 1 and type(tag) is int:
-        _arity(m, 3, "Register")
-        return Register(_gid(m[1]), _bin(m[2], "graph", 1, MAX_GRAPH_BYTES))
-    if (tag == 3 or tag == 10) and type(tag) is int:
-        _arity(m, 5, "Upload")
-        return Upload(_int(m[1], "tid"), *_tensor_desc(m[2], m[3], m[4]), tag == 10)
-    if tag == 9 and type(tag) is int:
-        if len(m) not in (3, 4):
-            _refuse(f"Repeat has 2 or 3 fields, got {len(m) - 1}")
-        given: tuple[tuple[Scalar, ...], ...] | None = None
-        if len(m) == 4:
-            lists = _list(m[3], "Repeat bindings", MAX_MESSAGES)
-            given = tuple(
-                tuple(_binding(b) for b in _list(bs, "Repeat bindings", MAX_BINDINGS)) for bs in lists
-            )
-        return Repeat(_int(m[1], "id_shift", -MAX_ID), _int(m[2], "rid_shift", -MAX_ID), given)
-    if tag == 5 and type(tag) is int:
-        _arity(m, 2, "Drop")
-        return Drop(budget.ids(m[1], "Drop ids"))
-    if tag == 6 and type(tag) is int:
-        _arity(m, 2, "Sync")
-        return Sync(_int(m[1], "rid", 1))
-    if tag == 7 and type(tag) is int:
-        _arity(m, 2, "Stats")
-        return Stats(_int(m[1], "rid", 1))
-    if tag == 8 and type(tag) is int:
-        _arity(m, 2, "Close")
-        return Close(_str(m[1], "close reason"))
-    _refuse(f"unknown client message tag {_show(tag)}")
-
-
-def _worker_message(v: object) -> WorkerMessage:
-    m = _list(v, "message", 8)
-    if not m:
-        _refuse("empty message")
-    tag = m[0]
-    if tag == 17 and type(tag) is int:
-        _arity(m, 2, "Done")
-        return Done(_int(m[1], "rid", 1))
-    if (tag == 16 or tag == 21) and type(tag) is int:
-        _arity(m, 5, "Result")
-        return Result(_int(m[1], "rid", 1), *_tensor_desc(m[2], m[3], m[4]), tag == 21)
-    if tag == 18 and type(tag) is int:
-        _arity(m, 3, "StatsReply")
-        stats = m[2]
-        if type(stats) is not dict or len(stats) > MAX_STATS:
-            _refuse(f"stats must be a map of at most {MAX_STATS} entries, got {_show(stats)}")
-        return StatsReply(
-            _int(m[1], "rid", 1),
-            {_str(k, "stat name", 1, MAX_STAT_KEY): _stat_value(x) for k, x in stats.items()},
-        )
-    if tag == 19 and type(tag) is int:
-        _arity(m, 4, "Error")
-        return Error(_int(m[1], "rid"), _str(m[2], "error code", 1, MAX_CODE), _str(m[3], "error message"))
-    if tag == 20 and type(tag) is int:
-        _arity(m, 3, "GraphUnknown")
-        return GraphUnknown(_int(m[1], "seq", 1), _gid(m[2]))
-    _refuse(f"unknown worker message tag {_show(tag)}")
+def _messages(
+    v: object, readers: dict[int, MessageReader], most: int, side: str, budget: _Budget
+) -> tuple[Any, ...]:
+    out = []
+    for m in _list(v, "messages", most):
+        if type(m) is not list or not m:
+            _refuse(f"a message must be a non-empty array, got {_show(m)}")
+        tag = m[0]
+        read = readers.get(tag) if type(tag) is int else None
+        if read is None:
+            _refuse(f"unknown {side} message tag {_show(tag)}")
+        out.append(read(m, budget))
+    return tuple(out)
 
 
 def _limits(n: int) -> dict[str, Any]:
@@ -532,28 +797,29 @@ def _limits(n: int) -> dict[str, Any]:
     }
 
 
+_FIRST_FEED = 4096
+_SMALL = _limits(_FIRST_FEED)  # the limits of every input of up to 4 KiB: allocations stay tiny
 _UNPACK_ERRORS = (msgpack.UnpackException, ValueError, TypeError, OverflowError, RecursionError)
 
 
 def _unpack(data: BytesLike) -> list[Any]:
+    n = len(data)
     try:
-        obj = msgpack.unpackb(data, **_limits(len(data)))
+        obj = msgpack.unpackb(data, **(_SMALL if n <= _FIRST_FEED else _limits(n)))
     except _UNPACK_ERRORS as e:
         raise ProtocolError(f"malformed msgpack: {type(e).__name__}: {e}"[:200]) from e
     return _list(obj, "envelope", 3)
 
 
-_FIRST_FEED = 4096
-
-
 def _unpack_prefix(data: BytesLike) -> tuple[list[Any], int]:
     """The msgpack object at the start of data and where it ends; the bytes after it are not
     copied (fed to the decoder in growing slices until one object is complete)."""
-    view = memoryview(data).cast("B")
+    small = type(data) is bytes and len(data) <= _FIRST_FEED
+    view = data if small else memoryview(data).cast("B")  # slices of a view below copy nothing
     n = len(view)
     if n <= _FIRST_FEED:  # small: one call, and ExtraData says where the object ends
         try:
-            return _list(msgpack.unpackb(view, **_limits(n)), "envelope", 3), n
+            return _list(msgpack.unpackb(view, **_SMALL), "envelope", 3), n
         except msgpack.ExtraData as e:  # args: (the object, the bytes after it)
             return _list(e.args[0], "envelope", 3), n - len(e.args[1])
         except _UNPACK_ERRORS as e:
@@ -578,19 +844,29 @@ def _unpack_prefix(data: BytesLike) -> tuple[list[Any], int]:
     return _list(obj, "envelope", 3), end
 
 
-def _decode(
-    data: BytesLike | list[Any],
-    first: str,
-    first_lo: int,
-    decode_one: Callable[[object], Any],
-    max_messages: int = MAX_MESSAGES,
-) -> tuple[int, tuple[Any, ...]]:
-    envelope = data if type(data) is list else _unpack(data)  # type: ignore[arg-type]
+_seq = _ints("seq", 1, MAX_ID)
+_received = _ints("received", 1, MAX_ID)
+_ack = _ints("ack", 0, MAX_ID)
+
+
+def _batch(envelope: list[Any]) -> Batch:
+    if len(envelope) not in (2, 3):
+        _refuse(f"a batch is [seq, messages] or [seq, messages, received], got {len(envelope)} items")
+    budget = _Budget()
+    seq = _seq(envelope[0], budget)
+    received = _received(envelope[2], budget) if len(envelope) == 3 else 0
+    messages = _messages(envelope[1], _CLIENT_READERS, MAX_BATCH_MESSAGES, "client", budget)
+    if len(messages) > 1 and any(type(x) is Repeat for x in messages):
+        _refuse("a Repeat must be the only message of its batch")
+    return Batch(seq, messages, received)
+
+
+def _reply(envelope: list[Any]) -> Reply:
     if len(envelope) != 2:
-        _refuse(f"an envelope is [{first}, messages], got {len(envelope)} items")
-    number = _int(envelope[0], first, first_lo)
-    messages = _list(envelope[1], "messages", max_messages)
-    return number, tuple(decode_one(m) for m in messages)
+        _refuse(f"a reply is [ack, messages], got {len(envelope)} items")
+    budget = _Budget()
+    ack = _ack(envelope[0], budget)
+    return Reply(ack, _messages(envelope[1], _WORKER_READERS, MAX_MESSAGES, "worker", budget))
 
 
 def decode_batch(data: BytesLike) -> Batch:
@@ -607,16 +883,17 @@ def decode_batch_prefix(data: BytesLike) -> tuple[Batch, int]:
     return _batch(envelope), end
 
 
-def _batch(envelope: list[Any]) -> Batch:
-    budget = _Budget()
-    received = 0
-    if len(envelope) == 3:
-        received = _int(envelope[2], "received", 1)
-        envelope = envelope[:2]
-    seq, messages = _decode(envelope, "seq", 1, lambda m: _client_message(m, budget), MAX_BATCH_MESSAGES)
-    if len(messages) > 1 and any(type(x) is Repeat for x in messages):
-        _refuse("a Repeat must be the only message of its batch")
-    return Batch(seq, messages, received)
+def decode_reply(data: BytesLike) -> Reply:
+    """The Reply that is the whole of a MESSAGE frame's plaintext; ProtocolError if it is anything
+    but a valid one."""
+    return _reply(_unpack(data))
+
+
+def decode_reply_prefix(data: BytesLike) -> tuple[Reply, int]:
+    """The Reply at the start of a MESSAGE frame's plaintext and the offset of the raw tail after
+    it (the inline results' bytes, checked by `check_reply_tail`)."""
+    envelope, end = _unpack_prefix(data)
+    return _reply(envelope), end
 
 
 def inline_bytes(messages: tuple[ClientMessage, ...]) -> int:
@@ -631,22 +908,94 @@ def check_tail(batch: Batch, tail: int) -> None:
         _refuse(f"batch {batch.seq} carries {tail} inline bytes, its uploads announce {want}")
 
 
-# -- step templates (Repeat) ------------------------------------------------------------------
+def check_reply_tail(reply: Reply, tail: int) -> None:
+    """Refuse a tail that is not exactly the reply's inline results."""
+    want = sum(x.nbytes for x in reply.messages if type(x) is Result and x.inline)
+    if tail != want:
+        _refuse(f"reply {reply.ack} carries {tail} inline bytes, its results announce {want}")
 
 
-def _shift(x: int, by: int, what: str, lo: int = 0) -> int:
-    y = x + by
-    if not lo <= y <= MAX_ID:
-        _refuse(f"{what} {x} shifted by {by} leaves {lo}..{MAX_ID}")
-    return y
+# -- the id shift (Repeat) --------------------------------------------------------------------
 
 
-def _shift_ids(ids: tuple[int, ...], by: int, what: str) -> tuple[int, ...]:
-    if not ids or not by:
-        return ids
-    _shift(min(ids), by, what)
-    _shift(max(ids), by, what)
-    return tuple(x + by for x in ids)
+ShiftFn = Callable[[Any, int, int, Iterator[tuple[Scalar, ...]] | None], list[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Shifted:
+    """What a Repeat changes in one message class (from its fields' kinds)."""
+
+    cls: type
+    get: Callable[[Any], tuple[Any, ...]]  # every field's value
+    shift: ShiftFn  # (message, id_shift, rid_shift, bindings or None) -> its values, changed
+    ids: tuple[int, ...]  # where its TensorId and TensorIds fields are, in order
+    rids: tuple[int, ...]  # where its RequestId fields are
+    bindings: tuple[int, ...]  # where its Bindings fields are
+
+
+def _out_of_range(x: int, by: int, lo: int) -> NoReturn:
+    kind = "tensor" if lo == 0 else "request"
+    _refuse(f"{kind} id {x} shifted by {by} leaves {lo}..{MAX_ID}")
+
+
+def _shifter(get: Callable[[Any], tuple[Any, ...]], changes: tuple[tuple[int, Role, bool], ...]) -> ShiftFn:
+    """The one id shift, for expand_batch and repeat_of alike: a message's field values with each
+    tensor id shifted by d, each request id by dr, and its bindings the next of rows (if given)."""
+
+    def shift(x: Any, d: int, dr: int, rows: Iterator[tuple[Scalar, ...]] | None) -> list[Any]:
+        v = list(get(x))
+        for i, role, many in changes:
+            if role is _TENSOR:
+                if not d:
+                    continue
+                if many:
+                    ids = v[i]
+                    if ids:
+                        edge = max(ids) if d > 0 else min(ids)  # the id a shift this way takes out first
+                        if not 0 <= edge + d <= MAX_ID:
+                            _out_of_range(edge, d, 0)
+                        v[i] = tuple(map(add, ids, repeat(d)))
+                else:
+                    y = v[i] + d
+                    if not 0 <= y <= MAX_ID:
+                        _out_of_range(v[i], d, 0)
+                    v[i] = y
+            elif role is _REQUEST:
+                y = v[i] + dr
+                if not 1 <= y <= MAX_ID:
+                    _out_of_range(v[i], dr, 1)
+                v[i] = y
+            elif rows is not None:
+                v[i] = next(rows)
+        return v
+
+    return shift
+
+
+_TENSOR, _REQUEST = Role.TENSOR, Role.REQUEST
+
+
+def _shifted(s: _Schema) -> _Shifted | None:
+    changes = tuple((f.index, f.kind.role, f.kind.many) for f in s.fields if f.kind.role is not Role.KEPT)
+    if not changes:
+        return None
+    at = {role: tuple(i for i, r, _ in changes if r is role) for role in Role}
+    get = _values([f.name for f in s.fields])
+    return _Shifted(s.cls, get, _shifter(get, changes), at[Role.TENSOR], at[Role.REQUEST], at[Role.BINDINGS])
+
+
+_SHIFTS = {s.cls: sh for s in _CLIENT_SCHEMA if (sh := _shifted(s)) is not None}
+_BINDS = frozenset(cls for cls, sh in _SHIFTS.items() if sh.bindings)
+
+
+def _rows(repeat: Repeat, template: tuple[ClientMessage, ...]) -> Iterator[tuple[Scalar, ...]] | None:
+    """The Repeat's bindings, one tuple for each template message that has bindings, or None."""
+    if repeat.bindings is None:
+        return None
+    executes = sum(1 for x in template if type(x) in _BINDS)
+    if len(repeat.bindings) != executes:
+        _refuse(f"Repeat gives {len(repeat.bindings)} bindings tuples, the batch's Executes take {executes}")
+    return iter(repeat.bindings)
 
 
 def expand_batch(batch: Batch, template: tuple[ClientMessage, ...] | None) -> Batch:
@@ -658,34 +1007,13 @@ def expand_batch(batch: Batch, template: tuple[ClientMessage, ...] | None) -> Ba
     r = batch.messages[0]
     if template is None:
         _refuse(f"batch {batch.seq} repeats a previous batch, and this session has none")
-    d, dr = r.id_shift, r.rid_shift
-    bindings = None
-    if r.bindings is not None:
-        executes = sum(1 for x in template if type(x) is Execute)
-        if len(r.bindings) != executes:
-            _refuse(f"Repeat gives bindings for {len(r.bindings)} Executes, the batch has {executes}")
-        bindings = iter(r.bindings)
-    out: list[ClientMessage] = []
+    if r.bindings is None and not r.id_shift and not r.rid_shift:
+        return Batch(batch.seq, template, batch.received)  # nothing changes
+    rows, d, dr = _rows(r, template), r.id_shift, r.rid_shift
+    out = []
     for x in template:
-        t = type(x)
-        if t is Upload:
-            out.append(Upload(_shift(x.tid, d, "tid"), x.dtype, x.shape, x.nbytes, x.inline))  # type: ignore[union-attr]
-        elif t is Execute:
-            ex: Execute = x  # type: ignore[assignment]
-            bs = next(bindings) if bindings is not None else ex.bindings
-            out.append(
-                Execute(ex.gid, _shift_ids(ex.inputs, d, "input"), bs, _shift(ex.out_base, d, "out_base"))
-            )
-        elif t is Read:
-            out.append(Read(_shift(x.rid, dr, "rid", 1), _shift(x.tid, d, "tid")))  # type: ignore[union-attr]
-        elif t is Drop:
-            out.append(Drop(_shift_ids(x.ids, d, "dropped id")))  # type: ignore[union-attr]
-        elif t is Sync:
-            out.append(Sync(_shift(x.rid, dr, "rid", 1)))  # type: ignore[union-attr]
-        elif t is Stats:
-            out.append(Stats(_shift(x.rid, dr, "rid", 1)))  # type: ignore[union-attr]
-        else:  # Register, Close: nothing to shift (a template never holds a Repeat: it is expanded)
-            out.append(x)
+        sh = _SHIFTS.get(type(x))
+        out.append(x if sh is None else sh.cls(*sh.shift(x, d, dr, rows)))
     return Batch(batch.seq, tuple(out), batch.received)
 
 
@@ -697,21 +1025,21 @@ def _same_scalars(a: tuple[Scalar, ...], b: tuple[Scalar, ...]) -> bool:
         if type(x) is not type(y):
             return False
         if isinstance(x, float):
-            if struct.pack(">d", x) != struct.pack(">d", y):
+            if _FLOAT64.pack(x) != _FLOAT64.pack(y):
                 return False
         elif x != y:
             return False
     return True
 
 
-def _first_id(x: ClientMessage) -> int | None:
-    t = type(x)
-    if t is Upload or t is Read:
-        return x.tid  # type: ignore[union-attr]
-    if t is Execute:
-        return x.out_base  # type: ignore[union-attr]
-    if t is Drop and x.ids:  # type: ignore[union-attr]
-        return x.ids[0]  # type: ignore[union-attr]
+def _first_id(values: tuple[Any, ...], at: tuple[int, ...]) -> int | None:
+    """The first id in these fields of a message's values (a list's first item), if any."""
+    for i in at:
+        v = values[i]
+        if type(v) is int:
+            return v
+        if v:
+            return v[0]  # type: ignore[no-any-return]
     return None
 
 
@@ -721,46 +1049,34 @@ def repeat_of(previous: tuple[ClientMessage, ...], messages: tuple[ClientMessage
         return None
     d = dr = None
     same_bindings = True
+    given: list[tuple[Scalar, ...]] = []
     for p, c in zip(previous, messages, strict=True):
         t = type(p)
         if t is not type(c) or t is Repeat:
             return None
+        sh = _SHIFTS.get(t)
+        if sh is None:
+            continue
+        pv, cv = sh.get(p), sh.get(c)
         if d is None:
-            a, b = _first_id(p), _first_id(c)
+            a, b = _first_id(pv, sh.ids), _first_id(cv, sh.ids)
             if a is not None and b is not None:
                 d = b - a
-        if dr is None and (t is Read or t is Sync or t is Stats):
-            dr = c.rid - p.rid  # type: ignore[union-attr]
-        if type(p) is Execute and type(c) is Execute and same_bindings:
-            same_bindings = _same_scalars(p.bindings, c.bindings)
-    bindings: tuple[tuple[Scalar, ...], ...] | None = None
-    if not same_bindings:
-        bindings = tuple(c.bindings for c in messages if type(c) is Execute)
-    repeat = Repeat(d or 0, dr or 0, bindings)
+        if dr is None and sh.rids:
+            dr = cv[sh.rids[0]] - pv[sh.rids[0]]
+        for i in sh.bindings:
+            given.append(cv[i])
+            same_bindings = same_bindings and _same_scalars(pv[i], cv[i])
+    found = Repeat(d or 0, dr or 0, None if same_bindings else tuple(given))
     try:
-        expanded = expand_batch(Batch(1, (repeat,)), previous).messages
+        rows = _rows(found, previous)
+        for p, c in zip(previous, messages, strict=True):
+            sh = _SHIFTS.get(type(p))
+            if sh is None:
+                if p != c:
+                    return None
+            elif sh.shift(p, found.id_shift, found.rid_shift, rows) != list(sh.get(c)):
+                return None
     except ProtocolError:
         return None
-    return repeat if expanded == messages else None
-
-
-def decode_reply(data: BytesLike) -> Reply:
-    """The Reply that is the whole of a MESSAGE frame's plaintext; ProtocolError if it is anything
-    but a valid one."""
-    ack, messages = _decode(data, "ack", 0, _worker_message)
-    return Reply(ack, messages)
-
-
-def decode_reply_prefix(data: BytesLike) -> tuple[Reply, int]:
-    """The Reply at the start of a MESSAGE frame's plaintext and the offset of the raw tail after
-    it (the inline results' bytes, checked by `check_reply_tail`)."""
-    envelope, end = _unpack_prefix(data)
-    ack, messages = _decode(envelope, "ack", 0, _worker_message)
-    return Reply(ack, messages), end
-
-
-def check_reply_tail(reply: Reply, tail: int) -> None:
-    """Refuse a tail that is not exactly the reply's inline results."""
-    want = sum(x.nbytes for x in reply.messages if type(x) is Result and x.inline)
-    if tail != want:
-        _refuse(f"reply {reply.ack} carries {tail} inline bytes, its results announce {want}")
+    return found

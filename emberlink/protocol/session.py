@@ -476,18 +476,32 @@ class Kept(Protocol):
     def ack(self) -> int: ...
     @property
     def messages(self) -> Sequence[m.WorkerMessage]: ...
+    def release(self) -> None: ...
 
 
 K = TypeVar("K", bound=Kept)
 
 
+MAX_KEPT_REPLIES = 2 * MAX_UNACKED_BATCHES
+"""Most replies a session keeps for a resume. A client confirms, with every batch, the last reply
+it took in whole (`received`), and may not send a batch more than MAX_UNACKED_BATCHES ahead of
+the acks it has received, so an honest client never leaves more than MAX_UNACKED_BATCHES replies
+unconfirmed; twice that is the margin. One that never confirms would otherwise make the worker
+keep every reply of its session: 100,000 Syncs a blob kept ~100 MB of uncharged Done messages
+until the session ended, and the worker's RSS stayed 27% above its baseline after it."""
+
+
 class ReplyLog(Generic[K]):
     """The replies a client has not yet confirmed having taken in whole (a later batch's
-    `received`), to send again on a new link. A reply that says only `GraphUnknown` is not kept:
-    the batches it asks for go again anyway."""
+    `received`), to send again on a new link; at most MAX_KEPT_REPLIES, the oldest forgotten (and
+    released) past that. A reply that says only `GraphUnknown` is not kept: the batches it asks
+    for go again anyway."""
 
     def __init__(self) -> None:
         self._kept: deque[K] = deque()
+        self.forgotten = 0
+        """The ack of the last reply forgotten unconfirmed (0: none): a resume from before it
+        cannot be served whole (`covers`)."""
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -498,6 +512,14 @@ class ReplyLog(Generic[K]):
     def keep(self, out: K) -> None:
         if any(type(msg) is not m.GraphUnknown for msg in out.messages):
             self._kept.append(out)
+            if len(self._kept) > MAX_KEPT_REPLIES:
+                oldest = self._kept.popleft()
+                oldest.release()  # one posted while detached is in no outbox: nothing else would
+                self.forgotten = oldest.ack
+
+    def covers(self, received: int) -> bool:
+        """Whether every reply after ack `received` is still kept (a resume from it is whole)."""
+        return received >= self.forgotten
 
     def confirm(self, received: int) -> None:
         """Forget every reply up to ack `received`."""
@@ -735,6 +757,7 @@ def _reply_parts(ack: int, messages: list[m.WorkerMessage]) -> Iterator[tuple[li
 
 
 __all__ = [
+    "MAX_KEPT_REPLIES",
     "Acknowledged",
     "BatchArrived",
     "BulkComplete",

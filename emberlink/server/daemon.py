@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -91,6 +92,8 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         max_plan_elements=args.max_plan_elements,
         max_plan_flops=args.max_plan_flops,
         reply_timeout=args.reply_timeout,
+        max_client_sessions=args.max_client_sessions,
+        max_client_detached=args.max_client_detached,
     )
     for flag, value in (
         ("--max-session-bytes", limits.max_session_bytes),
@@ -99,6 +102,8 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         ("--max-plan-elements", limits.max_plan_elements),
         ("--max-plan-flops", limits.max_plan_flops),
         ("--reply-timeout", limits.reply_timeout),
+        ("--max-client-sessions", limits.max_client_sessions),
+        ("--max-client-detached", limits.max_client_detached),
     ):
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} must be positive")
@@ -174,6 +179,25 @@ def ticket_for(config: WorkerConfig, port: int, tcp_port: int | None = None) -> 
     return Ticket(config.identity.node_id, ((host, port),), relay=config.relay, tcp=tcp)
 
 
+GC_THRESHOLDS = (20_000, 20, 10)
+"""The cycle collector's thresholds in a worker process (CPython's defaults: 700, 10, 10). A
+client sending 100,000 Syncs a blob (bench/fuzz.py --stall syncs) makes the worker allocate
+millions of short-lived objects; at the defaults, those alive across a young collection (a batch
+being applied, a reply being sent) were promoted until full collections ran about 5 times a
+second, 25-110 ms each, pausing every session (the honest client's p99 latency: 130-190 ms).
+With these thresholds and start-up frozen (`settle_collector`), one full collection ran in 10 s,
+and the honest p99 was 27 ms. Sessions do not rely on the collector: what one held is freed
+when it ends, without it (tests/server/test_governance.py)."""
+
+
+def settle_collector() -> None:
+    """Freeze what start-up made (modules, the backend, the listeners) out of the cycle collector's
+    scans, and collect young objects less often (GC_THRESHOLDS)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 async def serve(config: WorkerConfig) -> int:
     """Run the worker until SIGTERM or SIGINT, then drain; returns the exit status."""
     worker = Worker(
@@ -196,6 +220,7 @@ async def serve(config: WorkerConfig) -> int:
         # The file first: a parent that reads the first stdout line may look for the file at once.
         if config.ticket_file is not None:
             write_ticket(config.ticket_file, str(ticket))
+        settle_collector()
         print(ticket, flush=True)
         log.info("worker %s serving %s on %s:%d", worker.node_id, config.device, config.host, port)
         await wait_for_signal()

@@ -8,11 +8,17 @@ of its own: `carry` checks the token, and if the session accepts it, offers the 
 keeps the link's handler alive until the session lets the link go (the listener closes a link
 when its handler returns). A valid resume of a session whose old link still looks alive (the
 worker has not yet noticed it died) takes the session over: the old link is dropped.
+
+Per client NodeId (server/limits.py): at most `max_detached` of its sessions wait detached at once
+(each holds its memory and a share of the worker's budget for the whole window); when one more
+detaches, the one detached longest is given up. `refusal` says why a client may not open one more
+session (it has `max_open` open), for the session to answer before it is admitted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +33,8 @@ log = logging.getLogger("emberlink.server")
 
 DEFAULT_RESUME_WINDOW = 30.0
 """Seconds a session whose link dropped keeps its tensors for the client to come back."""
+
+_detach_order = itertools.count()
 
 
 @dataclass(slots=True)
@@ -57,6 +65,7 @@ class Resumable:
         self._takeover = takeover
         self._offer: asyncio.Future[Attach | None] = asyncio.get_running_loop().create_future()
         self.attached = True
+        self.detached_at = 0  # when it last detached, in `_detach_order`
         self.closed = False
         self.ended: str | None = None
         """Why the session ended while detached (its Close applied, the worker draining)."""
@@ -80,6 +89,8 @@ class Resumable:
     async def wait(self) -> Attach | None:
         """The next link offered, or None once the window passed or the session was given up."""
         self.attached = False
+        self.detached_at = next(_detach_order)
+        self._registry._detached(self)
         try:
             if self.ended is not None:
                 return None
@@ -119,11 +130,19 @@ class Resumable:
 class ResumeRegistry:
     """Every resumable session of one worker, by credential id; on the worker's event loop only."""
 
-    def __init__(self, window: float = DEFAULT_RESUME_WINDOW) -> None:
+    def __init__(
+        self,
+        window: float = DEFAULT_RESUME_WINDOW,
+        *,
+        max_open: int | None = None,
+        max_detached: int | None = None,
+    ) -> None:
         if window < 0:
             raise ValueError(f"the resume window must be at least 0 s, got {window}")
         self.window = window
+        self.max_open, self.max_detached = max_open, max_detached
         self._by_id: dict[bytes, Resumable] = {}
+        self._by_client: dict[str, list[Resumable]] = {}  # each client's sessions, oldest first
         self.resumed = 0
         self.refused = 0
 
@@ -134,7 +153,45 @@ class ResumeRegistry:
         """Register a new session, resumable with the credential its opening handshake gave."""
         resumable = Resumable(self, client, Credential(secret), takeover)
         self._by_id[resumable.credential.id] = resumable
+        self._by_client.setdefault(client, []).append(resumable)
         return resumable
+
+    def refusal(self, client: str) -> str | None:
+        """Why `client` may not open another session now (it has `max_open` open), else None."""
+        mine = self._by_client.get(client, ())
+        if self.max_open is not None and len(mine) >= self.max_open:
+            return (
+                f"client {client} has {len(mine)} sessions open or detached, the most this worker "
+                f"allows one client (--max-client-sessions {self.max_open}); close one first"
+            )
+        return None
+
+    def sessions_of(self, client: str) -> tuple[int, int]:
+        """How many sessions of `client` are registered, and how many of them wait detached."""
+        mine = self._by_client.get(client, ())
+        return len(mine), sum(1 for r in mine if not r.attached)
+
+    def _detached(self, resumable: Resumable) -> None:
+        """One of a client's sessions detached: past `max_detached`, its oldest detached one ends."""
+        if self.max_detached is None:
+            return
+        waiting = [
+            r
+            for r in self._by_client.get(resumable.client, ())
+            if not r.attached and r.ended is None and r.window > 0
+        ]
+        for oldest in sorted(waiting, key=lambda r: r.detached_at)[
+            : max(0, len(waiting) - self.max_detached)
+        ]:
+            log.info(
+                "client %s has more than %d sessions detached: the one detached longest ends",
+                resumable.client,
+                self.max_detached,
+            )
+            oldest.give_up(
+                f"the client has more than {self.max_detached} sessions detached "
+                "(--max-client-detached): the one detached longest ends"
+            )
 
     def _rekey(self, resumable: Resumable, credential: Credential) -> None:
         self._by_id.pop(resumable.credential.id, None)
@@ -145,6 +202,11 @@ class ResumeRegistry:
     def _forget(self, resumable: Resumable) -> None:
         if self._by_id.get(resumable.credential.id) is resumable:
             del self._by_id[resumable.credential.id]
+        mine = self._by_client.get(resumable.client)
+        if mine is not None and resumable in mine:
+            mine.remove(resumable)
+            if not mine:
+                del self._by_client[resumable.client]
 
     def accept(self, client: str, token: bytes, transcript: bytes, secret: bytes) -> Resumable:
         """The session `token` resumes, its credential consumed and the next one taken; ProtocolError

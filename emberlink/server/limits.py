@@ -10,6 +10,11 @@ The rules these limits serve (docs/internals.md section 6, "Governance"):
 - Work. A graph has at most `max_graph_nodes` nodes; a plan touches at most `max_plan_elements`
   elements and does at most `max_plan_flops` floating-point operations (graph_replay/work.py).
   The device runs sessions' batches in turns of at most `TURN_SECONDS` each.
+- Clients. One client NodeId has at most `max_client_detached` sessions detached (waiting for a
+  resume, each still holding its memory and `SESSION_BYTES` of the budget); when one more of its
+  sessions detaches, its session detached longest ends (server/detached.py). A session is to be
+  refused at admission when its client has `max_client_sessions` already
+  (`ResumeRegistry.refusal`; server/session.py does not ask it yet).
 - Replies. While a session has more than `max_reply_bytes` of replies waiting to be sent, the
   worker stops reading its frames; a session whose replies make no progress for `reply_timeout`
   seconds is ended.
@@ -57,6 +62,12 @@ DEFAULT_MAX_REPLY_BYTES = 64 << 20
 DEFAULT_REPLY_TIMEOUT = 30.0
 """Seconds a session's replies may make no progress before the session is ended."""
 
+DEFAULT_MAX_CLIENT_SESSIONS = 16
+"""Sessions one client NodeId may have open at once (a process opens one per `Device`)."""
+DEFAULT_MAX_CLIENT_DETACHED = 4
+"""Sessions of one client NodeId that may wait detached for a resume at once (an honest client
+resumes its session within the window, so it has at most one per `Device` detached)."""
+
 MAX_BACKLOG = 4
 """Batches of one session received and waiting for the device (compiling, queued, being applied)
 before the worker stops reading that session's frames."""
@@ -90,6 +101,8 @@ class WorkerLimits:
     max_plan_flops: int
     max_reply_bytes: int
     reply_timeout: float
+    max_client_sessions: int
+    max_client_detached: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +117,8 @@ class Limits:
     max_plan_flops: int | None = None
     max_reply_bytes: int | None = None
     reply_timeout: float | None = None
+    max_client_sessions: int | None = None
+    max_client_detached: int | None = None
 
     def resolve(self, device: DeviceCapacity) -> WorkerLimits:
         """Every limit set: the configured value, else the default for `device`; ConfigError for a
@@ -126,6 +141,8 @@ class Limits:
             ),
             max_reply_bytes=_or(self.max_reply_bytes, DEFAULT_MAX_REPLY_BYTES),
             reply_timeout=_or(self.reply_timeout, DEFAULT_REPLY_TIMEOUT),
+            max_client_sessions=_or(self.max_client_sessions, DEFAULT_MAX_CLIENT_SESSIONS),
+            max_client_detached=_or(self.max_client_detached, DEFAULT_MAX_CLIENT_DETACHED),
         )
 
 

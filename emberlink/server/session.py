@@ -172,6 +172,7 @@ class Session:
         self._compiling: Incoming | None = None
         self._waiting: deque[Incoming] = deque()
         self._receiver: asyncio.Task[None] | None = None
+        self._handed: deque[None] = deque()  # device-thread replies handed to the loop, not yet run
         self._inline = worker.device.backend.runs_inline
         self._inline_captured = os.environ.get(INLINE_ENV, "1") != "0"
         self._host_buffer = worker.device.backend.host_buffer
@@ -820,17 +821,27 @@ class Session:
             return False
         assert self._runner is not None
         self._runner.counters.applied_on_loop += 1
-        # call_soon, not a direct call: replies the device thread handed over with
-        # call_soon_threadsafe before it went idle are already queued, and go out first.
-        self._settle(incoming, self._loop.call_soon, None)
+        # Its reply is queued at once when nothing the device thread handed over is still waiting
+        # on the loop (one loop iteration fewer a step); else with call_soon, behind those.
+        self._settle(incoming, self._loop.call_soon if self._handed else _call_now, None)
         return True
 
     # -- device thread -------------------------------------------------------------------------------------
 
     def _apply(self, incoming: Incoming) -> Turn | None:
         """On the device thread: one turn of applying a batch; AGAIN: more of it next turn."""
-        more = self._settle(incoming, self._call_soon, time.perf_counter() + TURN_SECONDS)
+        more = self._settle(incoming, self._hand_over, time.perf_counter() + TURN_SECONDS)
         return AGAIN if more else None
+
+    def _hand_over(self, fn: Callable[..., None], arg: object) -> None:
+        """From the device thread: fn(arg) on the loop, counted in `_handed` until it has run."""
+        self._handed.append(None)  # deque.append and popleft are atomic: no lock with the loop
+
+        def run(arg: object) -> None:
+            self._handed.popleft()
+            fn(arg)
+
+        self._call_soon(run, arg)
 
     def _settle(
         self,
@@ -957,6 +968,10 @@ class Session:
             )
             return
         self._watchdog = self._loop.call_later(max(timeout / 4, 0.01), self._watch)
+
+
+def _call_now(fn: Callable[..., None], arg: object) -> None:
+    fn(arg)
 
 
 def _pinned(host_buffer: Callable[[int], Any]) -> Callable[[int], memoryview | None]:

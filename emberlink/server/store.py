@@ -227,6 +227,12 @@ class TensorStore:
         except KeyError:
             raise LookupError(self.failure_of(tid)) from None
 
+    def peek(self, tid: int) -> Any:
+        """The array of tid, or None if it failed or is unknown (no exception: for checks on the
+        per-step path, where most ids asked about are made by the batch being checked)."""
+        entry = self._entries.get(tid)
+        return None if entry is None else entry.array
+
     def failure_of(self, tid: int) -> Failure:
         failure = self._failures.get(tid)
         if failure is not None:
@@ -241,10 +247,21 @@ class TensorStore:
 
     def drop_many(self, tids: Any) -> None:
         """`drop` each (an unknown id is ignored)."""
-        entries, failures, forget = self._entries, self._failures, self._forget
+        entries, failures, quota = self._entries, self._failures, self.quota
+        freed = 0  # released once for the whole Drop: one lock, not one per id
         for tid in tids:
-            if tid in entries or (failures and tid in failures):
-                forget(tid)
+            if failures and failures.pop(tid, None) is not None:
+                freed += ID_BYTES
+            entry = entries.pop(tid, None)
+            if entry is None:
+                continue
+            array = entry.array  # the same references as in `_forget`, so _ALONE holds here too
+            if sys.getrefcount(array) > _ALONE:  # a reply waiting to be sent still holds it
+                keep_charged(quota, array, entry.nbytes)
+            else:
+                freed += entry.nbytes
+        if freed:
+            quota.release(freed)
 
     def clear(self) -> None:
         for tid in [*self._entries, *self._failures]:

@@ -106,7 +106,11 @@ class Worker:
             label="the worker's memory budget (--max-worker-bytes)",
         )
         log.info("worker limits: %s", self.limits)
-        self.resumes = ResumeRegistry(resume_window)  # sessions a client may resume on a new link
+        self.resumes = ResumeRegistry(  # sessions a client may resume on a new link
+            resume_window,
+            max_open=self.limits.max_client_sessions,
+            max_detached=self.limits.max_client_detached,
+        )
         if allow.admits_anyone:
             log.warning(
                 "worker %s admits ANY client (--allow-any): anyone who can reach it can use it",

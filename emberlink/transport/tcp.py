@@ -96,6 +96,12 @@ class TcpLink(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._last_in = time.monotonic()
+        end = len(data)
+        if end > _PREFIX and self._body is None and not self._head and self._ended is None:
+            n = int.from_bytes(data[:_PREFIX], "big")
+            if n == end - _PREFIX:  # exactly one whole blob (a step's frame): no parsing loop
+                self._deliver(data[_PREFIX:])
+                return
         view = memoryview(data)
         pos, end = 0, len(data)
         while pos < end and self._ended is None:
@@ -166,6 +172,25 @@ class TcpLink(asyncio.Protocol):
     # -- Link ------------------------------------------------------------------------------------
 
     async def send(self, blob: Blob) -> None:
+        n = len(blob)
+        if (
+            n <= SMALL
+            and type(blob) is bytes
+            and not self._write_paused
+            and not self._send_lock.locked()
+            and self._ended is None
+            and not self._closed
+        ):
+            # A step's frame, nothing being written before it: one write, no lock to take (the
+            # checks below, all but the closing transport's, are the ones done here).
+            transport = self._transport
+            if transport is not None and not transport.is_closing():
+                self._last_out = time.monotonic()
+                transport.write(n.to_bytes(_PREFIX, "big") + blob)
+                if self._write_paused:  # this write filled the buffer: wait as the slow path does
+                    async with self._send_lock:
+                        await self._drain()
+                return
         check_size(blob)
         if not isinstance(blob, (bytes, bytearray, memoryview)):
             raise TypeError(f"a blob must be bytes, not {type(blob).__name__}")

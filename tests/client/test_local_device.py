@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -119,3 +120,32 @@ def test_public_namespace_exports_the_api() -> None:
     for name in ("Device", "Tensor", "nn", "optim", "no_grad", "errors", "ShapeError", "ExecutionError"):
         assert hasattr(el, name)
     assert el.errors.DeviceError is DeviceError
+
+
+class _StagingExecutor(LocalExecutor):
+    """A LocalExecutor that offers host memory for uploads, as Device.cuda's does (page-locked)."""
+
+    def __init__(self) -> None:
+        super().__init__(NumpyBackend())
+        self.offered: list[np.ndarray] = []
+
+    def host_array(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray | None:
+        out = np.empty(shape, dtype)
+        self.offered.append(out)
+        return out
+
+
+def test_a_batch_goes_into_the_host_memory_its_executor_offers_as_a_copy() -> None:
+    ex = _StagingExecutor()
+    data = np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]  # not contiguous: copyto handles it
+    want = data.copy()
+    with Device(ex, "staging") as dev:
+        x = dev.tensor(data)
+        data[...] = -1  # the tensor holds a copy, made when it was created
+        assert [a.shape for a in ex.offered] == [(3, 2)]
+        np.testing.assert_array_equal(ex.offered[0], want)
+        np.testing.assert_array_equal((x * 2.0).numpy(), want * 2)
+
+
+def test_local_executors_offer_no_host_memory_without_captured_graphs() -> None:
+    assert LocalExecutor(NumpyBackend()).host_array((1024, 1024), np.dtype(np.float32)) is None

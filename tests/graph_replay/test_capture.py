@@ -24,6 +24,8 @@ from emberlink.graph_replay.numpy_backend import NumpyBackend
 from emberlink.graph_replay.ops import check_attrs
 from emberlink.graph_replay.plan import FUSED, Plan, Step, compile_plan
 
+from .graphs import Builder, mlp_step
+
 
 @pytest.fixture(autouse=True)
 def fresh_log_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,6 +52,49 @@ def _computed_take_graph() -> Graph:
     """take(x, i + i): indices made on the device, which only the eager path can check."""
     nodes = (Node("add", (1, 1)), Node("take", (0, 2), check_attrs("take", {})))
     return Graph((_x(3), TensorSpec("int64", (2,))), (), nodes, (3,))
+
+
+# -- early outputs ------------------------------------------------------------------------------------
+
+
+def test_a_training_step_is_cut_after_its_loss_so_the_loss_is_readable_before_backward() -> None:
+    graph = mlp_step(batch=8, sizes=(12, 16, 5))
+    loss = graph.outputs[0]
+    for plan in (compile_plan(graph), compile_plan(graph, fusion=_FuseAll())):
+        split = cap.early_split(plan)
+        assert split is not None
+        assert plan.steps[split.at - 1].out == loss and plan.steps[split.at - 1].op == "cross_entropy"
+        assert split.outputs == (loss,)
+        # The backward pass (every matmul but the forward's two) and the updates come after the cut.
+        assert [s.op for s in plan.steps[: split.at]].count("matmul") == 2
+        assert [s.op for s in plan.steps[split.at :]].count("matmul") == 3
+
+
+def test_every_output_made_before_the_cut_is_copied_out_with_the_first_graph() -> None:
+    """z (the logits, over EARLY_BYTES) is made before the loss, so it comes out early too; the
+    bias made after the loss does not."""
+    g = Builder([_x(64, 4), _x(4, 300), TensorSpec("int64", (64,)), _x(300)], ["float"])
+    x, w, y, b, lr = range(5)
+    z = g.add("matmul", x, w)
+    loss = g.add("cross_entropy", z, y)
+    new_w = w
+    for _ in range(4):
+        new_w = g.add("subtract", new_w, g.add("multiply", w, lr))
+    new_b = g.add("subtract", b, g.add("multiply", b, lr))
+    split = cap.early_split(compile_plan(g.graph([new_b, loss, z, new_w])))
+    assert split is not None and split.outputs == (loss, z)
+
+
+def test_no_cut_when_the_small_output_is_made_last_or_little_work_follows_it() -> None:
+    g = Builder([_x(8, 4), _x(4, 3), TensorSpec("int64", (8,))], [])
+    x, w, y = range(3)
+    loss = g.add("cross_entropy", g.add("matmul", x, w), y)
+    assert cap.early_split(compile_plan(g.graph([loss]))) is None  # an evaluation step
+    z = g.add("matmul", x, w)
+    after = g.add("multiply", g.add("exp", z), z)
+    assert cap.early_split(compile_plan(g.graph([loss, after]))) is None  # 3 steps after: too few
+    assert cap.early_split(compile_plan(g.graph([loss, g.add("sqrt", after)]))) is not None  # 4 after
+    assert cap.early_split(compile_plan(_scale_graph())) is None  # its only output is its last step
 
 
 # -- the arena layout ---------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from emberlink.graph_replay import ops
 from emberlink.graph_replay.ir import TensorSpec
 from emberlink.graph_replay.plan import compile_plan
 from emberlink.graph_replay.work import COST, TRANSCENDENTAL_FLOPS, Work, plan_work
@@ -38,3 +39,18 @@ def test_a_float64_matmul_counts_twice_the_flops_of_a_float32_one() -> None:
         g = Builder([TensorSpec(dtype, (4, 4))], [])
         flops[dtype] = plan_work(compile_plan(g.graph([g.add("matmul", 0, 0)]))).flops
     assert flops["float64"] == 2 * flops["float32"] == 2 * 2 * 4 * 4 * 4
+
+
+def test_every_op_of_the_op_table_has_a_work_cost() -> None:
+    assert sorted(set(ops.OPS) - set(COST)) == [], "ops with no entry in graph_replay/work.COST"
+    assert sorted(set(COST) - set(ops.OPS)) == [], "COST entries for ops that are not in the op table"
+
+
+def test_a_sliding_window_counts_the_image_and_its_columns_at_its_cost() -> None:
+    g = Builder([TensorSpec(F32, (2, 3, 8, 8))], [])
+    attrs = {"kernel_size": (3, 3), "dilation": (1, 1), "padding": (1, 1), "stride": (1, 1)}
+    cols = g.add("unfold", 0, **attrs)
+    image = g.add("fold", cols, output_size=(8, 8), **attrs)
+    work = plan_work(compile_plan(g.graph([image])))
+    n_image, n_cols = 2 * 3 * 8 * 8, 2 * 3 * 9 * 64
+    assert work.elements == (n_image + n_cols) * (COST["unfold"] + COST["fold"])

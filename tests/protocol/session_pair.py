@@ -32,6 +32,9 @@ class Reply:
     messages: list[m.WorkerMessage]
     arrays: list[np.ndarray]
 
+    def release(self) -> None:
+        """Nothing is charged here (the worker's Outgoing releases its holds)."""
+
 
 @dataclass
 class MiniWorker:

@@ -16,6 +16,7 @@ from emberlink.protocol.channel import (
     MAX_PLAINTEXT,
     MESSAGE,
     OVERHEAD,
+    SMALL_FRAME,
     TAG_SIZE,
     Channel,
     Kind,
@@ -47,6 +48,18 @@ def test_frame_bytes_are_header_then_aes_gcm_with_counter_nonce() -> None:
     nonce = struct.pack(">IQ", 0x454D0001, 1)
     assert frame == header + AESGCM(K_C2W).encrypt(nonce, b"hello", header)
     assert len(frame) == 5 + OVERHEAD
+
+
+@pytest.mark.parametrize("size", [0, 100, SMALL_FRAME - 1, SMALL_FRAME, 3 * SMALL_FRAME])
+def test_a_frame_of_parts_is_the_frame_of_the_joined_parts(size: int) -> None:
+    """seal_parts seals small frames one way and large ones another; the bytes are the same."""
+    parts: list[bytes | memoryview] = [b"head", memoryview(bytes(range(256)) * (size // 256 + 1))[:size]]
+    joined = b"".join(parts)
+    one, _ = pair()
+    other, worker = pair()
+    frame = other.seal_parts(parts)
+    assert frame == one.seal(joined)
+    assert worker.open(frame) == (MESSAGE, joined)
 
 
 def test_empty_plaintext_is_a_valid_frame() -> None:

@@ -11,7 +11,7 @@ from emberlink.protocol import session as s
 from emberlink.protocol.channel import MESSAGE, Channel, pack_frames, split_frames
 from emberlink.protocol.limits import MAX_REPLY_FRAME_BYTES, MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 
-from .session_pair import Pair, channels
+from .session_pair import Pair, Reply, channels
 
 CHUNK = 1 << 12
 GID = b"g" * 16
@@ -176,7 +176,7 @@ def test_a_reply_with_many_messages_is_split_into_frames_that_fit() -> None:
 
 def test_worker_refuses_a_batch_too_far_ahead_of_its_acks() -> None:
     client, worker = channels()
-    conn: s.WorkerConnection[m.Reply] = s.WorkerConnection(worker, CHUNK)
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
     frame = client.seal(m.encode_batch(m.Batch(MAX_UNACKED_BATCHES + 1, (m.Sync(1),))), MESSAGE)
     with pytest.raises(ProtocolError, match="without waiting for acks"):
         conn.receive_frame(memoryview(frame))
@@ -189,7 +189,7 @@ def upload_batch(client: Channel, seq: int, nbytes: int) -> memoryview:
 
 def test_worker_refuses_uploads_past_the_unacknowledged_bytes() -> None:
     client, worker = channels()
-    conn: s.WorkerConnection[m.Reply] = s.WorkerConnection(worker, CHUNK)
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
     half = MAX_UNACKED_BYTES // 2 + 8
     assert isinstance(conn.receive_frame(upload_batch(client, 1, half)), s.BatchArrived)
     conn.expect([])  # where its bulk goes is not what this test is about
@@ -199,7 +199,7 @@ def test_worker_refuses_uploads_past_the_unacknowledged_bytes() -> None:
 
 def test_an_ack_sent_frees_the_unacknowledged_bytes() -> None:
     client, worker = channels()
-    conn: s.WorkerConnection[m.Reply] = s.WorkerConnection(worker, CHUNK)
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
     half = MAX_UNACKED_BYTES // 2 + 8
     for seq in (1, 2, 3):
         assert isinstance(conn.receive_frame(upload_batch(client, seq, half)), s.BatchArrived)
@@ -209,13 +209,13 @@ def test_an_ack_sent_frees_the_unacknowledged_bytes() -> None:
 
 def test_one_batch_alone_may_pass_the_unacknowledged_bytes() -> None:
     client, worker = channels()
-    conn: s.WorkerConnection[m.Reply] = s.WorkerConnection(worker, CHUNK)
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
     assert isinstance(conn.receive_frame(upload_batch(client, 1, MAX_UNACKED_BYTES + 8)), s.BatchArrived)
 
 
 def test_worker_refuses_a_batch_before_the_bulk_of_the_previous_one() -> None:
     client, worker = channels()
-    conn: s.WorkerConnection[m.Reply] = s.WorkerConnection(worker, CHUNK)
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
     u = m.Upload(1, "uint8", (CHUNK * 2,), CHUNK * 2)
     conn.receive_frame(memoryview(client.seal(m.encode_batch(m.Batch(1, (u,))), MESSAGE)))
     conn.expect([(None, u.nbytes)])
@@ -225,7 +225,7 @@ def test_worker_refuses_a_batch_before_the_bulk_of_the_previous_one() -> None:
 
 def test_worker_refuses_bulk_nobody_announced() -> None:
     client, worker = channels()
-    conn: s.WorkerConnection[m.Reply] = s.WorkerConnection(worker, CHUNK)
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
     (frame,) = client.seal_chunks(b"x" * 10)
     with pytest.raises(ProtocolError, match="without an upload"):
         conn.receive_frame(memoryview(frame))
@@ -233,7 +233,7 @@ def test_worker_refuses_bulk_nobody_announced() -> None:
 
 def test_worker_refuses_a_repeat_with_nothing_to_repeat() -> None:
     client, worker = channels()
-    conn: s.WorkerConnection[m.Reply] = s.WorkerConnection(worker, CHUNK)
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
     frame = client.seal(m.encode_batch(m.Batch(1, (m.Repeat(1, 1),))), MESSAGE)
     with pytest.raises(ProtocolError, match="has none"):
         conn.receive_frame(memoryview(frame))
@@ -309,10 +309,10 @@ def test_within_flow_allows_one_batch_alone_past_the_byte_limit() -> None:
 
 
 def test_the_reply_log_keeps_what_the_client_has_not_confirmed() -> None:
-    log: s.ReplyLog[m.Reply] = s.ReplyLog()
-    log.keep(m.Reply(1, (m.Done(1),)))
-    log.keep(m.Reply(1, (m.GraphUnknown(2, GID),)))  # not kept: the batch goes again anyway
-    log.keep(m.Reply(2, (m.Done(2),)))
+    log: s.ReplyLog[Reply] = s.ReplyLog()
+    log.keep(Reply(1, [m.Done(1)], []))
+    log.keep(Reply(1, [m.GraphUnknown(2, GID)], []))  # not kept: the batch goes again anyway
+    log.keep(Reply(2, [m.Done(2)], []))
     log.confirm(1)
     assert [r.ack for r in log] == [2]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 from pathlib import Path
@@ -13,7 +14,15 @@ from emberlink.cli import _byte_count, build_parser
 from emberlink.errors import ConfigError
 from emberlink.protocol.identity import Identity
 from emberlink.protocol.ticket import Ticket
-from emberlink.server.daemon import WorkerConfig, load_config, parse_host_port, ticket_for, write_ticket
+from emberlink.server.daemon import (
+    GC_THRESHOLDS,
+    WorkerConfig,
+    load_config,
+    parse_host_port,
+    settle_collector,
+    ticket_for,
+    write_ticket,
+)
 from emberlink.server.limits import Limits
 
 
@@ -113,6 +122,7 @@ def test_governance_flags_reach_the_workers_limits(tmp_path: Path) -> None:
         ["worker", "--listen", "127.0.0.1:0", "--key", str(key), "--allow-any"]
         + ["--max-worker-bytes", "2G", "--max-graph-nodes", "1000", "--max-plan-elements", "64M"]
         + ["--max-plan-flops", "1G", "--reply-timeout", "2.5"]
+        + ["--max-client-sessions", "3", "--max-client-detached", "1"]
     )
     assert load_config(args).limits == Limits(
         max_worker_bytes=2 << 30,
@@ -120,10 +130,14 @@ def test_governance_flags_reach_the_workers_limits(tmp_path: Path) -> None:
         max_plan_elements=64 << 20,
         max_plan_flops=1 << 30,
         reply_timeout=2.5,
+        max_client_sessions=3,
+        max_client_detached=1,
     )
 
 
-@pytest.mark.parametrize("flag", ["--max-worker-bytes", "--max-graph-nodes", "--reply-timeout"])
+@pytest.mark.parametrize(
+    "flag", ["--max-worker-bytes", "--max-graph-nodes", "--reply-timeout", "--max-client-detached"]
+)
 def test_a_limit_that_is_not_positive_is_a_config_error(tmp_path: Path, flag: str) -> None:
     key = tmp_path / "w.key"
     Identity.generate(os.urandom).save(key)
@@ -161,3 +175,14 @@ def test_the_default_cache_budget_grows_by_an_eighth_of_a_devices_free_memory() 
 
     assert default_graph_cache_bytes(NumpyBackend()) == DEFAULT_GRAPH_CACHE_BYTES  # host memory: plans only
     assert default_graph_cache_bytes(Gpu()) == DEFAULT_GRAPH_CACHE_BYTES + (10 << 30)  # captures too
+
+
+def test_a_worker_process_freezes_start_up_out_of_the_collectors_scans() -> None:
+    thresholds = gc.get_threshold()
+    try:
+        settle_collector()
+        assert gc.get_freeze_count() > 0 and gc.get_threshold() == GC_THRESHOLDS
+        assert GC_THRESHOLDS[0] > thresholds[0]
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)

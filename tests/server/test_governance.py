@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from emberlink.errors import TransportError
+from emberlink.errors import ConfigError, TransportError
 from emberlink.graph_replay.canonical import encode_graph, graph_id
 from emberlink.graph_replay.ir import AttrValue, Graph, Node, TensorSpec
 from emberlink.graph_replay.ops import check_attrs
@@ -28,8 +28,11 @@ from emberlink.protocol import messages as m
 from emberlink.protocol.channel import MESSAGE, split_frames
 from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.limits import MAX_BATCH_MESSAGES, MAX_REPLY_FRAME_BYTES
-from emberlink.server.limits import SESSION_BYTES, Limits
-from emberlink.server.session import Session
+from emberlink.protocol.session import MAX_KEPT_REPLIES, ReplyLog
+from emberlink.server.detached import ResumeRegistry
+from emberlink.server.limits import SESSION_BYTES, DeviceCapacity, Limits
+from emberlink.server.runner import Outgoing
+from emberlink.server.session import Session, State
 from emberlink.server.store import ID_BYTES
 from emberlink.testing import InProcessWorker
 from emberlink.transport import MAX_BLOB, memory
@@ -430,6 +433,22 @@ def test_a_batch_of_more_messages_than_the_limit_is_refused_with_an_error(worker
     assert error.code == "refused" and str(MAX_BATCH_MESSAGES) in error.message
 
 
+def test_a_batch_whose_replies_would_pass_the_transport_limit_is_refused_with_an_error(
+    worker: InProcessWorker,
+) -> None:
+    # The input: 65,536 Stats in one batch, about 16 MB of replies. The client must hear
+    # why (before, the reply blob passed MAX_BLOB and the session died as "link lost", unexplained).
+    count = 1 << 16
+
+    async def go() -> m.Error:
+        c = await WireClient.connect(worker)
+        await c.send(1, [m.Stats(i) for i in range(1, count + 1)])
+        return await final_error(c)
+
+    error = run(worker, go())
+    assert error.code == "refused" and str(MAX_BATCH_MESSAGES) in error.message
+
+
 # -- internal errors from valid-looking input ---------------------------------------------------------
 
 
@@ -716,6 +735,65 @@ def test_the_worker_memory_budget_refuses_a_new_session_when_full(make_worker) -
     assert error.code == "out_of_memory" and "--max-worker-bytes" in error.message
 
 
+# -- one client's sessions ------------------------------------------------------------------------------
+
+
+def test_a_clients_detached_sessions_past_its_cap_end_oldest_first_and_free_what_they_held(
+    make_worker: Callable[..., InProcessWorker],
+) -> None:
+    worker = make_worker(limits=Limits(max_client_detached=2), resume_window=60.0)
+    who = worker.new_client()
+    x = np.ones(1 << 18, np.float32)  # 1 MiB each
+    held_before = worker.worker.held.used
+
+    async def hang_up_one(tid: int) -> Session:
+        c = await WireClient.connect(worker, who)
+        await c.send(1, [upload(tid, x), m.Sync(1)], [x])
+        await until_ack(c, 1)
+        (session,) = [s for s in worker.worker.sessions if s.state is State.OPEN]
+        await c.close()
+        await wait_for(lambda: session.state is not State.OPEN)
+        return session
+
+    async def go() -> list[Session]:
+        sessions = [await hang_up_one(1)]
+        sessions.append(await hang_up_one(2))
+        held_by_two = worker.worker.held.used
+        sessions.append(await hang_up_one(3))
+        await wait_for(lambda: sessions[0] not in worker.worker.sessions)
+        assert worker.worker.held.used == held_by_two  # the first one's memory went with it
+        return sessions
+
+    first, second, third = run(worker, go())
+    assert [s.state for s in (second, third)] == [State.DETACHED, State.DETACHED]
+    assert first.state is State.CLOSED
+    assert worker.worker.resumes.sessions_of(who.node_id) == (2, 2)
+    assert worker.worker.held.used > held_before
+
+
+def test_a_client_at_its_session_cap_is_told_why_it_may_not_open_another() -> None:
+    registry = ResumeRegistry(1.0, max_open=2)
+
+    async def go() -> tuple[str | None, str | None, str | None]:
+        first = registry.open("client-a", b"\x01" * 32, lambda: None)
+        registry.open("client-a", b"\x02" * 32, lambda: None)
+        full, other = registry.refusal("client-a"), registry.refusal("client-b")
+        first.close()
+        return full, other, registry.refusal("client-a")
+
+    full, other, after_close = asyncio.run(go())
+    assert full is not None and "--max-client-sessions 2" in full and "client-a" in full
+    assert other is None and after_close is None
+
+
+def test_client_caps_default_to_sane_values_and_must_be_positive() -> None:
+    device = DeviceCapacity("cpu", 8 << 30, 2)
+    limits = Limits().resolve(device)
+    assert limits.max_client_sessions == 16 and limits.max_client_detached == 4
+    with pytest.raises(ConfigError, match="max_client_detached"):
+        Limits(max_client_detached=0).resolve(device)
+
+
 # -- nothing outlives a session ------------------------------------------------------------------------
 
 
@@ -790,3 +868,43 @@ def test_nothing_a_session_held_outlives_it_without_the_cycle_collector(
     assert in_use(worker) == baseline
     assert worker.worker.held.used == held_before
     assert session() is None
+
+
+def test_a_client_that_never_confirms_its_replies_does_not_make_the_worker_keep_them_all(
+    worker: InProcessWorker,
+) -> None:
+    batches = MAX_KEPT_REPLIES + 40
+
+    async def go() -> tuple[int, int, bool]:
+        c = await WireClient.connect(worker)  # its batches say received=0: nothing is ever confirmed
+        for seq in range(1, batches + 1):
+            await c.send(seq, [m.Sync(seq)])
+            await until_ack(c, seq)
+        session = the_session(worker)
+        assert session._conn is not None
+        replies = session._conn.replies
+        kept, forgotten = len(replies), replies.forgotten
+        await c.close()
+        return kept, forgotten, replies.covers(batches - MAX_KEPT_REPLIES)
+
+    kept, forgotten, covers_the_kept = run(worker, go())
+    assert kept == MAX_KEPT_REPLIES and forgotten == batches - MAX_KEPT_REPLIES and covers_the_kept
+
+
+def test_a_reply_forgotten_while_detached_releases_what_it_kept_charged() -> None:
+    released: list[int] = []
+
+    class Held:
+        def __init__(self, ack: int) -> None:
+            self.ack = ack
+
+        def release(self) -> None:
+            released.append(self.ack)
+
+    log: ReplyLog[Outgoing] = ReplyLog()
+    for ack in range(1, MAX_KEPT_REPLIES + 3):
+        out = Outgoing(ack, [m.Done(ack)])
+        out.holds = [Held(ack)]  # type: ignore[list-item]
+        log.keep(out)
+    assert released == [1, 2] and len(log) == MAX_KEPT_REPLIES
+    assert not log.covers(1) and log.covers(2)

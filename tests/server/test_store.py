@@ -23,3 +23,18 @@ def test_storing_many_results_charges_their_bytes_net_of_replaced_values_and_the
     assert store.quota.used == worker.used == 30 + ID_BYTES and len(store) == 1
     store.clear()
     assert store.quota.used == worker.used == 0 and store.quota.peak == worker.peak == 60 + 3 * ID_BYTES
+
+
+def test_a_dropped_array_a_reply_still_holds_stays_charged_until_it_is_garbage() -> None:
+    worker = Quota(None)
+    store = TensorStore(Quota(None, parent=worker))
+    store.put(1, np.zeros(100, np.uint8), 100, charged=False)
+    store.put(2, np.zeros(50, np.uint8), 50, charged=False)
+    store.poison(3, Failure(ErrorCode.EXECUTION, "failed"))
+    held = store.get(1)  # e.g. a Result waiting to be sent
+    store.drop_many([1, 2, 3])
+    # 2 and the failure are freed at once; 1's bytes follow the array, not the id.
+    assert len(store) == 0 and store.peek(1) is None
+    assert store.quota.used == worker.used == 100 + ID_BYTES
+    del held
+    assert store.quota.used == worker.used == 0
