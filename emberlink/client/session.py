@@ -31,6 +31,15 @@ from emberlink.errors import EmberlinkError, ProtocolError, RemoteError, Transpo
 from emberlink.protocol import messages as m
 from emberlink.protocol import session as s
 from emberlink.protocol.channel import CHUNK_SIZE, OVERHEAD, Channel, pack_frames
+from emberlink.protocol.session import (
+    Acknowledged,
+    GraphUnknownResent,
+    ReplyReady,
+    RequestFailed,
+    ResultArrived,
+    ResultProgress,
+    SessionEnded,
+)
 from emberlink.transport.base import Link
 
 log = logging.getLogger("emberlink.client")
@@ -161,7 +170,9 @@ class ClientSession:
                     self._wake.clear()
                     await self._wake.wait()
                 seq, nbytes, frames = conn.next_frames_of()
-                await self._send_frames(self._with_progress(frames, nbytes))
+                if nbytes > PROGRESS_BYTES:
+                    frames = self._with_progress(frames, nbytes)
+                await self._send_frames(frames)
                 self._finished_upto = max(self._finished_upto, seq)
         except TransportError as e:
             self._link_lost(f"lost worker {self._worker} while sending: {e}")
@@ -196,26 +207,26 @@ class ClientSession:
     def _on_events(self, events: list[s.ClientEvent]) -> None:
         for event in events:
             match event:
-                case s.Acknowledged():
+                case Acknowledged():
                     self._flow.on_ack(event.batches, event.nbytes)
-                case s.ResultArrived():
+                case ResultArrived():
                     self._resolve(event.rid, event.value)
-                case s.ReplyReady():
+                case ReplyReady():
                     self._resolve(event.rid, event.value)
-                case s.RequestFailed():
+                case RequestFailed():
                     fut = self._flow.futures.pop(event.rid, None)
                     if fut is not None and not fut.done():
                         fut.set_exception(RemoteError.from_wire(event.code, event.message))
-                case s.SessionEnded():
+                case SessionEnded():
                     raise _SessionOver(RemoteError.from_wire(event.error.code, event.error.message))
-                case s.GraphUnknownResent():
+                case GraphUnknownResent():
                     self._wake.set()
-                case s.ResultProgress():
+                case ResultProgress():
                     self._progress(event)
                 case _:
                     assert_never(event)
 
-    def _progress(self, event: s.ResultProgress) -> None:
+    def _progress(self, event: ResultProgress) -> None:
         bar = self._bars.get(event.rid)
         if bar is None:
             if event.remaining == 0 or event.rid not in self._flow.futures:

@@ -568,20 +568,23 @@ class WorkerConnection(Generic[K]):
             return self._on_bulk(frame)
         return self._on_batch(frame)
 
-    def _open(self, frame: memoryview) -> tuple[Kind, bytes | memoryview]:
-        n = len(frame) - OVERHEAD
-        buffer = None
-        if self._plaintext_buffer is not None and n >= self._buffer_from:
-            buffer = self._plaintext_buffer(n)
+    def _open_large(self, frame: memoryview, n: int) -> tuple[Kind, bytes | memoryview]:
+        assert self._plaintext_buffer is not None
+        buffer = self._plaintext_buffer(n)
         if buffer is None:
             return self.channel.open(frame)
         kind, _ = self.channel.open_into(frame, buffer)
         return kind, buffer[:n]
 
     def _on_batch(self, frame: memoryview) -> BatchArrived:
-        if self.receiving_bulk:
+        if self._targets or self._expecting:
             raise ProtocolError("a batch arrived before the bulk bytes of the previous one")
-        kind, plaintext = self._open(frame)
+        n = len(frame) - OVERHEAD
+        plaintext: bytes | memoryview
+        if self._plaintext_buffer is None or n < self._buffer_from:
+            kind, plaintext = self.channel.open(frame)
+        else:
+            kind, plaintext = self._open_large(frame, n)
         if kind is not MESSAGE:
             raise ProtocolError(f"expected a MESSAGE frame, got {kind.name}")
         batch, start = m.decode_batch_prefix(plaintext)
