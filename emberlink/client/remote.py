@@ -45,6 +45,7 @@ from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity, default_key_path, load_or_create
 from emberlink.protocol.limits import MAX_BATCH_MESSAGES, MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 from emberlink.protocol.resume import Credential
+from emberlink.protocol.session import within_flow
 from emberlink.protocol.ticket import Ticket
 from emberlink.transport.base import Link, bind
 from emberlink.transport.loop import LoopThread, io_loop
@@ -307,9 +308,8 @@ class RemoteExecutor:
         messages, bulks, nbytes = self._pending, self._pending_bulks, self._pending_bytes
         self._pending, self._pending_bulks, self._pending_bytes = [], [], 0
         with self._flow_cond:
-            while self._dead is None and (
-                self._unacked_batches >= self._max_batches
-                or (self._unacked_bytes and self._unacked_bytes + nbytes > self._max_bytes)
+            while self._dead is None and not within_flow(
+                self._unacked_batches, self._unacked_bytes, nbytes, self._max_batches, self._max_bytes
             ):
                 self._flow_cond.wait()
             self._unacked_batches += 1

@@ -20,16 +20,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from emberlink.errors import ErrorCode, ProtocolError
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import MESSAGE, Channel
-from emberlink.protocol.limits import MAX_UNACKED_BATCHES
 from emberlink.protocol.resume import Credential, parse_token
-from emberlink.server.runner import Outgoing
 from emberlink.transport.base import Link
 
 log = logging.getLogger("emberlink.server")
@@ -53,57 +50,6 @@ class Attach:
     def release(self) -> None:
         if not self.released.done():
             self.released.set_result(None)
-
-
-MAX_KEPT_REPLIES = 2 * MAX_UNACKED_BATCHES
-"""Most replies a session keeps for a resume. A client confirms, with every batch, the last reply
-it took in whole (`received`), and may not send a batch more than MAX_UNACKED_BATCHES ahead of
-the acks it has received, so an honest client never leaves more than MAX_UNACKED_BATCHES replies
-unconfirmed; twice that is the margin. One that never confirms would otherwise make the worker
-keep every reply of its session: 100,000 Syncs a blob kept ~100 MB of uncharged Done messages
-until the session ended, and the worker's RSS stayed 27% above its baseline after it."""
-
-
-class ReplyLog:
-    """The replies a client has not yet confirmed having taken in whole (a later batch's `received`),
-    to send again on a new link; at most MAX_KEPT_REPLIES, the oldest forgotten past that. It
-    charges nothing itself: the result arrays it keeps alive stay charged to their session for as
-    long as anything holds them (server/store.py's rules), so a detached session's unconfirmed
-    replies count against its quota and the worker's budget. A reply that says only
-    `GraphUnknown` is not kept: the batches it asks for go again anyway."""
-
-    def __init__(self) -> None:
-        self._kept: deque[Outgoing] = deque()
-        self.forgotten = 0
-        """The ack of the last reply forgotten unconfirmed (0: none): a resume from before it
-        cannot be served whole (`covers`)."""
-
-    def __len__(self) -> int:
-        return len(self._kept)
-
-    def __iter__(self) -> Iterator[Outgoing]:
-        return iter(self._kept)
-
-    def keep(self, out: Outgoing) -> None:
-        if any(type(msg) is not m.GraphUnknown for msg in out.messages):
-            self._kept.append(out)
-            if len(self._kept) > MAX_KEPT_REPLIES:
-                oldest = self._kept.popleft()
-                oldest.release()  # one posted while detached is in no outbox: nothing else would
-                self.forgotten = oldest.ack
-
-    def covers(self, received: int) -> bool:
-        """Whether every reply after ack `received` is still kept (a resume from it is whole)."""
-        return received >= self.forgotten
-
-    def confirm(self, received: int) -> None:
-        """Forget every reply up to ack `received`."""
-        kept = self._kept
-        while kept and kept[0].ack <= received:
-            kept.popleft()
-
-    def clear(self) -> None:
-        self.confirm(1 << 63)
 
 
 class Resumable:
@@ -303,4 +249,4 @@ class ResumeRegistry:
         await attach.released
 
 
-__all__ = ["DEFAULT_RESUME_WINDOW", "MAX_KEPT_REPLIES", "Attach", "ReplyLog", "Resumable", "ResumeRegistry"]
+__all__ = ["DEFAULT_RESUME_WINDOW", "Attach", "Resumable", "ResumeRegistry"]

@@ -1,7 +1,9 @@
-"""One client session on the worker: handshake, frames in and out, bulk buffers; the asyncio half.
+"""One client session on the worker: handshake, governance, the device queue; the asyncio pump around the protocol.
 
-The event loop moves bytes: it opens frames, decrypts uploads straight into preallocated arrays
-(the backend's pinned host buffers on a GPU), and seals replies. Registers are compiled on the
+The session protocol itself (seqs, acks, flow limits, Repeat expansion, where BULK bytes go, reply
+framing, the reply log kept for a resume) is protocol/session.py's `WorkerConnection`; this pump
+feeds it frames from the Link, decides where uploads' bytes go (quota and budget first: the
+backend's pinned host buffers on a GPU), sends what it seals, and acts on its events. Registers are compiled on the
 worker's compile thread, and applying batches (every backend call) happens on the device thread
 through `BatchRunner`, in arrival order, in this session's lane (sessions take turns on the
 device), with two exceptions, both for a batch that finds the device idle and both saving its two
@@ -47,35 +49,21 @@ import os
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 import numpy as np
 
 from emberlink.errors import ErrorCode, ProtocolError, TransportError
 from emberlink.protocol import messages as m
-from emberlink.protocol.channel import (
-    BULK,
-    MAX_PLAINTEXT,
-    MESSAGE,
-    OVERHEAD,
-    Channel,
-    Kind,
-    pack_frames,
-    split_frames,
-)
+from emberlink.protocol.channel import BULK, Channel, split_frames
 from emberlink.protocol.dtypes import ITEMSIZE
 from emberlink.protocol.handshake import WorkerHandshake
 from emberlink.protocol.identity import AllowPolicy, Identity
-from emberlink.protocol.limits import (
-    MAX_REPLY_FRAME_BYTES,
-    MAX_REPLY_MESSAGES,
-    MAX_UNACKED_BATCHES,
-    MAX_UNACKED_BYTES,
-)
 from emberlink.protocol.resume import is_token
-from emberlink.server.detached import Attach, ReplyLog, Resumable, ResumeRegistry
+from emberlink.protocol.session import BatchArrived, BulkComplete, WorkerConnection
+from emberlink.server.detached import Attach, Resumable, ResumeRegistry
 from emberlink.server.device import AGAIN, DeviceThread, Turn
 from emberlink.server.graphs import Compiler, GraphView, Prepared
 from emberlink.server.limits import (
@@ -134,14 +122,6 @@ class State(enum.Enum):
 
 
 @dataclass(slots=True)
-class _Target:
-    """Where the BULK frames of one Upload go: an array's bytes, or nowhere when it was refused."""
-
-    view: memoryview | None
-    remaining: int
-
-
-@dataclass(slots=True)
 class _Final:
     """The last thing the sender says before the session ends (None: nothing, just stop)."""
 
@@ -181,31 +161,27 @@ class Session:
         self._readable = asyncio.Event()  # set when a reason to leave frames unread may have gone
         self._reader_waits = False
         self._backlog = 0  # batches received whole and not yet applied (compiling, queued, running)
-        self._acked = 0  # the highest ack handed to the link
         self._sending_since: float | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        # The protocol's state (protocol/session.py), from the handshake on.
+        self._conn: WorkerConnection[Outgoing] | None = None
         # The batch whose bulk is still arriving, and where each of its uploads' bytes go.
         self._incoming: Incoming | None = None
-        self._targets: deque[_Target] = deque()
+        self._targets: list[tuple[memoryview | None, int]] = []
         # Batches received behind one whose Registers are being compiled (order is kept).
         self._compiling: Incoming | None = None
         self._waiting: deque[Incoming] = deque()
-        # The previous batch received (expanded): what a Repeat repeats. The client's is the batch it
-        # sent last; frames arrive in the order they were sent, so both sides hold the same one.
-        self._template: tuple[m.ClientMessage, ...] | None = None
         self._receiver: asyncio.Task[None] | None = None
         self._handed: deque[None] = deque()  # device-thread replies handed to the loop, not yet run
         self._inline = worker.device.backend.runs_inline
         self._inline_captured = os.environ.get(INLINE_ENV, "1") != "0"
         self._host_buffer = worker.device.backend.host_buffer
         # Resume (server/detached.py): the session's credential and waiting room, whether the current
-        # link dropped, the link it was offered through (None: the opening one), and the replies
-        # the client has not confirmed, to send again on a new link.
+        # link dropped, and the link it was offered through (None: the opening one).
         self._resumable: Resumable | None = None
         self._first_id: str | None = None
         self._link_lost = False
         self._attach: Attach | None = None
-        self._replies = ReplyLog()
 
     # -- life cycle ----------------------------------------------------------------------------------
 
@@ -229,7 +205,11 @@ class Session:
             await self._cleanup()
 
     async def _serve(self, hs: WorkerHandshake) -> None:
-        assert self.client is not None and self._store is not None
+        assert self.client is not None and self._store is not None and self._channel is not None
+        # (the buffer function holds the backend, not the session: no reference cycle)
+        self._conn = WorkerConnection(
+            self._channel, self._worker.chunk_size, _pinned(self._host_buffer), HOST_BUFFER_BYTES
+        )
         self._runner = BatchRunner(
             self._worker.device.backend,
             self._store,
@@ -321,6 +301,8 @@ class Session:
         if incoming is not None:
             self._drop(incoming)
         self._targets.clear()
+        assert self._conn is not None
+        self._conn.discard_partial()
 
     async def _let_go(self) -> None:
         """Close the current link and free whatever carried it."""
@@ -341,8 +323,9 @@ class Session:
     async def _reattach(self, attach: Attach) -> bool:
         """Take up a resumed link: finish the batches received on the old one, tell the client the last
         applied, then send again the replies it had not taken in. False if the new link dropped too."""
-        assert self._runner is not None and self._resumable is not None
+        assert self._runner is not None and self._resumable is not None and self._conn is not None
         resumable = self._resumable
+        conn = self._conn
         # Every batch received on the old link is applied: compiled first, then through our lane.
         while (self._compiling is not None or self._waiting) and resumable.ended is None:
             await asyncio.sleep(0.005)
@@ -351,27 +334,24 @@ class Session:
         self.peer = attach.link.peer
         if resumable.ended is not None:  # it ended meanwhile (its Close, or a refusal, applied)
             error = m.Error(0, ErrorCode.WORKER_LOST, f"the session ended: {resumable.ended}")
+            conn.channel = attach.channel
             try:
-                await self._link.send(self._channel.seal(m.encode_reply(m.Reply(0, (error,))), MESSAGE))
+                await self._link.send(conn.final(error, 0))
             except TransportError:
                 pass
             await self._let_go()
             return False
-        self._template = None  # the first batch on the new link has no previous one to repeat
-        self._replies.confirm(attach.received)
         self._release_outbox()  # every Outgoing still queued is in the reply log
         applied = self._runner.applied
-        confirm = m.Reply(applied, ())
         try:
-            blob = self._channel.seal(m.encode_reply(confirm), MESSAGE)
+            blob = conn.resume(attach.channel, applied, attach.received)
             await self._link.send(blob)
         except TransportError as e:
             log.info("session %s: the resumed link dropped at once: %s", self.id, e)
             await self._let_go()
             return False
         self.bytes_out += len(blob)
-        self._acked = max(self._acked, applied)
-        for out in self._replies:
+        for out in conn.replies:
             self._outbox.append(out)
             self.queued_reply_bytes += out.nbytes
         if self._outbox:
@@ -382,15 +362,15 @@ class Session:
             self.client,
             self.peer,
             applied,
-            len(self._replies),
+            len(conn.replies),
         )
         return True
 
     async def _say_last(self, sender: asyncio.Task[None], final: m.Error | None) -> None:
         """Let the sender flush what is queued and `final`, for at most FINAL_SEND_TIMEOUT seconds."""
         if sender.done():  # it lost the link (nothing more can be said) or crashed: say `final` here
-            if final is not None and self._sender_crashed and self._channel is not None:
-                blob = self._channel.seal(m.encode_reply(m.Reply(self.applied, (final,))), MESSAGE)
+            if final is not None and self._sender_crashed and self._conn is not None:
+                blob = self._conn.final(final, self.applied)
                 try:
                     await asyncio.wait_for(self._link.send(blob), FINAL_SEND_TIMEOUT)
                 except (TimeoutError, TransportError):
@@ -499,9 +479,11 @@ class Session:
         if self._attach is not None:
             self._attach.release()  # the link's own handler closes it when it returns
             self._attach = None
-        for out in self._replies:  # one posted while detached was never in the outbox: release it here
-            out.release()
-        self._replies.clear()
+        if self._conn is not None:
+            for out in self._conn.replies:  # one posted while detached was never in the outbox: release it
+                out.release()
+            self._conn.replies.clear()
+            self._conn.discard_partial()
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
@@ -524,7 +506,6 @@ class Session:
             await self._lane.run(runner.close)
         self._release_outbox()  # replies posted by batches that finished meanwhile
         self._store = None
-        self._template = None
         if self._admitted:
             self._admitted = False
             self._worker.held.release(SESSION_BYTES)
@@ -608,10 +589,18 @@ class Session:
         return self.paused or self._backlog >= MAX_BACKLOG
 
     def _on_frame(self, frame: memoryview) -> None:
-        if frame[1] == BULK:
-            self._on_bulk(frame)
+        assert self._conn is not None
+        event = self._conn.receive_frame(frame)
+        if event is None:
+            return
+        if isinstance(event, BatchArrived):
+            self._arrived(event)
+        elif isinstance(event, BulkComplete):
+            incoming, self._incoming = self._incoming, None
+            assert incoming is not None
+            self._submit(incoming)
         else:
-            self._on_message(frame)
+            assert_never(event)
 
     async def _on_frames(self, frames: list[memoryview]) -> None:
         began = time.perf_counter()
@@ -619,7 +608,7 @@ class Session:
             if self._ended.done():
                 return
             if frame[1] == BULK:
-                self._on_bulk(frame)
+                self._on_frame(frame)
                 continue
             while self._must_wait():  # the next batch is read once replies went out or batches applied
                 self._reader_waits = True
@@ -627,35 +616,16 @@ class Session:
                 await self._readable.wait()
                 self._reader_waits = False
                 began = time.perf_counter()
-            self._on_message(frame)
+            self._on_frame(frame)
             if time.perf_counter() - began > YIELD_SECONDS:
                 await asyncio.sleep(0)  # one session's blob does not hold the loop for long
                 began = time.perf_counter()
 
-    def _on_message(self, frame: memoryview) -> None:
-        """Open and decode one batch and send it on its way."""
-        assert self._channel is not None
-        if self._incoming is not None:
-            raise ProtocolError("a batch arrived before the bulk bytes of the previous one")
-        kind, plaintext = self._open(frame)
-        if kind is not MESSAGE:
-            raise ProtocolError(f"expected a MESSAGE frame, got {kind.name}")
-        batch, start = m.decode_batch_prefix(plaintext)
-        if batch.seq > self._acked + MAX_UNACKED_BATCHES:
-            raise ProtocolError(
-                f"client sent batch {batch.seq} while batch {self._acked} is the last acknowledged: "
-                f"more than {MAX_UNACKED_BATCHES} batches without waiting for acks"
-            )
-        batch = m.expand_batch(batch, self._template)
-        m.check_tail(batch, len(plaintext) - start)
-        self._template = batch.messages
-        if batch.received:
-            self._replies.confirm(batch.received)
-        held = self.inflight.used
-        if held and held + sum(u.nbytes for u in batch.messages if type(u) is m.Upload) > MAX_UNACKED_BYTES:
-            raise ProtocolError(
-                f"client sent more than {MAX_UNACKED_BYTES} bytes of uploads without waiting for acks"
-            )
+    def _arrived(self, event: BatchArrived) -> None:
+        """A batch's MESSAGE frame is in: decide where each upload's bytes go, and send it on its
+        way once they are all in."""
+        assert self._conn is not None
+        batch, plaintext, start = event.batch, event.plaintext, event.start
         incoming = Incoming(batch, [], 0)
         try:
             for msg in batch.messages:
@@ -669,24 +639,15 @@ class Session:
                     incoming.registers = True
         except BaseException:
             self._drop(incoming)
+            self._targets.clear()
             raise
-        if self._targets:
-            self._incoming = incoming
-        else:
+        del event, plaintext
+        whole = self._conn.expect(self._targets)
+        self._targets.clear()
+        if whole:
             self._submit(incoming)
-
-    def _open(self, frame: memoryview) -> tuple[Kind, bytes | memoryview]:
-        """A frame's kind and plaintext. A large one (a batch with an inline upload) is decrypted
-        straight into the backend's host buffer (pinned memory on a GPU), from which a captured
-        graph's upload copies it where it lies, with no copy on the host."""
-        assert self._channel is not None
-        n = len(frame) - OVERHEAD
-        buffer = self._host_buffer(n) if n >= HOST_BUFFER_BYTES else None
-        if buffer is None:
-            return self._channel.open(frame)
-        view = memoryview(buffer)
-        kind, _ = self._channel.open_into(frame, view)
-        return kind, view
+        else:
+            self._incoming = incoming
 
     def _upload_array(self, msg: m.Upload) -> np.ndarray:
         """Where an upload's BULK bytes are decrypted to: the backend's host buffer (pinned memory
@@ -707,7 +668,7 @@ class Session:
         The session's quota is checked when the batch is applied, in order, so a Drop earlier in
         the stream counts whatever the timing; here only an upload larger than the whole quota is
         refused at once, and one the worker's budget has no room for (a client that ignores flow
-        control is cut off in `_on_message`).
+        control is cut off by the connection).
         """
         limit = self.quota.limit
         if limit is not None and msg.nbytes > limit:
@@ -717,11 +678,6 @@ class Session:
                     ErrorCode.QUOTA,
                     f"upload {msg.tid}: {msg.nbytes} bytes is larger than the session quota of {limit}",
                 ),
-            )
-        held = self.inflight.used
-        if held and held + msg.nbytes > MAX_UNACKED_BYTES:
-            raise ProtocolError(
-                f"client sent more than {MAX_UNACKED_BYTES} bytes of uploads without waiting for acks"
             )
         if not self.inflight.reserve(msg.nbytes):
             return self._skip(msg, self.inflight.refusal(msg.nbytes, f"upload {msg.tid}"))
@@ -737,27 +693,14 @@ class Session:
                 msg, Failure(ErrorCode.OUT_OF_MEMORY, f"upload {msg.tid} of {msg.nbytes} bytes: {e}")
             )
         if msg.nbytes:
-            self._targets.append(_Target(array.data.cast("B"), msg.nbytes))
+            self._targets.append((array.data.cast("B"), msg.nbytes))
         return array
 
     def _skip(self, msg: m.Upload, failure: Failure) -> Failure:
         """A refused upload: the runner poisons its id; its BULK bytes are decrypted into scratch."""
         if msg.nbytes and not msg.inline:
-            self._targets.append(_Target(None, msg.nbytes))
+            self._targets.append((None, msg.nbytes))
         return failure
-
-    def _on_bulk(self, frame: memoryview) -> None:
-        assert self._channel is not None
-        if not self._targets:
-            raise ProtocolError("BULK frame without an upload announcing it")
-        target = self._targets[0]
-        n = self._channel.open_bulk(frame, target.view, target.remaining, "upload")
-        target.remaining -= n
-        if target.remaining == 0:
-            self._targets.popleft()
-            if not self._targets and self._incoming is not None:
-                incoming, self._incoming = self._incoming, None
-                self._submit(incoming)
 
     # -- to the device, in order --------------------------------------------------------------------------
 
@@ -942,10 +885,10 @@ class Session:
             self._readable.set()
         if out is None:
             return
-        if self.state is State.CLOSED:
+        if self.state is State.CLOSED or self._conn is None:
             out.release()
             return
-        self._replies.keep(out)
+        self._conn.replies.keep(out)
         if self.state is not State.DETACHED:  # detached: it goes out from the reply log on the next link
             self._outbox.append(out)
             self.queued_reply_bytes += out.nbytes
@@ -990,74 +933,14 @@ class Session:
         return final is not None
 
     async def _send_reply(self, outs: list[Outgoing], final: m.Error | None) -> None:
+        assert self._conn is not None
         ack = max((o.ack for o in outs), default=self.applied)
         messages: list[m.WorkerMessage] = [msg for o in outs for msg in o.messages]
         bulks = [b for o in outs for b in o.bulks]
         if final is not None:
             messages.append(final)
-        # Counted as told from now on: the client cannot know an ack before it is sent, so this
-        # never refuses a client that keeps to flow control.
-        self._acked = max(self._acked, ack)
-        if len(messages) <= _SAMPLE and sum(b.nbytes for b in bulks) <= _SMALL_BULK:
-            # The common small reply: one blob of one frame, its results inline (a step's loss
-            # goes back in the frame that answers it).
-            head, tail, later = _reply_layout(ack, messages, bulks, self._worker.chunk_size)
-            if len(head) <= MAX_REPLY_FRAME_BYTES:
-                assert self._channel is not None
-                channel = self._channel
-                blob: bytes | bytearray = (
-                    channel.seal_parts([head, *(a.data.cast("B") for a in tail)], MESSAGE)
-                    if tail
-                    else channel.seal(head, MESSAGE)
-                )
-                if later:
-                    frames: list[bytes | bytearray] = [blob]
-                    for b in later:
-                        frames.extend(channel.seal_chunks(b.data.cast("B"), self._worker.chunk_size))
-                    blob = b"".join(frames)
-                self._sending_since = self._loop.time()
-                await self._link.send(blob)
-                self._sending_since = None
-                self.bytes_out += len(blob)
-                return
-        await self._send_frames(self._reply_frames(ack, messages, bulks))
-
-    def _reply_frames(
-        self, ack: int, messages: list[m.WorkerMessage], bulks: list[np.ndarray]
-    ) -> Iterator[bytes | bytearray]:
-        """The reply's frames: per part (`_reply_parts`: at most MAX_REPLY_FRAME_BYTES encoded and
-        MAX_REPLY_MESSAGES messages), one MESSAGE frame carrying inline, in message order, every
-        result that still fits in one chunk together with those before it (so a step's loss goes
-        back in one frame), then the others' BULK frames."""
-        assert self._channel is not None
-        channel = self._channel
-        chunk = self._worker.chunk_size
-        pending = iter(bulks)
-        parts: Iterable[tuple[list[m.WorkerMessage], bytes]]
-        if len(messages) <= _SAMPLE:  # the common case: one frame, encoded once
-            encoded = m.encode_reply(m.Reply(ack, tuple(messages)))
-            parts = (
-                ((messages, encoded),)
-                if len(encoded) <= MAX_REPLY_FRAME_BYTES
-                else _reply_parts(ack, messages)
-            )
-        else:
-            parts = _reply_parts(ack, messages)
-        for part, _ in parts:
-            arrays = [next(pending) for msg in part if type(msg) is m.Result]  # one per Result
-            head, tail, later = _reply_layout(ack, part, arrays, chunk)
-            if tail and len(head) + sum(a.nbytes for a in tail) > MAX_PLAINTEXT:
-                head, tail, later = _reply_layout(ack, part, arrays, 0)  # a huge reply: all in BULK
-            if tail:
-                yield channel.seal_parts([head, *(a.data.cast("B") for a in tail)], MESSAGE)
-            else:
-                yield channel.seal(head, MESSAGE)
-            for array in later:
-                yield from channel.seal_chunks(array.data.cast("B"), chunk)
-
-    async def _send_frames(self, frames: Iterator[bytes | bytearray]) -> None:
         began = time.perf_counter()
-        for blob in pack_frames(frames):
+        for blob in self._conn.reply(ack, messages, bulks):
             self._sending_since = self._loop.time()
             await self._link.send(blob)
             self._sending_since = None
@@ -1091,54 +974,16 @@ def _call_now(fn: Callable[..., None], arg: object) -> None:
     fn(arg)
 
 
-def _reply_layout(
-    ack: int, part: list[m.WorkerMessage], arrays: list[np.ndarray], room: int
-) -> tuple[bytes, list[np.ndarray], list[np.ndarray]]:
-    """`(msgpack reply, inline results' arrays, BULK results' arrays)` of `part`, whose Results
-    carry `arrays` (one each, empty ones included): results inline in message order while they fit
-    in `room` bytes together; empty ones carry no bytes either way."""
-    wire: list[m.WorkerMessage] = []
-    tail: list[np.ndarray] = []
-    later: list[np.ndarray] = []
-    results = iter(arrays)
-    for msg in part:
-        if type(msg) is m.Result:
-            array = next(results)
-            if msg.nbytes:
-                if msg.nbytes <= room:
-                    room -= msg.nbytes
-                    tail.append(array)
-                    msg = m.Result(msg.rid, msg.dtype, msg.shape, msg.nbytes, True)
-                else:
-                    later.append(array)
-        wire.append(msg)
-    return m.encode_reply(m.Reply(ack, tuple(wire))), tail, later
+def _pinned(host_buffer: Callable[[int], Any]) -> Callable[[int], memoryview | None]:
+    """Where a large frame (a batch with an inline upload) is decrypted: the backend's host buffer
+    (pinned memory on a GPU), from which a captured graph's upload copies it where it lies, with
+    no copy on the host."""
 
+    def plaintext_buffer(n: int) -> memoryview | None:
+        buffer = host_buffer(n)
+        return None if buffer is None else memoryview(buffer)
 
-def _reply_parts(ack: int, messages: list[m.WorkerMessage]) -> Iterator[tuple[list[m.WorkerMessage], bytes]]:
-    """The reply's messages in runs whose encoded Reply fits MAX_REPLY_FRAME_BYTES (and at most
-    MAX_REPLY_MESSAGES messages), each with its encoding; one empty Reply when there are none.
-    A run's length is guessed from the size of a sample, so a large reply is encoded about once."""
-    start, total = 0, len(messages)
-    while True:
-        count = min(MAX_REPLY_MESSAGES, total - start)
-        if count > _SAMPLE:
-            sample = len(m.encode_reply(m.Reply(ack, tuple(messages[start : start + _SAMPLE]))))
-            count = max(1, min(count, int(MAX_REPLY_FRAME_BYTES * 0.9 * _SAMPLE / sample)))
-        while True:
-            part = messages[start : start + count]
-            encoded = m.encode_reply(m.Reply(ack, tuple(part)))
-            if len(encoded) <= MAX_REPLY_FRAME_BYTES or count == 1:
-                break
-            count = max(1, count // 2)
-        yield part, encoded
-        start += count
-        if start >= total:
-            return
-
-
-_SAMPLE = 64
-_SMALL_BULK = 64 << 10  # a reply whose results total at most this goes out as one blob, at once
+    return plaintext_buffer
 
 
 def _inline_array(msg: m.Upload, plaintext: bytes | memoryview, start: int) -> np.ndarray:

@@ -1,11 +1,13 @@
 """Helpers for the worker's tests: remote devices over in-process workers (`emberlink.testing`), and a
-raw session client that speaks the session protocol frame by frame, so tests can send what a real
-client never would (forged registers, garbage, out-of-order batches)."""
+wire client: protocol/session.py's ClientConnection seals its batches, and a test may put bytes
+a real client never would (forged tails, out-of-order seqs, garbage) on top of its channel; replies
+are opened by the connection frame by frame (`open_reply`) without acting on them, so a test sees
+exactly what the worker sent (acks, inline flags, GraphUnknown)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,22 +16,29 @@ from emberlink import Device
 from emberlink.client.remote import RemoteExecutor
 from emberlink.errors import TransportError
 from emberlink.protocol import messages as m
-from emberlink.protocol.channel import BULK, MESSAGE, Channel, pack_frames, split_frames
+from emberlink.protocol.channel import BULK, CHUNK_SIZE, MESSAGE, Channel, pack_frames, split_frames
 from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity
+from emberlink.protocol.session import ClientConnection
 from emberlink.testing import InProcessWorker
 from emberlink.transport.base import Link
 
 
-class RawClient:
-    """A client that builds and reads frames itself (runs on the worker's loop)."""
+class WireClient:
+    """A session client for the worker's tests (runs on the worker's loop): valid batches go
+    through a ClientConnection (without step templates, so each goes as given); a batch out of
+    seq order or with a forged inline tail is sealed by hand on the same channel."""
 
     def __init__(self, link: Link, channel: Channel) -> None:
         self.link = link
-        self.channel = channel
+        self.conn = ClientConnection(channel, CHUNK_SIZE, {}, _nobody, templates=False)
+
+    @property
+    def channel(self) -> Channel:
+        return self.conn.channel
 
     @classmethod
-    async def connect(cls, worker: InProcessWorker, identity: Identity | None = None) -> RawClient:
+    async def connect(cls, worker: InProcessWorker, identity: Identity | None = None) -> WireClient:
         """A session as `identity`, default a new client the worker admits."""
         link = await worker.open_link()
         who = identity if identity is not None else worker.new_client()
@@ -47,22 +56,24 @@ class RawClient:
         tail: bytes = b"",
     ) -> None:
         """One batch: its MESSAGE frame (plaintext: the msgpack batch, then `tail`, the inline
-        uploads' bytes), then `bulks` in BULK frames, packed into blobs as a client packs them."""
-        frames: list[bytes | bytearray] = [
-            self.channel.seal(m.encode_batch(m.Batch(seq, tuple(messages))) + tail, MESSAGE)
-        ]
-        for array in bulks:
-            frames.extend(self.channel.seal_chunks(np.array(array, order="C").data.cast("B")))
+        uploads' bytes), then `bulks` in BULK frames, packed into blobs as a client packs them.
+        The connection seals it when it is the next batch in order and carries no forged tail."""
+        arrays = [np.array(a, order="C") for a in bulks]
+        frames: Iterable[bytes | bytearray]
+        if seq == self.conn.submitted + 1 and not tail:
+            self.conn.submit(list(messages), arrays, sum(a.nbytes for a in arrays))
+            frames = self.conn.next_frames() or ()
+        else:
+            frames = [self.channel.seal(m.encode_batch(m.Batch(seq, tuple(messages))) + tail, MESSAGE)]
+            for array in arrays:
+                frames.extend(self.channel.seal_chunks(array.data.cast("B")))
         for blob in pack_frames(frames):
             await self.link.send(blob)
 
     async def reply(self) -> tuple[m.Reply, list[np.ndarray]]:
         """The next Reply and the arrays of its Results (in message order)."""
         frames = split_frames(await self.link.recv())
-        kind, plain = self.channel.open(frames[0])
-        assert kind is MESSAGE
-        reply, start = m.decode_reply_prefix(plain)
-        m.check_reply_tail(reply, len(plain) - start)
+        reply, plain, start = self.conn.open_reply(frames[0])
         arrays: list[np.ndarray] = []
         rest = list(frames[1:])
         for msg in reply.messages:
@@ -73,14 +84,14 @@ class RawClient:
                 arrays.append(out)
             elif type(msg) is m.Result:
                 out = np.empty(msg.shape, msg.dtype)
-                view = out.data.cast("B") if msg.nbytes else memoryview(b"")
-                done = 0
-                while done < msg.nbytes:
+                view = out.data.cast("B") if msg.nbytes else None
+                remaining = msg.nbytes
+                while remaining:
                     if not rest:
                         rest = list(split_frames(await self.link.recv()))
-                    kind, n = self.channel.open_into(rest.pop(0), view[done:])
-                    assert kind is BULK
-                    done += n
+                    frame = rest.pop(0)
+                    assert frame[1] == BULK
+                    remaining -= self.channel.open_bulk(frame, view, remaining, "result")
                 arrays.append(out)
         return reply, arrays
 
@@ -103,6 +114,11 @@ class RawClient:
 
     async def close(self) -> None:
         await self.link.close()
+
+
+def _nobody(msg: m.Result) -> tuple[None, None]:
+    """Replies are opened one by one here (`WireClient.reply`), never acted on by the connection."""
+    raise AssertionError("WireClient reads its replies itself")
 
 
 def new_identity() -> Identity:

@@ -28,7 +28,8 @@ from emberlink.protocol import messages as m
 from emberlink.protocol.channel import MESSAGE, split_frames
 from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.limits import MAX_BATCH_MESSAGES, MAX_REPLY_FRAME_BYTES
-from emberlink.server.detached import MAX_KEPT_REPLIES, ReplyLog, ResumeRegistry
+from emberlink.protocol.session import MAX_KEPT_REPLIES, ReplyLog
+from emberlink.server.detached import ResumeRegistry
 from emberlink.server.limits import SESSION_BYTES, DeviceCapacity, Limits
 from emberlink.server.runner import Outgoing
 from emberlink.server.session import Session, State
@@ -37,7 +38,7 @@ from emberlink.testing import InProcessWorker
 from emberlink.transport import MAX_BLOB, memory
 
 from ..graph_replay.graphs import Builder
-from .server_harness import RawClient
+from .server_harness import WireClient
 
 F32 = "float32"
 TIMEOUT = 20.0
@@ -102,15 +103,15 @@ def run(worker: InProcessWorker, coro: Any, timeout: float = 60) -> Any:
     return worker.call(coro, timeout)
 
 
-async def reply(c: RawClient, timeout: float = TIMEOUT) -> tuple[m.Reply, list[np.ndarray]]:
+async def reply(c: WireClient, timeout: float = TIMEOUT) -> tuple[m.Reply, list[np.ndarray]]:
     return await asyncio.wait_for(c.reply(), timeout)
 
 
-async def until_ack(c: RawClient, ack: int) -> list[m.WorkerMessage]:
+async def until_ack(c: WireClient, ack: int) -> list[m.WorkerMessage]:
     return await asyncio.wait_for(c.reply_until(ack), TIMEOUT)
 
 
-async def final_error(c: RawClient) -> m.Error:
+async def final_error(c: WireClient) -> m.Error:
     """Read replies until the worker's session-ending Error (rid 0); then the link must close."""
     while True:
         r, _ = await reply(c)
@@ -120,7 +121,7 @@ async def final_error(c: RawClient) -> m.Error:
                 return msg
 
 
-async def stalled_client(worker: InProcessWorker, capacity: int = 1) -> RawClient:
+async def stalled_client(worker: InProcessWorker, capacity: int = 1) -> WireClient:
     """A session over a memory pair whose worker-to-client direction holds only `capacity` unread
     blobs, so the worker's sends block as soon as this client stops reading (as a TCP window does)."""
     client_end, worker_end = memory.pair(capacity=capacity, name="stalled")
@@ -137,7 +138,7 @@ async def stalled_client(worker: InProcessWorker, capacity: int = 1) -> RawClien
     await client_end.send(hs.hello())
     auth, channel, _ = hs.receive_welcome(bytes(await client_end.recv()))
     await client_end.send(auth)
-    return RawClient(client_end, channel)
+    return WireClient(client_end, channel)
 
 
 def the_session(worker: InProcessWorker) -> Session:
@@ -168,7 +169,7 @@ def test_an_upload_of_zero_elements_with_huge_dims_ends_the_session_with_an_erro
     worker: InProcessWorker,
 ) -> None:
     async def go() -> m.Error:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [m.Upload(1, F32, (0, 1 << 40, 1 << 40, 1 << 40), 0), m.Sync(1)])
         error = await final_error(c)
         await no_sessions(worker)
@@ -188,7 +189,7 @@ def test_an_exception_in_a_sessions_receive_task_ends_it_with_an_error_logged_on
     who = worker.new_client()
 
     async def go() -> m.Error:
-        c = await RawClient.connect(worker, who)
+        c = await WireClient.connect(worker, who)
         await c.send(1, [m.Sync(1)])
         error = await final_error(c)
         await no_sessions(worker)
@@ -214,7 +215,7 @@ def test_an_exception_applying_a_batch_ends_the_session_with_an_error_logged_onc
     who = worker.new_client()
 
     async def go() -> m.Error:
-        c = await RawClient.connect(worker, who)
+        c = await WireClient.connect(worker, who)
         await c.send(1, [m.Sync(1)])
         error = await final_error(c)
         await no_sessions(worker)
@@ -241,7 +242,7 @@ def test_an_exception_in_a_sessions_send_task_ends_it_with_an_error_logged_once(
     who = worker.new_client()
 
     async def go() -> m.Error:
-        c = await RawClient.connect(worker, who)
+        c = await WireClient.connect(worker, who)
         await c.send(1, [m.Sync(7)])
         error = await final_error(c)
         await no_sessions(worker)
@@ -334,7 +335,7 @@ def test_an_execute_whose_peak_passes_the_quota_answers_quota_exceeded_and_the_s
     small_gid, small_body = broadcast_sum_graph(1 << 10)
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(
             1,
             [upload(1, one), m.Register(gid, body), m.Execute(gid, (1,), (2.0,), 2), m.Read(1, 2)],
@@ -358,7 +359,7 @@ def test_tensors_of_zero_bytes_are_not_free(make_worker) -> None:
     count = 300  # ids of nothing: each costs the worker its objects, ID_BYTES counted (256 fit)
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         uploads: list[m.ClientMessage] = [m.Upload(tid, F32, (0,), 0, True) for tid in range(1, count + 1)]
         await c.send(1, [*uploads, m.Sync(1)])
         got = await until_ack(c, 1)
@@ -376,7 +377,7 @@ def test_reading_a_non_contiguous_result_counts_its_copy_once(worker: InProcessW
     gid, body = transpose_graph(n)
 
     async def go() -> tuple[list[m.WorkerMessage], list[np.ndarray]]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         reads = [m.Read(i, 2) for i in range(1, 21)]
         await c.send(1, [upload(1, a), m.Register(gid, body), m.Execute(gid, (1,), (), 2), *reads], [a])
         messages: list[m.WorkerMessage] = []
@@ -404,7 +405,7 @@ def test_many_replies_in_one_batch_go_in_frames_under_the_transport_limit(worker
     count = MAX_BATCH_MESSAGES  # StatsReplies of about 500 bytes each: about 500 KB together
 
     async def go() -> tuple[int, int, int]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [m.Stats(i) for i in range(1, count + 1)])
         largest_blob = largest_frame = answered = 0
         while answered < count:
@@ -424,7 +425,7 @@ def test_many_replies_in_one_batch_go_in_frames_under_the_transport_limit(worker
 
 def test_a_batch_of_more_messages_than_the_limit_is_refused_with_an_error(worker: InProcessWorker) -> None:
     async def go() -> m.Error:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [m.Sync(i) for i in range(1, MAX_BATCH_MESSAGES + 2)])
         return await final_error(c)
 
@@ -440,7 +441,7 @@ def test_a_batch_whose_replies_would_pass_the_transport_limit_is_refused_with_an
     count = 1 << 16
 
     async def go() -> m.Error:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [m.Stats(i) for i in range(1, count + 1)])
         return await final_error(c)
 
@@ -457,7 +458,7 @@ def test_a_graph_whose_shapes_overflow_is_refused_as_a_shape_error(worker: InPro
     gid, body = registered(Graph((), (), (Node("arange", (), attrs),), (0,)))
 
     async def go() -> m.Error:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [m.Register(gid, body), m.Execute(gid, (), (), 1), m.Sync(1)])
         return await final_error(c)
 
@@ -470,7 +471,7 @@ def test_execute_outputs_past_the_id_space_are_refused(worker: InProcessWorker) 
     x = np.ones(3, np.float32)
 
     async def go() -> m.Error:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(
             1, [upload(1, x), m.Register(gid, body), m.Execute(gid, (1,), (), m.MAX_ID), m.Sync(1)], [x]
         )
@@ -496,7 +497,7 @@ def test_a_sum_over_a_broadcast_past_the_element_limit_is_refused_before_it_runs
     one = np.ones(1, np.float32)
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [upload(1, one), *_execute_and_read(gid, body, (1,), ()), m.Read(2, 1)], [one])
         got = await until_ack(c, 1)
         await c.close()
@@ -511,7 +512,7 @@ def test_a_large_matmul_is_refused_before_it_runs(worker: InProcessWorker) -> No
     gid, body = matmul_graph(4096)  # float64: seconds of one core, at the default limits
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [*_execute_and_read(gid, body, (), ()), m.Sync(2)])
         got = await until_ack(c, 1)
         await c.close()
@@ -530,7 +531,7 @@ def test_limits_are_set_per_worker(make_worker) -> None:
     one = np.ones(1, np.float32)
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [upload(1, one), *_execute_and_read(gid, body, (1,), ())], [one])
         await c.send(2, [m.Register(ok_gid, ok_body), m.Execute(ok_gid, (1,), (), 60), m.Read(2, 60)])
         await c.send(3, [m.Register(mm_gid, mm_body), m.Execute(mm_gid, (), (), 61), m.Read(3, 61)])
@@ -551,7 +552,7 @@ def test_a_graph_over_the_node_limit_is_refused_and_the_session_goes_on(make_wor
     x = np.ones(4, np.float32)
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [upload(1, x), *_execute_and_read(gid, body, (1,), ())], [x])
         await c.send(2, [m.Register(ok_gid, ok_body), m.Execute(ok_gid, (1,), (), 60), m.Read(2, 60)])
         got = await until_ack(c, 2)
@@ -581,7 +582,7 @@ def test_a_graph_refused_once_is_refused_again_without_being_read_again(
     x = np.ones(4, np.float32)
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [upload(1, x), *_execute_and_read(gid, body, (1,), ())], [x])
         await c.send(2, [m.Register(gid, body), m.Execute(gid, (1,), (), 60), m.Read(2, 60)])
         got = await until_ack(c, 2)
@@ -620,10 +621,10 @@ def test_compiling_a_graph_never_blocks_other_sessions_device_work(
     x = np.ones(3, np.float32)
 
     async def go() -> bool:
-        honest = await RawClient.connect(worker)
+        honest = await WireClient.connect(worker)
         await honest.send(1, [m.Register(gid, body), m.Sync(1)])
         await until_ack(honest, 1)
-        slow = await RawClient.connect(worker)
+        slow = await WireClient.connect(worker)
         await slow.send(1, [m.Register(slow_gid, slow_body), m.Sync(1)])
         await asyncio.get_running_loop().run_in_executor(None, compiling.wait, 10)
         await honest.send(2, [upload(1, x), m.Execute(gid, (1,), (2.0,), 2), m.Read(2, 2)], [x])
@@ -645,9 +646,9 @@ def test_one_sessions_long_queue_does_not_starve_another(worker: InProcessWorker
     batches = 12
 
     async def go() -> tuple[int, bool]:
-        busy = await RawClient.connect(worker)
+        busy = await WireClient.connect(worker)
         busy_session = the_session(worker)
-        honest = await RawClient.connect(worker)
+        honest = await WireClient.connect(worker)
         for seq in range(1, batches + 1):  # a quarter second of device work, ahead of the honest Sync
             await busy.send(seq, [m.Stats(seq * 10_000 + i) for i in range(1, MAX_BATCH_MESSAGES)])
         await honest.send(1, [m.Sync(1)])
@@ -669,8 +670,8 @@ def test_the_worker_memory_budget_refuses_an_upload_with_a_clear_error(make_work
     big = np.ones(7 << 20, np.float32)  # 28 MiB: fits a session quota, not twice in the worker
 
     async def go() -> list[m.WorkerMessage]:
-        a = await RawClient.connect(worker)
-        b = await RawClient.connect(worker)
+        a = await WireClient.connect(worker)
+        b = await WireClient.connect(worker)
         await a.send(1, [upload(1, big), m.Sync(1)], [big])
         first = await until_ack(a, 1)
         await b.send(1, [upload(1, big), m.Read(1, 1), m.Sync(2)], [big])
@@ -696,10 +697,10 @@ def test_the_worker_memory_budget_refuses_a_plan_with_a_clear_error(make_worker)
     pad = np.ones(3 << 20, np.float32)  # 12 MiB held by another session
 
     async def go() -> list[m.WorkerMessage]:
-        other = await RawClient.connect(worker)
+        other = await WireClient.connect(worker)
         await other.send(1, [upload(1, pad), m.Sync(1)], [pad])
         await until_ack(other, 1)
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(
             1, [upload(1, one), m.Register(gid, body), m.Execute(gid, (1,), (2.0,), 2), m.Read(1, 2)], [one]
         )
@@ -722,10 +723,10 @@ def test_the_worker_memory_budget_refuses_a_new_session_when_full(make_worker) -
     pad = np.ones((budget - SESSION_BYTES - ID_BYTES) // 4, np.float32)  # with its session: all of it
 
     async def go() -> m.Error:
-        a = await RawClient.connect(worker)
+        a = await WireClient.connect(worker)
         await a.send(1, [upload(1, pad), m.Sync(1)], [pad])
         await until_ack(a, 1)
-        b = await RawClient.connect(worker)
+        b = await WireClient.connect(worker)
         error = await final_error(b)
         await a.close()
         return error
@@ -746,7 +747,7 @@ def test_a_clients_detached_sessions_past_its_cap_end_oldest_first_and_free_what
     held_before = worker.worker.held.used
 
     async def hang_up_one(tid: int) -> Session:
-        c = await RawClient.connect(worker, who)
+        c = await WireClient.connect(worker, who)
         await c.send(1, [upload(tid, x), m.Sync(1)], [x])
         await until_ack(c, 1)
         (session,) = [s for s in worker.worker.sessions if s.state is State.OPEN]
@@ -806,23 +807,23 @@ def no_cycle_collector() -> Iterator[None]:
         gc.enable()
 
 
-def _hostile_endings() -> dict[str, Callable[[RawClient, np.ndarray, bytes, bytes], Any]]:
-    async def close(c: RawClient, x: np.ndarray, gid: bytes, body: bytes) -> None:
+def _hostile_endings() -> dict[str, Callable[[WireClient, np.ndarray, bytes, bytes], Any]]:
+    async def close(c: WireClient, x: np.ndarray, gid: bytes, body: bytes) -> None:
         await c.send(2, [m.Close("bye")])
         await asyncio.wait_for(c.ended(), TIMEOUT)
 
-    async def hang_up(c: RawClient, x: np.ndarray, gid: bytes, body: bytes) -> None:
+    async def hang_up(c: WireClient, x: np.ndarray, gid: bytes, body: bytes) -> None:
         await c.close()
 
-    async def malformed(c: RawClient, x: np.ndarray, gid: bytes, body: bytes) -> None:
+    async def malformed(c: WireClient, x: np.ndarray, gid: bytes, body: bytes) -> None:
         await c.link.send(b"\x01\x01" + b"\xff" * 40)
         await asyncio.wait_for(c.ended(), TIMEOUT)
 
-    async def out_of_order(c: RawClient, x: np.ndarray, gid: bytes, body: bytes) -> None:
+    async def out_of_order(c: WireClient, x: np.ndarray, gid: bytes, body: bytes) -> None:
         await c.send(7, [m.Sync(9)])
         await asyncio.wait_for(c.ended(), TIMEOUT)
 
-    async def hang_up_mid_upload(c: RawClient, x: np.ndarray, gid: bytes, body: bytes) -> None:
+    async def hang_up_mid_upload(c: WireClient, x: np.ndarray, gid: bytes, body: bytes) -> None:
         msg = upload(5, x)
         await c.link.send(c.channel.seal(m.encode_batch(m.Batch(2, (msg,))), MESSAGE))
         await c.close()
@@ -850,7 +851,7 @@ def test_nothing_a_session_held_outlives_it_without_the_cycle_collector(
     end = _hostile_endings()[ending]
 
     async def go() -> weakref.ref[Session]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(
             1,
             [upload(1, x), m.Register(gid, body), m.Execute(gid, (1,), (2.0,), 2), m.Read(1, 2), m.Sync(2)],
@@ -875,14 +876,16 @@ def test_a_client_that_never_confirms_its_replies_does_not_make_the_worker_keep_
     batches = MAX_KEPT_REPLIES + 40
 
     async def go() -> tuple[int, int, bool]:
-        c = await RawClient.connect(worker)  # its batches say received=0: nothing is ever confirmed
+        c = await WireClient.connect(worker)  # its batches say received=0: nothing is ever confirmed
         for seq in range(1, batches + 1):
             await c.send(seq, [m.Sync(seq)])
             await until_ack(c, seq)
         session = the_session(worker)
-        kept, forgotten = len(session._replies), session._replies.forgotten
+        assert session._conn is not None
+        replies = session._conn.replies
+        kept, forgotten = len(replies), replies.forgotten
         await c.close()
-        return kept, forgotten, session._replies.covers(batches - MAX_KEPT_REPLIES)
+        return kept, forgotten, replies.covers(batches - MAX_KEPT_REPLIES)
 
     kept, forgotten, covers_the_kept = run(worker, go())
     assert kept == MAX_KEPT_REPLIES and forgotten == batches - MAX_KEPT_REPLIES and covers_the_kept
@@ -898,7 +901,7 @@ def test_a_reply_forgotten_while_detached_releases_what_it_kept_charged() -> Non
         def release(self) -> None:
             released.append(self.ack)
 
-    log = ReplyLog()
+    log: ReplyLog[Outgoing] = ReplyLog()
     for ack in range(1, MAX_KEPT_REPLIES + 3):
         out = Outgoing(ack, [m.Done(ack)])
         out.holds = [Held(ack)]  # type: ignore[list-item]

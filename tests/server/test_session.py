@@ -15,7 +15,7 @@ from emberlink.protocol import messages as m
 from emberlink.server.store import ID_BYTES
 from emberlink.testing import InProcessWorker
 
-from .server_harness import RawClient, memory_device, worker_stats
+from .server_harness import WireClient, memory_device, worker_stats
 
 
 def scale_graph(n: int = 3) -> tuple[bytes, bytes]:
@@ -48,7 +48,7 @@ def test_one_batch_uploads_executes_and_reads(worker: InProcessWorker) -> None:
     gid, body = scale_graph()
 
     async def go() -> tuple[m.Reply, list[np.ndarray]]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(
             1, [upload(1, X), m.Register(gid, body), m.Execute(gid, (1,), (2.0,), 2), m.Read(1, 2)], [X]
         )
@@ -68,7 +68,7 @@ def test_results_that_fit_in_a_chunk_travel_in_the_reply_frame_and_larger_ones_i
     big = np.arange(worker.worker.chunk_size // 4 + 1, dtype=np.float32)  # one chunk and 4 bytes
 
     async def go() -> tuple[m.Reply, list[np.ndarray]]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [upload(1, X), upload(2, big)], [X, big])
         await c.reply()
         await c.send(2, [m.Read(1, 1), m.Read(2, 2), m.Read(3, 1)])
@@ -88,7 +88,7 @@ def test_forged_register_is_refused_and_ends_only_that_session(worker: InProcess
     bystander = memory_device(worker)
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [m.Register(gid, other_body)])
         got = (await c.reply())[0].messages
         assert await c.ended()
@@ -109,7 +109,7 @@ def test_malformed_frame_after_handshake_ends_only_that_session(
     x = bystander.tensor(X)
 
     async def go() -> bool:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.link.send(garbage)
         return await c.ended()
 
@@ -121,8 +121,8 @@ def test_malformed_frame_after_handshake_ends_only_that_session(
 
 def test_frame_sealed_for_another_session_is_refused(worker: InProcessWorker) -> None:
     async def go() -> bool:
-        a = await RawClient.connect(worker)
-        b = await RawClient.connect(worker)
+        a = await WireClient.connect(worker)
+        b = await WireClient.connect(worker)
         frame = a.channel.seal(m.encode_batch(m.Batch(1, (m.Sync(1),))))
         await b.link.send(frame)
         ended = await b.ended()
@@ -134,7 +134,7 @@ def test_frame_sealed_for_another_session_is_refused(worker: InProcessWorker) ->
 
 def test_batches_out_of_order_are_refused(worker: InProcessWorker) -> None:
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(2, [m.Sync(1)])
         got = list((await c.reply())[0].messages)
         assert await c.ended()
@@ -150,7 +150,7 @@ def test_unknown_graph_applies_nothing_of_its_batch_and_discards_later_batches(
     gid, body = scale_graph()
 
     async def go() -> tuple[list[m.WorkerMessage], list[m.WorkerMessage], list[np.ndarray]]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         # Batch 1 uploads and executes a graph the worker has never seen: nothing of it applies.
         await c.send(1, [upload(1, X), m.Execute(gid, (1,), (2.0,), 2), m.Read(1, 2)], [X])
         # Batch 2 was already on its way; it must be discarded, not applied out of turn.
@@ -184,11 +184,11 @@ def test_graph_cache_survives_a_reconnect_of_the_same_client(worker: InProcessWo
     me = worker.new_client()
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker, me)
+        c = await WireClient.connect(worker, me)
         await c.send(1, [m.Register(gid, body), m.Sync(1)])
         await c.reply_until(1)
         await c.close()
-        again = await RawClient.connect(worker, me)
+        again = await WireClient.connect(worker, me)
         await again.send(1, [upload(1, X), m.Execute(gid, (1,), (3.0,), 2), m.Read(1, 2)], [X])
         got = await again.reply_until(1)
         await again.close()
@@ -202,8 +202,8 @@ def test_clients_see_neither_each_others_graphs_nor_their_cache_figures(worker: 
     gid, body = scale_graph()
 
     async def go() -> tuple[list[m.WorkerMessage], dict[str, m.StatValue], dict[str, m.StatValue]]:
-        a = await RawClient.connect(worker)
-        b = await RawClient.connect(worker)
+        a = await WireClient.connect(worker)
+        b = await WireClient.connect(worker)
         await b.send(1, [m.Stats(1)])
         (before,) = await b.reply_until(1)
         await a.send(
@@ -236,8 +236,8 @@ def test_another_clients_registrations_never_evict_my_graphs(make_worker) -> Non
     worker = make_worker(graph_cache_bytes=2 * len(body) + 4096)  # room for a couple of graphs each
 
     async def go() -> list[m.WorkerMessage]:
-        a = await RawClient.connect(worker)
-        b = await RawClient.connect(worker)
+        a = await WireClient.connect(worker)
+        b = await WireClient.connect(worker)
         await a.send(1, [m.Register(gid, body), m.Sync(1)])
         await a.reply_until(1)
         for k in range(20):  # b floods the worker with graphs of its own
@@ -259,7 +259,7 @@ def test_execution_error_poisons_only_its_outputs_and_the_session_lives(worker: 
     wrong = np.arange(4, dtype=np.float32)  # the graph wants 3 elements
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(
             1,
             [
@@ -289,7 +289,7 @@ def test_execution_error_poisons_only_its_outputs_and_the_session_lives(worker: 
 
 def test_reading_an_unknown_or_dropped_tensor_answers_unknown_tensor(worker: InProcessWorker) -> None:
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [upload(1, X), m.Drop((1, 99)), m.Read(1, 1), m.Read(2, 7)], [X])
         got = await c.reply_until(1)
         await c.close()
@@ -305,7 +305,7 @@ def test_upload_over_the_session_quota_is_poisoned_and_its_bytes_are_skipped(mak
     big = np.ones(400, np.float32)  # 1600 bytes
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [upload(1, big), upload(2, X), m.Read(1, 1), m.Read(2, 2)], [big, X])
         got = await c.reply_until(1)
         await c.close()
@@ -323,7 +323,7 @@ def test_execute_whose_outputs_would_pass_the_quota_is_poisoned_and_later_work_f
     x = np.ones(200, np.float32)  # 800 bytes: the upload fits, its doubled copy does not
 
     async def go() -> tuple[list[m.WorkerMessage], int]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(
             1,
             [upload(1, x), m.Register(gid, body), m.Execute(gid, (1,), (2.0,), 2), m.Read(1, 2), m.Sync(2)],
@@ -348,15 +348,15 @@ def test_execute_whose_outputs_would_pass_the_quota_is_poisoned_and_later_work_f
 def test_a_client_that_ignores_flow_control_is_cut_off(
     worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from emberlink.server import session as session_module
+    from emberlink.protocol import session as session_module
 
     monkeypatch.setattr(session_module, "MAX_UNACKED_BYTES", 1000)
     x = np.ones(200, np.float32)  # 800 bytes a batch
     gate = threading.Event()
     worker.worker.device.post(gate.wait, 10)  # nothing is applied (or acknowledged) meanwhile
 
-    async def refused() -> tuple[RawClient, list[m.WorkerMessage]]:
-        c = await RawClient.connect(worker)
+    async def refused() -> tuple[WireClient, list[m.WorkerMessage]]:
+        c = await WireClient.connect(worker)
         await c.send(1, [upload(1, x)], [x])
         await c.send(2, [upload(2, x)], [x])  # 1600 bytes unacknowledged: over the bound
         reply, _ = await c.reply()
@@ -377,7 +377,7 @@ def test_an_empty_result_before_another_in_one_reply_leaves_each_its_own_bytes(
     empty = np.zeros((0, 3), np.float32)
 
     async def go() -> list[np.ndarray]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [upload(1, empty), upload(2, X), m.Read(1, 1), m.Read(2, 2)], [X])
         reply, arrays = await c.reply()
         await c.close()

@@ -32,7 +32,7 @@ from emberlink.server.limits import Limits
 from emberlink.testing import InProcessWorker
 
 from ..graph_replay.graphs import Builder
-from .server_harness import RawClient
+from .server_harness import WireClient
 
 WAIT = 10.0
 SIZES = (1, 3, 64, 1000)
@@ -63,7 +63,7 @@ class SessionMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.client: RawClient | None = None
+        self.client: WireClient | None = None
         self.seq = 0
         self.rid = 0
         self.next_tid = 1
@@ -87,7 +87,7 @@ class SessionMachine(RuleBasedStateMachine):
         self._open()
 
     def _open(self) -> None:
-        self.client = self.call(RawClient.connect(self.worker))
+        self.client = self.call(WireClient.connect(self.worker))
         self.seq = 0
         self.values.clear()
         self.registered.clear()  # a new session is a new client: its graph cache is empty
@@ -363,7 +363,7 @@ class SessionMachine(RuleBasedStateMachine):
 
         # The worker still serves: a fresh session answers.
         async def fresh() -> list[m.WorkerMessage]:
-            c = await RawClient.connect(self.worker)
+            c = await WireClient.connect(self.worker)
             await c.send(1, [m.Sync(1)])
             reply, _ = await asyncio.wait_for(c.reply(), WAIT)
             await c.close()

@@ -13,7 +13,7 @@ from emberlink.protocol import messages as m
 from emberlink.protocol.channel import OVERHEAD
 from emberlink.testing import InProcessWorker
 
-from .server_harness import RawClient, executor_of, memory_device, worker_stats
+from .server_harness import WireClient, executor_of, memory_device, worker_stats
 
 T = TypeVar("T")
 
@@ -88,7 +88,7 @@ def test_inline_upload_whose_tail_does_not_match_is_refused(worker: InProcessWor
     x = np.arange(4, dtype=np.float32)
 
     async def go(tail: bytes) -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [m.Upload(1, "float32", (4,), 16, True), m.Sync(1)], tail=tail)
         got = list((await c.reply())[0].messages)
         assert await c.ended()
@@ -103,7 +103,7 @@ def test_raw_inline_and_bulk_uploads_in_one_batch_land_exactly(worker: InProcess
     a, b, c_ = np.arange(3, dtype=np.float32), np.arange(5, dtype=np.int64), np.ones(2, np.float64)
 
     async def go() -> list[np.ndarray]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(
             1,
             [
@@ -165,7 +165,7 @@ def test_repeat_without_a_template_ends_only_that_session(worker: InProcessWorke
     x = bystander.tensor(np.arange(3, dtype=np.float32))
 
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [m.Repeat(1, 1)])
         got = list((await c.reply())[0].messages)
         assert await c.ended()
@@ -189,7 +189,7 @@ def test_repeat_without_a_template_ends_only_that_session(worker: InProcessWorke
 )
 def test_repeat_that_does_not_fit_its_template_is_refused(worker: InProcessWorker, repeat: m.Repeat) -> None:
     async def go() -> list[m.WorkerMessage]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [m.Upload(3, "float32", (0,), 0), m.Read(2, 3)])
         await c.reply_until(1)
         await c.send(2, [repeat])
@@ -205,7 +205,7 @@ def test_repeat_applies_the_previous_batch_shifted(worker: InProcessWorker) -> N
     x = np.arange(4, dtype=np.float32)
 
     async def go() -> tuple[m.Reply, list[np.ndarray]]:
-        c = await RawClient.connect(worker)
+        c = await WireClient.connect(worker)
         await c.send(1, [m.Upload(1, "float32", (4,), 16, True), m.Read(1, 1)], tail=x.tobytes())
         await c.reply_until(1)
         await c.send(2, [m.Repeat(5, 10)], tail=(x + 1).tobytes())

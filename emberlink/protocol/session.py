@@ -1,0 +1,781 @@
+"""The session protocol in one sans-IO file (docs/internals.md section 6); no I/O, no asyncio, no clocks, no threads, no NumPy.
+
+A `ClientConnection` and a `WorkerConnection` take frames in and give events and frames out; the
+pumps (client/session.py, server/session.py) move bytes between them and a Link, and act on the
+events. Arrays travel as buffers the caller provides (anything C-contiguous with the buffer
+protocol); the connection never allocates one itself, it asks the caller's `target`.
+
+Rules (everything that changes the state of a session's protocol lives in this file):
+- Frames are sealed and opened through the session's Channel (protocol/channel.py), and go out in
+  the order they were sealed: a connection seals lazily, as the pump iterates what it was given,
+  so the pump sends one iterator's frames whole before asking for the next.
+- Batches carry seq 1, 2, 3, ... in the order submitted. The client keeps every batch until a
+  Reply's `ack` reaches its seq (`Acknowledged` says how many batches and upload bytes that freed).
+- A batch tells the worker, as `received`, the highest Reply ack whose messages and result bytes
+  the client took in whole; the worker forgets the replies up to it (`ReplyLog`) and keeps the
+  others, to send again when the session resumes on a new link (protocol/resume.py).
+- `GraphUnknown(seq, gid)`: the client resends, in full and in order, every unacknowledged batch
+  from `seq` on that has begun to go out, the first with the graph's `Register` put in front, ahead
+  of anything not yet sent; a GraphUnknown for a batch already acknowledged is stale and ignored.
+  The worker (server/runner.py) discards every batch until that seq comes again.
+- Repeat (step templates): the client sends a batch that is the one it sent just before with ids
+  shifted as a `Repeat` (messages.repeat_of); the worker expands it against the batch it received
+  just before (messages.expand_batch). Frames arrive in the order sealed, so both ends hold the
+  same template. A resent batch goes in full; a resume forgets both templates.
+- Layout: uploads (results) travel inline in the MESSAGE frame's plaintext, in message order, while
+  they fit in one chunk together; the rest follow in BULK frames of at most `chunk_size`, in
+  message order. A batch (reply) too large for one frame with its inline bytes goes all in BULK.
+  A reply MESSAGE frame holds at most MAX_REPLY_FRAME_BYTES of msgpack and MAX_REPLY_MESSAGES
+  messages; longer replies are split into several, each acking the same batch.
+- Flow control: a client has at most MAX_UNACKED_BATCHES batches and MAX_UNACKED_BYTES of upload
+  bytes unacknowledged (`within_flow`, the one rule both ends apply); the worker refuses a batch
+  whose seq runs more than MAX_UNACKED_BATCHES past the acks it has sent, or whose uploads take the
+  unacknowledged bytes past MAX_UNACKED_BYTES (one batch alone may, when nothing else is unacked).
+- Anything the peer sends that breaks these rules raises ProtocolError, and the session is over.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar, assert_never
+
+from emberlink.errors import ProtocolError
+from emberlink.protocol import messages as m
+from emberlink.protocol.channel import (
+    BULK,
+    MAX_PLAINTEXT,
+    MESSAGE,
+    OVERHEAD,
+    Channel,
+    Kind,
+    pack_frames,
+    split_frames,
+)
+from emberlink.protocol.limits import (
+    MAX_REPLY_FRAME_BYTES,
+    MAX_REPLY_MESSAGES,
+    MAX_UNACKED_BATCHES,
+    MAX_UNACKED_BYTES,
+)
+
+Frame = bytes | bytearray
+"""A sealed frame, or a blob of frames, ready for the Link."""
+
+Buffer = Any
+"""An array's bytes: anything C-contiguous with the buffer protocol (a NumPy array, a memoryview)."""
+
+MIN_CHUNK_SIZE = 4096
+MAX_CHUNK_SIZE = 4 << 20
+SMALL_REPLY_MESSAGES = 64
+"""A reply of at most this many messages is encoded once, as one frame (the common case)."""
+SMALL_REPLY_BULK = 64 << 10
+"""A reply whose results total at most this goes out as one blob, at once."""
+
+
+def within_flow(batches: int, nbytes: int, more: int, max_batches: int, max_bytes: int) -> bool:
+    """Whether one more batch of `more` upload bytes may go out with `batches` batches and `nbytes`
+    bytes unacknowledged: under both limits, or (bytes) nothing unacknowledged at all."""
+    return batches < max_batches and not (nbytes and nbytes + more > max_bytes)
+
+
+def chunk_size_of(limits: Mapping[str, int], default: int) -> int:
+    """The BULK chunk size a client uses: the worker's announced one, within bounds."""
+    return min(max(limits.get("chunk_size", default), MIN_CHUNK_SIZE), MAX_CHUNK_SIZE)
+
+
+def _bytes_of(buffer: Buffer) -> memoryview:
+    return memoryview(buffer).cast("B")
+
+
+# -- events ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Acknowledged:
+    """A Reply's ack freed `batches` kept batches carrying `nbytes` upload bytes (client)."""
+
+    batches: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResultArrived:
+    """A Read's value has arrived whole, in what the caller's target gave for it (client)."""
+
+    rid: int
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ResultProgress:
+    """`nbytes` more bytes of a result arriving in BULK frames; `remaining` still to come (client)."""
+
+    rid: int
+    nbytes: int
+    remaining: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyReady:
+    """A Sync (`value` None) or Stats (`value` the figures) is answered (client)."""
+
+    rid: int
+    value: dict[str, m.StatValue] | None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """The worker answered request `rid` with an error (client)."""
+
+    rid: int
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEnded:
+    """The worker ended the session, saying why (client)."""
+
+    error: m.Error
+
+
+@dataclass(frozen=True, slots=True)
+class GraphUnknownResent:
+    """The worker lacked graph `gid` for batch `seq`: that batch and the later ones go again (client)."""
+
+    seq: int
+    gid: bytes
+
+
+ClientEvent = (
+    Acknowledged
+    | ResultArrived
+    | ResultProgress
+    | ReplyReady
+    | RequestFailed
+    | SessionEnded
+    | GraphUnknownResent
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchArrived:
+    """A batch's MESSAGE frame, expanded and checked (worker). Its inline uploads' bytes are
+    `plaintext[start:]`, in message order. The pump says where each BULK upload's bytes go
+    (`WorkerConnection.expect`); the batch is whole when that is nothing, or at `BulkComplete`."""
+
+    batch: m.Batch
+    plaintext: bytes | memoryview
+    start: int
+
+
+@dataclass(frozen=True, slots=True)
+class BulkComplete:
+    """The last BULK byte of the batch that arrived last is in (worker)."""
+
+
+WorkerEvent = BatchArrived | BulkComplete
+
+
+# -- the client ------------------------------------------------------------------------------------
+
+
+class ClientCounters(Protocol):
+    """The figures a client connection keeps (client/session.py's Counters has them)."""
+
+    batches_sent: int
+    batches_resent: int
+    batches_repeated: int
+    graph_cache_misses: int
+
+
+@dataclass(slots=True)
+class _Counters:
+    batches_sent: int = 0
+    batches_resent: int = 0
+    batches_repeated: int = 0
+    graph_cache_misses: int = 0
+
+
+@dataclass(slots=True)
+class OutBatch:
+    """A batch as the client keeps it until acknowledged: its messages and the uploads' arrays."""
+
+    seq: int
+    messages: list[m.ClientMessage]
+    bulks: list[Buffer]
+    nbytes: int
+
+
+@dataclass(slots=True)
+class _Arriving:
+    """Where the bytes of a Result (client) or an Upload (worker) announced for BULK frames go."""
+
+    rid: int
+    value: Any
+    view: memoryview | None  # None: opened into scratch and forgotten
+    remaining: int
+
+
+ResultTarget = Callable[[m.Result], tuple[Any, memoryview | None]]
+"""The client's: `(value, view of its bytes)` for a Result, view None when nobody wants it (an
+empty result arrives whatever its view)."""
+
+
+class ClientConnection:
+    """The client's end of one session: batches in, frames out; frames in, events out."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        chunk_size: int,
+        graphs: Mapping[bytes, bytes],
+        target: ResultTarget,
+        *,
+        templates: bool = True,
+        counters: ClientCounters | None = None,
+    ) -> None:
+        self.channel = channel
+        self.chunk_size = chunk_size
+        self.templates = templates
+        self.counters: ClientCounters = counters if counters is not None else _Counters()
+        self.closing = False  # a Close was submitted: the session ends with it
+        self._graphs = graphs
+        self._target = target
+        self._next_seq = 1
+        self._unacked: dict[int, OutBatch] = {}
+        self._queue: deque[OutBatch] = deque()
+        self._sent_upto = 0  # highest seq whose frames have begun to be sealed
+        self._template: tuple[m.ClientMessage, ...] | None = None
+        self._results: deque[_Arriving] = deque()
+        self._received = 0  # the last Reply ack taken in whole
+        self._receiving = 0  # the ack of the reply whose result bytes are still arriving
+
+    @property
+    def received(self) -> int:
+        """The highest Reply ack taken in whole (told to the worker with every batch and on resume)."""
+        return self._received
+
+    @property
+    def submitted(self) -> int:
+        """The highest seq submitted."""
+        return self._next_seq - 1
+
+    @property
+    def unacked(self) -> int:
+        """How many batches wait for an ack."""
+        return len(self._unacked)
+
+    def submit(self, messages: list[m.ClientMessage], bulks: list[Buffer], nbytes: int) -> int:
+        """Queue one batch (`bulks`: one buffer per Upload with bytes, in order); its seq."""
+        batch = OutBatch(self._next_seq, messages, bulks, nbytes)
+        self._next_seq += 1
+        if messages and type(messages[-1]) is m.Close:
+            self.closing = True
+        self._unacked[batch.seq] = batch
+        self._queue.append(batch)
+        return batch.seq
+
+    def pending(self) -> bool:
+        """Whether a batch waits to go out."""
+        return bool(self._queue)
+
+    def next_frames(self) -> Iterator[Frame] | None:
+        """The frames of the next queued batch (sealed as iterated), or None when none waits."""
+        if not self._queue:
+            return None
+        return self.next_frames_of()[2]
+
+    def next_frames_of(self) -> tuple[int, int, Iterator[Frame]]:
+        """`(seq, upload bytes, frames)` of the next queued batch; one must be queued (`pending`)."""
+        batch = self._queue.popleft()
+        resent = batch.seq <= self._sent_upto
+        if resent:
+            self.counters.batches_resent += 1
+        self._sent_upto = max(self._sent_upto, batch.seq)
+        self.counters.batches_sent += 1
+        return batch.seq, batch.nbytes, self._frames(batch, resent)
+
+    def _layout(
+        self, batch: OutBatch, room: int
+    ) -> tuple[tuple[m.ClientMessage, ...], list[memoryview], list[memoryview]]:
+        """The batch's messages with the uploads that travel inline marked, those uploads' bytes
+        and the others' (inline: in message order, every upload that still fits in `room`
+        together with the inline ones before it)."""
+        if not batch.bulks:
+            return tuple(batch.messages), [], []
+        messages: list[m.ClientMessage] = []
+        tail: list[memoryview] = []
+        later: list[memoryview] = []
+        arrays = iter(batch.bulks)
+        for msg in batch.messages:
+            if type(msg) is m.Upload and msg.nbytes:
+                data = _bytes_of(next(arrays))
+                if msg.nbytes <= room:
+                    room -= msg.nbytes
+                    tail.append(data)
+                    msg = m.Upload(msg.tid, msg.dtype, msg.shape, msg.nbytes, True)
+                else:
+                    later.append(data)
+            messages.append(msg)
+        return tuple(messages), tail, later
+
+    def _frames(self, batch: OutBatch, resent: bool) -> Iterator[Frame]:
+        channel = self.channel
+        messages, tail, later = self._layout(batch, self.chunk_size)
+        wire = messages
+        repeat = None
+        if self.templates and not resent and self._template is not None:
+            repeat = m.repeat_of(self._template, messages)
+            if repeat is not None:
+                wire = (repeat,)
+        head = m.encode_batch(m.Batch(batch.seq, wire, self._received))
+        if tail and len(head) + sum(len(t) for t in tail) > MAX_PLAINTEXT:
+            messages, tail, later = self._layout(batch, 0)  # a huge batch: every upload in BULK
+            repeat = None
+            head = m.encode_batch(m.Batch(batch.seq, messages, self._received))
+        if repeat is not None:
+            self.counters.batches_repeated += 1
+        self._template = messages
+        yield channel.seal_parts([head, *tail], MESSAGE) if tail else channel.seal(head, MESSAGE)
+        for data in later:
+            yield from channel.seal_chunks(data, self.chunk_size)
+
+    def receive(self, blob: m.BytesLike) -> list[ClientEvent]:
+        """Take in one blob of the worker's frames; what happened, in order."""
+        events: list[ClientEvent] = []
+        for frame in split_frames(blob):
+            if frame[1] == BULK:
+                self._on_bulk(frame, events)
+            else:
+                self._on_reply(frame, events)
+        return events
+
+    def open_reply(self, frame: memoryview) -> tuple[m.Reply, bytes, int]:
+        """Open and decode one reply MESSAGE frame, changing nothing but the channel: the Reply,
+        its plaintext and where its inline results' bytes start (tests read the wire with it)."""
+        kind, plaintext = self.channel.open(frame)
+        if kind is not MESSAGE:
+            raise ProtocolError(f"expected a MESSAGE frame, got {kind.name}")
+        reply, start = m.decode_reply_prefix(plaintext)
+        m.check_reply_tail(reply, len(plaintext) - start)
+        return reply, plaintext, start
+
+    def _on_reply(self, frame: memoryview, events: list[ClientEvent]) -> None:
+        if self._results:
+            raise ProtocolError("worker sent a reply before the bytes of its previous result")
+        reply, plaintext, start = self.open_reply(frame)
+        self._acknowledge(reply.ack, events)
+        for msg in reply.messages:
+            if type(msg) is m.Result and msg.inline:
+                value, view = self._target(msg)
+                if view is not None:
+                    view[:] = memoryview(plaintext)[start : start + msg.nbytes]
+                    events.append(ResultArrived(msg.rid, value))
+                start += msg.nbytes
+            else:
+                self._on_message(msg, events)
+        if self._results:
+            self._receiving = reply.ack  # taken in whole once its results' bytes are in
+        elif reply.ack > self._received:
+            self._received = reply.ack
+
+    def _on_message(self, msg: m.WorkerMessage, events: list[ClientEvent]) -> None:
+        match msg:
+            case m.Result():
+                value, view = self._target(msg)
+                if msg.nbytes == 0:
+                    events.append(ResultArrived(msg.rid, value))
+                else:
+                    self._results.append(_Arriving(msg.rid, value, view, msg.nbytes))
+            case m.Done():
+                events.append(ReplyReady(msg.rid, None))
+            case m.StatsReply():
+                events.append(ReplyReady(msg.rid, dict(msg.stats)))
+            case m.Error():
+                if msg.rid == 0:
+                    events.append(SessionEnded(msg))
+                else:
+                    events.append(RequestFailed(msg.rid, msg.code, msg.message))
+            case m.GraphUnknown():
+                if self._resend(msg):
+                    events.append(GraphUnknownResent(msg.seq, msg.gid))
+            case _:
+                assert_never(msg)
+
+    def _acknowledge(self, ack: int, events: list[ClientEvent]) -> None:
+        batches = nbytes = 0
+        unacked = self._unacked
+        while unacked:
+            seq = next(iter(unacked))
+            if seq > ack:
+                break
+            nbytes += unacked.pop(seq).nbytes
+            batches += 1
+        if batches:
+            events.append(Acknowledged(batches, nbytes))
+
+    def _on_bulk(self, frame: memoryview, events: list[ClientEvent]) -> None:
+        if not self._results:
+            raise ProtocolError("BULK frame without a result announcing it")
+        target = self._results[0]
+        n = self.channel.open_bulk(frame, target.view, target.remaining, "result")
+        target.remaining -= n
+        events.append(ResultProgress(target.rid, n, target.remaining))
+        if target.remaining == 0:
+            self._results.popleft()
+            if target.view is not None:
+                events.append(ResultArrived(target.rid, target.value))
+            if not self._results and self._receiving > self._received:
+                self._received = self._receiving
+
+    def _resend(self, msg: m.GraphUnknown) -> bool:
+        """Register the graph batch `msg.seq` lacks and queue it and the later ones that went out
+        again, first; False when that batch was acknowledged already (stale)."""
+        first = self._unacked.get(msg.seq)
+        if first is None:
+            return False
+        body = self._graphs.get(msg.gid)
+        if body is None:
+            raise ProtocolError(f"worker asked for graph {msg.gid.hex()}, which this client never sent")
+        self.counters.graph_cache_misses += 1
+        first.messages.insert(0, m.Register(msg.gid, body))
+        resend = [b for seq, b in self._unacked.items() if msg.seq <= seq <= self._sent_upto]
+        seqs = {b.seq for b in resend}
+        self._queue = deque(resend + [b for b in self._queue if b.seq not in seqs])
+        return True
+
+    def link_lost(self) -> list[int]:
+        """The link dropped: results cut short are forgotten (the worker sends them again after a
+        resume); the rids whose bytes were arriving."""
+        rids = [t.rid for t in self._results]
+        self._results.clear()
+        return rids
+
+    def resume(self, channel: Channel, applied: int) -> list[ClientEvent]:
+        """Carry on over a new link whose worker applied batches up to `applied`: every later batch
+        goes again, in full, in order."""
+        self.link_lost()
+        self.channel = channel
+        self._template = None  # the worker's template went with the old link
+        events: list[ClientEvent] = []
+        self._acknowledge(applied, events)
+        self._queue = deque(self._unacked.values())
+        return events
+
+
+# -- the worker ------------------------------------------------------------------------------------
+
+
+class Kept(Protocol):
+    """A reply as the worker keeps it for a resume (server/runner.py's Outgoing)."""
+
+    @property
+    def ack(self) -> int: ...
+    @property
+    def messages(self) -> Sequence[m.WorkerMessage]: ...
+    def release(self) -> None: ...
+
+
+K = TypeVar("K", bound=Kept)
+
+
+MAX_KEPT_REPLIES = 2 * MAX_UNACKED_BATCHES
+"""Most replies a session keeps for a resume. A client confirms, with every batch, the last reply
+it took in whole (`received`), and may not send a batch more than MAX_UNACKED_BATCHES ahead of
+the acks it has received, so an honest client never leaves more than MAX_UNACKED_BATCHES replies
+unconfirmed; twice that is the margin. One that never confirms would otherwise make the worker
+keep every reply of its session: 100,000 Syncs a blob kept ~100 MB of uncharged Done messages
+until the session ended, and the worker's RSS stayed 27% above its baseline after it."""
+
+
+class ReplyLog(Generic[K]):
+    """The replies a client has not yet confirmed having taken in whole (a later batch's
+    `received`), to send again on a new link; at most MAX_KEPT_REPLIES, the oldest forgotten (and
+    released) past that. A reply that says only `GraphUnknown` is not kept: the batches it asks
+    for go again anyway."""
+
+    def __init__(self) -> None:
+        self._kept: deque[K] = deque()
+        self.forgotten = 0
+        """The ack of the last reply forgotten unconfirmed (0: none): a resume from before it
+        cannot be served whole (`covers`)."""
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._kept)
+
+    def keep(self, out: K) -> None:
+        if any(type(msg) is not m.GraphUnknown for msg in out.messages):
+            self._kept.append(out)
+            if len(self._kept) > MAX_KEPT_REPLIES:
+                oldest = self._kept.popleft()
+                oldest.release()  # one posted while detached is in no outbox: nothing else would
+                self.forgotten = oldest.ack
+
+    def covers(self, received: int) -> bool:
+        """Whether every reply after ack `received` is still kept (a resume from it is whole)."""
+        return received >= self.forgotten
+
+    def confirm(self, received: int) -> None:
+        """Forget every reply up to ack `received`."""
+        kept = self._kept
+        while kept and kept[0].ack <= received:
+            kept.popleft()
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+
+class WorkerConnection(Generic[K]):
+    """The worker's end of one session: frames in, batches out; replies in, frames out.
+
+    `plaintext_buffer(n)`, asked for frames of at least `buffer_from` plaintext bytes, gives a
+    buffer to open one into (the backend's pinned host memory), or None for a fresh one. `replies`
+    keeps what the client has not confirmed (the pump keeps each reply it applies there)."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        chunk_size: int,
+        plaintext_buffer: Callable[[int], memoryview | None] | None = None,
+        buffer_from: int = 0,
+    ) -> None:
+        self.channel = channel
+        self.chunk_size = chunk_size
+        self.acked = 0  # the highest ack sealed in a reply
+        self.replies: ReplyLog[K] = ReplyLog()
+        self._plaintext_buffer = plaintext_buffer
+        self._buffer_from = buffer_from
+        self._template: tuple[m.ClientMessage, ...] | None = None
+        self._targets: deque[_Arriving] = deque()
+        self._expecting = False  # a batch arrived and `expect` has not been told where its bulk goes
+        self._unacked_bytes: dict[int, int] = {}  # seq -> upload bytes, for batches after `acked`
+        self._held = 0  # their sum
+
+    @property
+    def receiving_bulk(self) -> bool:
+        """Whether the batch that arrived last still waits for BULK bytes."""
+        return bool(self._targets) or self._expecting
+
+    def receive_frame(self, frame: memoryview) -> WorkerEvent | None:
+        """Take in one frame (channel.split_frames of a blob); what it completed, if anything."""
+        if frame[1] == BULK:
+            return self._on_bulk(frame)
+        return self._on_batch(frame)
+
+    def _open_large(self, frame: memoryview, n: int) -> tuple[Kind, bytes | memoryview]:
+        assert self._plaintext_buffer is not None
+        buffer = self._plaintext_buffer(n)
+        if buffer is None:
+            return self.channel.open(frame)
+        kind, _ = self.channel.open_into(frame, buffer)
+        return kind, buffer[:n]
+
+    def _on_batch(self, frame: memoryview) -> BatchArrived:
+        if self._targets or self._expecting:
+            raise ProtocolError("a batch arrived before the bulk bytes of the previous one")
+        n = len(frame) - OVERHEAD
+        plaintext: bytes | memoryview
+        if self._plaintext_buffer is None or n < self._buffer_from:
+            kind, plaintext = self.channel.open(frame)
+        else:
+            kind, plaintext = self._open_large(frame, n)
+        if kind is not MESSAGE:
+            raise ProtocolError(f"expected a MESSAGE frame, got {kind.name}")
+        batch, start = m.decode_batch_prefix(plaintext)
+        if batch.seq > self.acked + MAX_UNACKED_BATCHES:
+            raise ProtocolError(
+                f"client sent batch {batch.seq} while batch {self.acked} is the last acknowledged: "
+                f"more than {MAX_UNACKED_BATCHES} batches without waiting for acks"
+            )
+        batch = m.expand_batch(batch, self._template)
+        m.check_tail(batch, len(plaintext) - start)
+        self._template = batch.messages
+        if batch.received:
+            self.replies.confirm(batch.received)
+        self._count_uploads(batch)
+        self._expecting = True
+        return BatchArrived(batch, plaintext, start)
+
+    def _count_uploads(self, batch: m.Batch) -> None:
+        held = self._held - self._unacked_bytes.pop(batch.seq, 0)  # a batch sent again replaces itself
+        for msg in batch.messages:
+            if type(msg) is m.Upload:
+                if held and held + msg.nbytes > MAX_UNACKED_BYTES:
+                    raise ProtocolError(
+                        f"client sent more than {MAX_UNACKED_BYTES} bytes of uploads without waiting for acks"
+                    )
+                held += msg.nbytes
+        if held != self._held:
+            self._unacked_bytes[batch.seq] = held - self._held
+            self._held = held
+
+    def expect(self, targets: Sequence[tuple[memoryview | None, int]]) -> bool:
+        """Where the BULK uploads of the batch that arrived last go, in order: `(view, nbytes)`,
+        view None for bytes to discard. True when it is whole already."""
+        self._expecting = False
+        if targets:
+            self._targets.extend(_Arriving(0, None, view, n) for view, n in targets if n)
+        return not self._targets
+
+    def _on_bulk(self, frame: memoryview) -> BulkComplete | None:
+        if not self._targets:
+            raise ProtocolError("BULK frame without an upload announcing it")
+        target = self._targets[0]
+        n = self.channel.open_bulk(frame, target.view, target.remaining, "upload")
+        target.remaining -= n
+        if target.remaining:
+            return None
+        self._targets.popleft()
+        return None if self._targets else BulkComplete()
+
+    def discard_partial(self) -> None:
+        """Forget a batch whose bulk bytes were still arriving (the client sends it again)."""
+        self._targets.clear()
+        self._expecting = False
+
+    def _acknowledge(self, ack: int) -> None:
+        if ack <= self.acked:
+            return
+        self.acked = ack
+        if self._unacked_bytes:
+            for seq in [s for s in self._unacked_bytes if s <= ack]:
+                self._held -= self._unacked_bytes.pop(seq)
+
+    def reply(self, ack: int, messages: list[m.WorkerMessage], arrays: list[Buffer]) -> Iterator[Frame]:
+        """The blobs of one reply acking batch `ack` (`arrays`: one per Result, in order); acks
+        count as told from now on (the client cannot know one before it is sent)."""
+        self._acknowledge(ack)
+        if (
+            len(messages) <= SMALL_REPLY_MESSAGES
+            and sum(x.nbytes for x in messages if type(x) is m.Result) <= SMALL_REPLY_BULK
+        ):
+            # The common small reply: one blob of one frame, its results inline (a step's loss
+            # goes back in the frame that answers it).
+            head, tail, later = _reply_layout(ack, messages, arrays, self.chunk_size)
+            if len(head) <= MAX_REPLY_FRAME_BYTES:
+                channel = self.channel
+                blob: Frame = (
+                    channel.seal_parts([head, *tail], MESSAGE) if tail else channel.seal(head, MESSAGE)
+                )
+                if later:
+                    frames: list[Frame] = [blob]
+                    for data in later:
+                        frames.extend(channel.seal_chunks(data, self.chunk_size))
+                    blob = b"".join(frames)
+                return iter((blob,))
+        return pack_frames(self._reply_frames(ack, messages, arrays))
+
+    def _reply_frames(
+        self, ack: int, messages: list[m.WorkerMessage], arrays: list[Buffer]
+    ) -> Iterator[Frame]:
+        channel = self.channel
+        pending = iter(arrays)
+        parts: Iterable[tuple[list[m.WorkerMessage], bytes]]
+        if len(messages) <= SMALL_REPLY_MESSAGES:  # one frame, encoded once
+            encoded = m.encode_reply(m.Reply(ack, tuple(messages)))
+            parts = (
+                ((messages, encoded),)
+                if len(encoded) <= MAX_REPLY_FRAME_BYTES
+                else _reply_parts(ack, messages)
+            )
+        else:
+            parts = _reply_parts(ack, messages)
+        for part, _ in parts:
+            part_arrays = [next(pending) for msg in part if type(msg) is m.Result]
+            head, tail, later = _reply_layout(ack, part, part_arrays, self.chunk_size)
+            if tail and len(head) + sum(len(t) for t in tail) > MAX_PLAINTEXT:
+                head, tail, later = _reply_layout(ack, part, part_arrays, 0)  # a huge reply: all in BULK
+            yield channel.seal_parts([head, *tail], MESSAGE) if tail else channel.seal(head, MESSAGE)
+            for data in later:
+                yield from channel.seal_chunks(data, self.chunk_size)
+
+    def final(self, error: m.Error, ack: int) -> Frame:
+        """The frame that ends the session with `error`."""
+        self._acknowledge(ack)
+        return self.channel.seal(m.encode_reply(m.Reply(ack, (error,))), MESSAGE)
+
+    def resume(self, channel: Channel, applied: int, received: int) -> Frame:
+        """Carry on over a new link to a client that took in replies up to `received`: the frame
+        that tells it the last batch applied (the replies in `replies` then go again)."""
+        self.channel = channel
+        self.replies.confirm(received)
+        self.discard_partial()
+        self._template = None  # the first batch on the new link has no previous one to repeat
+        self._unacked_bytes.clear()
+        self._held = 0
+        self.acked = max(self.acked, applied)
+        return channel.seal(m.encode_reply(m.Reply(applied, ())), MESSAGE)
+
+
+def _reply_layout(
+    ack: int, part: list[m.WorkerMessage], arrays: list[Buffer], room: int
+) -> tuple[bytes, list[memoryview], list[memoryview]]:
+    """`(msgpack reply, inline results' bytes, BULK results' bytes)` of `part`, whose Results carry
+    `arrays` (one each, empty ones included): inline in message order while they fit in `room`
+    bytes together; empty ones carry no bytes either way."""
+    wire: list[m.WorkerMessage] = []
+    tail: list[memoryview] = []
+    later: list[memoryview] = []
+    results = iter(arrays)
+    for msg in part:
+        if type(msg) is m.Result:
+            array = next(results)
+            if msg.nbytes:
+                if msg.nbytes <= room:
+                    room -= msg.nbytes
+                    tail.append(_bytes_of(array))
+                    msg = m.Result(msg.rid, msg.dtype, msg.shape, msg.nbytes, True)
+                else:
+                    later.append(_bytes_of(array))
+        wire.append(msg)
+    return m.encode_reply(m.Reply(ack, tuple(wire))), tail, later
+
+
+def _reply_parts(ack: int, messages: list[m.WorkerMessage]) -> Iterator[tuple[list[m.WorkerMessage], bytes]]:
+    """The reply's messages in runs whose encoded Reply fits MAX_REPLY_FRAME_BYTES (and at most
+    MAX_REPLY_MESSAGES messages), each with its encoding; one empty Reply when there are none.
+    A run's length is guessed from the size of a sample, so a large reply is encoded about once."""
+    start, total = 0, len(messages)
+    while True:
+        count = min(MAX_REPLY_MESSAGES, total - start)
+        if count > SMALL_REPLY_MESSAGES:
+            sample = len(m.encode_reply(m.Reply(ack, tuple(messages[start : start + SMALL_REPLY_MESSAGES]))))
+            count = max(1, min(count, int(MAX_REPLY_FRAME_BYTES * 0.9 * SMALL_REPLY_MESSAGES / sample)))
+        while True:
+            part = messages[start : start + count]
+            encoded = m.encode_reply(m.Reply(ack, tuple(part)))
+            if len(encoded) <= MAX_REPLY_FRAME_BYTES or count == 1:
+                break
+            count = max(1, count // 2)
+        yield part, encoded
+        start += count
+        if start >= total:
+            return
+
+
+__all__ = [
+    "MAX_KEPT_REPLIES",
+    "Acknowledged",
+    "BatchArrived",
+    "BulkComplete",
+    "ClientConnection",
+    "ClientEvent",
+    "GraphUnknownResent",
+    "OutBatch",
+    "ReplyLog",
+    "ReplyReady",
+    "RequestFailed",
+    "ResultArrived",
+    "ResultProgress",
+    "SessionEnded",
+    "WorkerConnection",
+    "WorkerEvent",
+    "chunk_size_of",
+    "within_flow",
+]

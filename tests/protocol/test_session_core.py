@@ -1,0 +1,325 @@
+"""The sans-IO session protocol (protocol/session.py), both ends driven synchronously in memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from emberlink.errors import ProtocolError
+from emberlink.protocol import messages as m
+from emberlink.protocol import session as s
+from emberlink.protocol.channel import MESSAGE, Channel, pack_frames, split_frames
+from emberlink.protocol.limits import MAX_REPLY_FRAME_BYTES, MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
+
+from .session_pair import Pair, Reply, channels
+
+CHUNK = 1 << 12
+GID = b"g" * 16
+
+
+def upload(tid: int, array: np.ndarray) -> m.Upload:
+    return m.Upload(tid, array.dtype.name, array.shape, array.nbytes)
+
+
+def submit_roundtrip(pair: Pair, tid: int, rid: int, array: np.ndarray) -> int:
+    pair.waiter.wanted.add(rid)
+    return pair.client.submit([upload(tid, array), m.Read(rid, tid)], [array], array.nbytes)
+
+
+@pytest.mark.parametrize("nbytes", [0, 8, CHUNK - 8, CHUNK, CHUNK + 8, 3 * CHUNK, 3 * CHUNK + 8])
+def test_upload_and_result_arrive_intact_at_every_chunk_boundary(nbytes: int) -> None:
+    pair = Pair(chunk_size=CHUNK)
+    array = np.arange(nbytes, dtype=np.uint8)
+    submit_roundtrip(pair, 1, 1, array)
+    pair.run()
+    (got,) = pair.waiter.answers[1]
+    np.testing.assert_array_equal(got, array)
+
+
+def test_an_empty_result_with_a_zero_dim_arrives_with_its_shape() -> None:
+    pair = Pair()
+    submit_roundtrip(pair, 1, 1, np.zeros((0, 3), np.float32))
+    pair.run()
+    (got,) = pair.waiter.answers[1]
+    assert got.shape == (0, 3) and got.dtype == np.float32
+
+
+def test_uploads_go_inline_while_they_fit_one_chunk_together_then_in_bulk() -> None:
+    pair = Pair(chunk_size=CHUNK)
+    arrays = [np.full(CHUNK // 2, i, np.uint8) for i in range(3)]  # two fit inline, the third not
+    pair.client.submit([upload(i + 1, a) for i, a in enumerate(arrays)], arrays, 3 * CHUNK // 2)
+    frames = next(iter(pair.client.next_frames() or ()))
+    _, plaintext = channels()[1].open(frames)
+    batch, start = m.decode_batch_prefix(plaintext)
+    assert [u.inline for u in batch.messages if type(u) is m.Upload] == [True, True, False]
+    assert len(plaintext) - start == CHUNK
+
+
+def test_acknowledged_frees_the_batches_and_their_upload_bytes() -> None:
+    pair = Pair()
+    a = np.ones(100, np.uint8)
+    pair.client.submit([upload(1, a)], [a], a.nbytes)
+    pair.client.submit([m.Drop((1,))], [], 0)
+    assert pair.client.unacked == 2
+    pair.run()
+    assert pair.client.unacked == 0
+    assert (pair.waiter.acked_batches, pair.waiter.acked_bytes) == (2, 100)
+
+
+def test_sequence_numbers_count_from_one_in_submission_order() -> None:
+    pair = Pair()
+    seqs = [pair.client.submit([m.Sync(i + 1)], [], 0) for i in range(3)]
+    assert seqs == [1, 2, 3]
+    _, worker = channels()
+    seen = []
+    while (frames := pair.client.next_frames()) is not None:
+        for frame in frames:
+            seen.append(m.decode_batch_prefix(worker.open(frame)[1])[0].seq)
+    assert seen == [1, 2, 3]
+
+
+def test_a_shifted_copy_of_the_previous_batch_goes_as_a_repeat_and_is_expanded() -> None:
+    pair = Pair()
+    pair.client.submit([m.Upload(1, "float32", (2,), 8), m.Read(1, 1)], [np.ones(2, np.float32)], 8)
+    pair.client.submit([m.Upload(2, "float32", (2,), 8), m.Read(2, 2)], [np.full(2, 7, np.float32)], 8)
+    pair.waiter.wanted |= {1, 2}
+    pair.run()
+    assert pair.client.counters.batches_repeated == 1
+    np.testing.assert_array_equal(pair.waiter.answers[2][0], np.full(2, 7, np.float32))
+
+
+def test_without_templates_nothing_goes_as_a_repeat() -> None:
+    pair = Pair(templates=False)
+    for i in (1, 2):
+        pair.client.submit([m.Sync(i)], [], 0)
+    pair.run()
+    assert pair.client.counters.batches_repeated == 0
+    assert pair.waiter.answers == {1: [None], 2: [None]}
+
+
+def test_graph_unknown_resends_from_that_batch_with_the_graph_registered_first() -> None:
+    pair = Pair()
+    pair.graph_bodies[GID] = b"body"
+    x = np.arange(4, dtype=np.float32)
+    pair.client.submit([upload(1, x)], [x], x.nbytes)
+    pair.client.submit([m.Execute(GID, (1,), (), 2), m.Read(1, 2)], [], 0)
+    pair.client.submit([m.Sync(2)], [], 0)
+    pair.waiter.wanted.add(1)
+    pair.run()
+    assert pair.waiter.resent == [2]
+    assert pair.client.counters.graph_cache_misses == 1
+    assert pair.client.counters.batches_resent == 2  # batches 2 and 3 went again
+    np.testing.assert_array_equal(pair.waiter.answers[1][0], x)
+    assert pair.waiter.answers[2] == [None]
+    assert pair.worker.applied == 3
+
+
+def test_a_resent_batch_goes_in_full_never_as_a_repeat() -> None:
+    pair = Pair()
+    pair.graph_bodies[GID] = b"body"
+    x = np.zeros(1, np.float32)
+    pair.client.submit([upload(1, x)], [x], x.nbytes)
+    pair.client.submit([upload(2, x)], [x], x.nbytes)  # a Repeat of batch 1
+    pair.client.submit([m.Execute(GID, (1,), (), 3)], [], 0)
+    pair.client.submit([m.Execute(GID, (2,), (), 4)], [], 0)  # a Repeat of batch 3
+    pair.run()
+    assert pair.worker.applied == 4 and 4 in pair.worker.store
+    assert pair.client.counters.batches_repeated == 2  # the two resent batches went in full
+
+
+def test_a_stale_graph_unknown_is_ignored() -> None:
+    pair = Pair()
+    pair.client.submit([m.Sync(1)], [], 0)
+    pair.run()
+    blob = pair.worker.conn.reply(0, [m.GraphUnknown(1, GID)], [])
+    assert pair.client.receive(next(blob)) == []
+    assert not pair.client.pending()
+
+
+def test_graph_unknown_for_a_graph_never_sent_is_refused() -> None:
+    pair = Pair()
+    pair.client.submit([m.Execute(GID, (1,), (), 2)], [], 0)
+    pair.send_all()
+    pair.deliver_up()
+    with pytest.raises(ProtocolError, match="never sent"):
+        pair.deliver_down()
+
+
+def test_each_batch_tells_the_last_reply_taken_in_whole() -> None:
+    pair = Pair(chunk_size=CHUNK)
+    submit_roundtrip(pair, 1, 1, np.arange(4 * CHUNK, dtype=np.uint8))
+    pair.send_all()
+    pair.deliver_up()
+    frames = [f for blob in pair.wire_down for f in split_frames(blob)]
+    pair.waiter.on(pair.client.receive(frames[0]))  # the reply, its result's bytes not yet in
+    assert pair.client.received == 0
+    for frame in frames[1:]:
+        pair.waiter.on(pair.client.receive(frame))
+    assert pair.client.received == 1
+    pair.client.submit([m.Sync(2)], [], 0)
+    (sealed,) = list(pair.client.next_frames() or ())
+    batch, _ = m.decode_batch_prefix(pair.worker.conn.channel.open(sealed)[1])
+    assert batch.received == 1
+
+
+def test_a_reply_with_many_messages_is_split_into_frames_that_fit() -> None:
+    pair = Pair()
+    pair.client.submit([m.Stats(i + 1) for i in range(1000)], [], 0)
+    pair.client.submit([m.Stats(i + 1001) for i in range(1000)], [], 0)
+    pair.send_all()
+    pair.deliver_up()
+    sizes = [len(f) for blob in pair.wire_down for f in split_frames(blob)]
+    assert all(size <= MAX_REPLY_FRAME_BYTES + 64 for size in sizes)
+    pair.deliver_down()
+    assert sorted(pair.waiter.answers) == list(range(1, 2001))
+
+
+def test_worker_refuses_a_batch_too_far_ahead_of_its_acks() -> None:
+    client, worker = channels()
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
+    frame = client.seal(m.encode_batch(m.Batch(MAX_UNACKED_BATCHES + 1, (m.Sync(1),))), MESSAGE)
+    with pytest.raises(ProtocolError, match="without waiting for acks"):
+        conn.receive_frame(memoryview(frame))
+
+
+def upload_batch(client: Channel, seq: int, nbytes: int) -> memoryview:
+    u = m.Upload(seq, "uint8", (nbytes,), nbytes)
+    return memoryview(client.seal(m.encode_batch(m.Batch(seq, (u,))), MESSAGE))
+
+
+def test_worker_refuses_uploads_past_the_unacknowledged_bytes() -> None:
+    client, worker = channels()
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
+    half = MAX_UNACKED_BYTES // 2 + 8
+    assert isinstance(conn.receive_frame(upload_batch(client, 1, half)), s.BatchArrived)
+    conn.expect([])  # where its bulk goes is not what this test is about
+    with pytest.raises(ProtocolError, match="bytes of uploads without waiting"):
+        conn.receive_frame(upload_batch(client, 2, half))
+
+
+def test_an_ack_sent_frees_the_unacknowledged_bytes() -> None:
+    client, worker = channels()
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
+    half = MAX_UNACKED_BYTES // 2 + 8
+    for seq in (1, 2, 3):
+        assert isinstance(conn.receive_frame(upload_batch(client, seq, half)), s.BatchArrived)
+        conn.expect([])
+        list(conn.reply(seq, [], []))
+
+
+def test_one_batch_alone_may_pass_the_unacknowledged_bytes() -> None:
+    client, worker = channels()
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
+    assert isinstance(conn.receive_frame(upload_batch(client, 1, MAX_UNACKED_BYTES + 8)), s.BatchArrived)
+
+
+def test_worker_refuses_a_batch_before_the_bulk_of_the_previous_one() -> None:
+    client, worker = channels()
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
+    u = m.Upload(1, "uint8", (CHUNK * 2,), CHUNK * 2)
+    conn.receive_frame(memoryview(client.seal(m.encode_batch(m.Batch(1, (u,))), MESSAGE)))
+    conn.expect([(None, u.nbytes)])
+    with pytest.raises(ProtocolError, match="before the bulk bytes"):
+        conn.receive_frame(memoryview(client.seal(m.encode_batch(m.Batch(2, (m.Sync(1),))), MESSAGE)))
+
+
+def test_worker_refuses_bulk_nobody_announced() -> None:
+    client, worker = channels()
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
+    (frame,) = client.seal_chunks(b"x" * 10)
+    with pytest.raises(ProtocolError, match="without an upload"):
+        conn.receive_frame(memoryview(frame))
+
+
+def test_worker_refuses_a_repeat_with_nothing_to_repeat() -> None:
+    client, worker = channels()
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
+    frame = client.seal(m.encode_batch(m.Batch(1, (m.Repeat(1, 1),))), MESSAGE)
+    with pytest.raises(ProtocolError, match="has none"):
+        conn.receive_frame(memoryview(frame))
+
+
+def test_client_refuses_bulk_nobody_announced_and_a_reply_cut_into() -> None:
+    pair = Pair()
+    (frame,) = pair.worker.conn.channel.seal_chunks(b"x" * 10)
+    with pytest.raises(ProtocolError, match="without a result"):
+        pair.client.receive(frame)
+    pair = Pair(chunk_size=CHUNK)
+    submit_roundtrip(pair, 1, 1, np.zeros(2 * CHUNK, np.uint8))
+    pair.send_all()
+    pair.deliver_up()
+    frames = list(split_frames(b"".join(pair.wire_down)))
+    pair.client.receive(frames[0])
+    reply = next(pair.worker.conn.reply(1, [m.Done(5)], []))
+    with pytest.raises(ProtocolError, match="before the bytes"):
+        pair.client.receive(reply)
+
+
+def test_an_error_for_request_zero_ends_the_session() -> None:
+    pair = Pair()
+    pair.waiter.on(pair.client.receive(pair.worker.conn.final(m.Error(0, "refused", "no"), 0)))
+    assert pair.waiter.ended == m.Error(0, "refused", "no")
+
+
+def test_a_result_nobody_waits_for_is_skipped() -> None:
+    pair = Pair(chunk_size=CHUNK)
+    a = np.arange(3 * CHUNK, dtype=np.uint8)
+    pair.client.submit([upload(1, a), m.Read(7, 1), m.Read(8, 1)], [a], a.nbytes)
+    pair.waiter.wanted.add(8)
+    pair.run()
+    assert list(pair.waiter.answers) == [8]
+
+
+def test_resume_after_a_drop_answers_every_request_exactly_once() -> None:
+    pair = Pair(chunk_size=CHUNK)
+    arrays = {rid: np.full(CHUNK + rid, rid, np.uint8) for rid in range(1, 5)}
+    submit_roundtrip(pair, 1, 1, arrays[1])
+    pair.run()
+    submit_roundtrip(pair, 2, 2, arrays[2])
+    pair.send_all()
+    pair.deliver_up()  # applied; its reply is lost on the wire
+    submit_roundtrip(pair, 3, 3, arrays[3])
+    pair.send_all()  # lost before the worker saw it
+    pair.resume()
+    submit_roundtrip(pair, 4, 4, arrays[4])
+    pair.run()
+    assert sorted(pair.waiter.answers) == [1, 2, 3, 4]
+    for rid, values in pair.waiter.answers.items():
+        assert len(values) == 1
+        np.testing.assert_array_equal(values[0], arrays[rid])
+    assert pair.worker.applied == 4
+
+
+def test_a_resume_forgets_the_templates_on_both_ends() -> None:
+    pair = Pair()
+    pair.client.submit([m.Sync(1)], [], 0)
+    pair.run()
+    pair.resume()
+    pair.client.submit([m.Sync(2)], [], 0)  # would be a Repeat of batch 1 on the old link
+    pair.run()
+    assert pair.client.counters.batches_repeated == 0
+    assert pair.waiter.answers[2] == [None]
+
+
+def test_within_flow_allows_one_batch_alone_past_the_byte_limit() -> None:
+    assert s.within_flow(0, 0, 10**12, 64, 1 << 20)
+    assert not s.within_flow(1, 1, 1 << 20, 64, 1 << 20)
+    assert not s.within_flow(64, 0, 0, 64, 1 << 20)
+    assert s.within_flow(63, 10, 10, 64, 1 << 20)
+
+
+def test_the_reply_log_keeps_what_the_client_has_not_confirmed() -> None:
+    log: s.ReplyLog[Reply] = s.ReplyLog()
+    log.keep(Reply(1, [m.Done(1)], []))
+    log.keep(Reply(1, [m.GraphUnknown(2, GID)], []))  # not kept: the batch goes again anyway
+    log.keep(Reply(2, [m.Done(2)], []))
+    log.confirm(1)
+    assert [r.ack for r in log] == [2]
+
+
+def test_frames_of_a_batch_pack_into_blobs_in_order() -> None:
+    pair = Pair(chunk_size=CHUNK)
+    a = np.arange(5 * CHUNK, dtype=np.uint8)
+    pair.client.submit([upload(1, a)], [a], a.nbytes)
+    blobs = list(pack_frames(pair.client.next_frames() or ()))
+    assert sum(len(split_frames(b)) for b in blobs) == 6  # the MESSAGE frame and five chunks
