@@ -62,7 +62,7 @@ from emberlink.protocol.dtypes import ITEMSIZE
 from emberlink.protocol.handshake import WorkerHandshake
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.resume import is_token
-from emberlink.protocol.session import BatchArrived, BulkComplete, WorkerConnection
+from emberlink.protocol.session import MAX_KEPT_REPLIES, BatchArrived, BulkComplete, WorkerConnection
 from emberlink.server.detached import Attach, Resumable, ResumeRegistry
 from emberlink.server.device import AGAIN, DeviceThread, Turn
 from emberlink.server.graphs import Compiler, GraphView, Prepared
@@ -217,7 +217,11 @@ class Session:
             self._stats_of_worker,
             self.inflight,
         )
-        if self._worker.held.reserve(SESSION_BYTES):
+        refusal = self._worker.resumes.refusal(self.client)
+        if refusal is not None:  # --max-client-sessions: this client has as many as it may
+            log.warning("session %s: client %s refused: %s", self.id, self.client, refusal)
+            reason = await self._serve_link(m.Error(0, ErrorCode.REFUSED, refusal))
+        elif self._worker.held.reserve(SESSION_BYTES):
             self._admitted = True
             self.state = State.OPEN
             self._resumable = self._worker.resumes.open(self.client, hs.resume_secret, self._taken_over)
@@ -342,6 +346,21 @@ class Session:
             await self._let_go()
             return False
         self._release_outbox()  # every Outgoing still queued is in the reply log
+        if not conn.replies.covers(attach.received):  # the log forgot replies the client lacks
+            error = m.Error(
+                0,
+                ErrorCode.WORKER_LOST,
+                f"the session cannot resume: the replies after {attach.received} were not kept "
+                f"(the client confirmed none of the last {MAX_KEPT_REPLIES})",
+            )
+            conn.channel = attach.channel
+            try:
+                await self._link.send(conn.final(error, 0))
+            except TransportError:
+                pass
+            await self._let_go()
+            resumable.give_up(error.message)  # no later resume could be whole either: it ends now
+            return False
         applied = self._runner.applied
         try:
             blob = conn.resume(attach.channel, applied, attach.received)

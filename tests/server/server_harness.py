@@ -29,9 +29,10 @@ class WireClient:
     through a ClientConnection (without step templates, so each goes as given); a batch out of
     seq order or with a forged inline tail is sealed by hand on the same channel."""
 
-    def __init__(self, link: Link, channel: Channel) -> None:
+    def __init__(self, link: Link, channel: Channel, resume_secret: bytes = b"") -> None:
         self.link = link
         self.conn = ClientConnection(channel, CHUNK_SIZE, {}, _nobody, templates=False)
+        self.resume_secret = resume_secret  # what a resume of this session proves it holds
 
     @property
     def channel(self) -> Channel:
@@ -46,7 +47,7 @@ class WireClient:
         await link.send(hs.hello())
         auth, channel, _ = hs.receive_welcome(bytes(await link.recv()))
         await link.send(auth)
-        return cls(link, channel)
+        return cls(link, channel, hs.resume_secret)
 
     async def send(
         self,

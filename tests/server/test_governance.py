@@ -27,6 +27,7 @@ from emberlink.graph_replay.ops import check_attrs
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import MESSAGE, split_frames
 from emberlink.protocol.handshake import ClientHandshake
+from emberlink.protocol.resume import Credential
 from emberlink.protocol.limits import MAX_BATCH_MESSAGES, MAX_REPLY_FRAME_BYTES
 from emberlink.protocol.session import MAX_KEPT_REPLIES, ReplyLog
 from emberlink.server.detached import ResumeRegistry
@@ -786,6 +787,40 @@ def test_a_client_at_its_session_cap_is_told_why_it_may_not_open_another() -> No
     assert other is None and after_close is None
 
 
+def test_a_worker_refuses_a_clients_session_past_its_cap_and_serves_other_clients(
+    make_worker: Callable[..., InProcessWorker],
+) -> None:
+    worker = make_worker(limits=Limits(max_client_sessions=2))
+    who = worker.new_client()
+
+    async def go() -> tuple[m.Error, int, int]:
+        first = await WireClient.connect(worker, who)
+        second = await WireClient.connect(worker, who)
+        for c in (first, second):
+            await c.send(1, [m.Sync(1)])
+            await until_ack(c, 1)
+        third = await WireClient.connect(worker, who)
+        error = await final_error(third)
+        sessions_after_refusal = len(worker.worker.sessions)
+        other = await WireClient.connect(worker)  # another client is not counted against this one
+        await other.send(1, [m.Sync(1)])
+        await until_ack(other, 1)
+        await first.send(2, [m.Close("bye")])  # room again: a new session of this client is served
+        await wait_for(lambda: worker.worker.resumes.sessions_of(who.node_id)[0] == 1)
+        fourth = await WireClient.connect(worker, who)
+        await fourth.send(1, [m.Sync(1)])
+        await until_ack(fourth, 1)
+        served = worker.worker.resumes.sessions_of(who.node_id)[0]
+        for c in (second, other, fourth):
+            await c.close()
+        return error, sessions_after_refusal, served
+
+    error, sessions_after_refusal, served = run(worker, go())
+    assert error.code == "refused" and "--max-client-sessions 2" in error.message
+    assert who.node_id in error.message
+    assert served == 2
+
+
 def test_client_caps_default_to_sane_values_and_must_be_positive() -> None:
     device = DeviceCapacity("cpu", 8 << 30, 2)
     limits = Limits().resolve(device)
@@ -889,6 +924,41 @@ def test_a_client_that_never_confirms_its_replies_does_not_make_the_worker_keep_
 
     kept, forgotten, covers_the_kept = run(worker, go())
     assert kept == MAX_KEPT_REPLIES and forgotten == batches - MAX_KEPT_REPLIES and covers_the_kept
+
+
+def test_a_resume_that_needs_replies_the_worker_forgot_ends_the_session_with_worker_lost(
+    make_worker: Callable[..., InProcessWorker],
+) -> None:
+    worker = make_worker(resume_window=30.0)
+    who = worker.new_client()
+    batches = MAX_KEPT_REPLIES + 3
+    held_before = worker.worker.held.used
+
+    async def go() -> m.Reply:
+        c = await WireClient.connect(worker, who)  # its batches say received=0
+        for seq in range(1, batches + 1):
+            await c.send(seq, [m.Sync(seq)])
+            await until_ack(c, seq)
+        session = the_session(worker)
+        await c.close()
+        await wait_for(lambda: session.state is State.DETACHED)
+        # A resume from reply 0: replies 1..3 were forgotten, so it cannot be made whole.
+        link = await worker.open_link()
+        credential = Credential(c.resume_secret)
+        hs = ClientHandshake(who, worker.node_id, os.urandom, token_for=lambda th2: credential.token(th2, 0))
+        await link.send(hs.hello())
+        auth, channel, _ = hs.receive_welcome(bytes(await link.recv()))
+        await link.send(auth)
+        (frame,) = split_frames(await asyncio.wait_for(link.recv(), TIMEOUT))
+        _, plaintext = channel.open(frame)
+        await link.close()
+        await no_sessions(worker)
+        return m.decode_reply(plaintext)
+
+    reply = run(worker, go())
+    (error,) = [x for x in reply.messages if type(x) is m.Error and x.rid == 0]
+    assert error.code == "worker_lost" and "were not kept" in error.message
+    assert worker.worker.held.used == held_before  # the session ended and freed what it held
 
 
 def test_a_reply_forgotten_while_detached_releases_what_it_kept_charged() -> None:
