@@ -161,8 +161,9 @@ class ClientSession:
             asyncio.create_task(self._send_loop(), name=f"send {link.peer}"),
             asyncio.create_task(self._recv_loop(), name=f"recv {link.peer}"),
         ]
-        # Blobs taken as they arrive, where the link can: the tiny jitted step over tcp went from
-        # 291 to 274 µs (bench/remote_step.py --tiny). The task above still sees the link end.
+        # Blobs taken as they arrive, where the link can, on both ends: the jitted tiny step over
+        # tcp went from 304-321 to 291-292 µs (bench/remote_step.py --tiny 3, two interleaved
+        # runs each). The task above still takes what the callback leaves and sees the link end.
         offer_receiver(link, lambda blob: self._take_blob(link, blob))
         self._nowait = link.send_nowait if isinstance(link, CallbackLink) else None
 
@@ -183,7 +184,8 @@ class ClientSession:
 
     def _send_now(self, nowait: Callable[[Blob], bool]) -> None:
         """Seal and write the batch just queued from here, the sender task idle: its wake-up
-        skipped (the tiny jitted step over tcp: 262 -> 250 µs, bench/remote_step.py --tiny). What
+        skipped (the jitted tiny step over tcp: 324-336 -> 313-318 µs, bench/remote_step.py --tiny 2,
+        three interleaved runs each on a loaded machine). What
         the link cannot take at once is left to the task."""
         try:
             seq, _, frames = self._conn.next_frames_of()
