@@ -200,6 +200,7 @@ class ClientSession:
             self.fail(e)
             return
         self._finished_upto = max(self._finished_upto, seq)
+        self._conn.predict()  # while the worker works on this one
 
     async def _send_loop(self) -> None:
         conn = self._conn
@@ -224,6 +225,8 @@ class ClientSession:
                     frames = self._with_progress(frames, nbytes)
                 await self._send_frames(frames)
                 self._finished_upto = max(self._finished_upto, seq)
+                if not conn.pending():
+                    conn.predict()
         except TransportError as e:
             self._link_lost(f"lost worker {self._worker} while sending: {e}")
         except EmberlinkError as e:

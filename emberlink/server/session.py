@@ -1007,6 +1007,7 @@ class Session:
         except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
             self._crash(e, "sending")
         self._sent(out)
+        self._conn.predict()  # while the client works on this one
 
     def _sent(self, out: Outgoing) -> None:
         """A reply is out (or never will be): its arrays are let go."""
@@ -1031,6 +1032,8 @@ class Session:
                     continue
                 if await self._send_queued():
                     return
+                if not self._outbox and self._conn is not None:
+                    self._conn.predict()
         except TransportError as e:
             self._lose(f"link lost while sending: {e}")
         except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
