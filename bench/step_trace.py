@@ -112,6 +112,10 @@ def install(side: str) -> None:
     wrap(Session, "_finished", "w.post")
     wrap(server_link, "send", "w.write", "w.written")
     install_replay()
+    if os.environ.get(CPUS_ENV):
+        os.sched_setaffinity(0, {int(c) for c in os.environ[CPUS_ENV].split(",")})
+    if os.environ.get(SPIN_ENV) == "1":
+        keep_loop_awake(server_link)
     if os.environ.get(GC_ENV) == "off":
         import gc
 
@@ -125,6 +129,29 @@ def install(side: str) -> None:
 FINE_ENV = "STEP_TRACE_FINE"
 GC_ENV = "STEP_TRACE_GC"
 PROFILE_ENV = "STEP_TRACE_PROFILE"
+CPUS_ENV = "STEP_TRACE_CPUS"  # the worker's threads on these cores only, e.g. "2,3"
+SPIN_ENV = "STEP_TRACE_SPIN"  # 1: the worker's event loop never sleeps (an experiment: a core at 100%)
+
+
+def keep_loop_awake(server_link: Any) -> None:
+    """From the worker's first receive on: a callback always ready, so its event loop polls and
+    never sleeps between steps (does a thread woken from sleep run the step slower?)."""
+    recv = server_link.recv
+    started: list[bool] = []
+
+    @functools.wraps(recv)
+    async def awake(*args: Any, **kwargs: Any) -> Any:
+        if not started:
+            started.append(True)
+            loop = asyncio.get_running_loop()
+
+            def tick() -> None:
+                loop.call_soon(tick)
+
+            loop.call_soon(tick)
+        return await recv(*args, **kwargs)
+
+    server_link.recv = awake
 
 
 def profile_apply(path: str) -> None:
@@ -179,14 +206,14 @@ def install_replay() -> None:
     wrap(cuda_graph.CapturedPlan, "replay", "w.replay", "w.replayed")
     wrap(cuda_graph.CapturedPlan, "_stage", "w.stage", "w.staged")
     wrap(cuda_graph.CapturedPlan, "_send", "w.send", "w.sent")
-    checks = cuda_graph.check_bindings
+    checks = getattr(cuda_graph, "check_bindings")  # noqa: B009 - not exported
 
     def check_bindings(*args: Any) -> Any:
         out = checks(*args)
         mark("w.checked")
         return out
 
-    cuda_graph.check_bindings = check_bindings  # type: ignore[assignment]
+    setattr(cuda_graph, "check_bindings", check_bindings)  # noqa: B010
     wrap(CupyBackend, "_side_stream", "w.made")
     wrap(TensorStore, "put_many", "w.put", "w.putted")
     apply = BatchRunner.apply
@@ -444,7 +471,7 @@ def trace_local(gpu_step: Any, model: Any, data: Any, steps: int) -> None:
             (CupyBackend, "to_numpy"),
         ]
     }
-    checks = cuda_graph.check_bindings
+    checks = getattr(cuda_graph, "check_bindings")  # noqa: B009 - not exported
     wrap(captured.Captures, "run", "w.crun", "w.cran")
     wrap(cuda_graph.CapturedPlan, "replay", "w.replay", "w.replayed")
     wrap(cuda_graph.CapturedPlan, "_stage", "w.stage", "w.staged")
@@ -455,7 +482,7 @@ def trace_local(gpu_step: Any, model: Any, data: Any, steps: int) -> None:
         mark("w.checked")
         return out
 
-    cuda_graph.check_bindings = check_bindings  # type: ignore[assignment]
+    setattr(cuda_graph, "check_bindings", check_bindings)  # noqa: B010
     wrap(CupyBackend, "_side_stream", "w.made")
     wrap(CupyBackend, "to_numpy", "w.read", "w.readed")
     try:
@@ -484,7 +511,7 @@ def trace_local(gpu_step: Any, model: Any, data: Any, steps: int) -> None:
     finally:
         for (cls, name), fn in saved.items():
             setattr(cls, name, fn)
-        cuda_graph.check_bindings = checks  # type: ignore[assignment]
+        setattr(cuda_graph, "check_bindings", checks)  # noqa: B010
         EVENTS.clear()
 
 
