@@ -114,8 +114,9 @@ def install(side: str) -> None:
     install_replay()
     if os.environ.get(CPUS_ENV):
         os.sched_setaffinity(0, {int(c) for c in os.environ[CPUS_ENV].split(",")})
-    if os.environ.get(SPIN_ENV) == "1":
-        keep_loop_awake(server_link)
+    spin = os.environ.get(SPIN_ENV)
+    if spin:
+        keep_loop_awake(server_link, None if spin == "always" else float(spin) / 1e6)
     if os.environ.get(GC_ENV) == "off":
         import gc
 
@@ -130,28 +131,34 @@ FINE_ENV = "STEP_TRACE_FINE"
 GC_ENV = "STEP_TRACE_GC"
 PROFILE_ENV = "STEP_TRACE_PROFILE"
 CPUS_ENV = "STEP_TRACE_CPUS"  # the worker's threads on these cores only, e.g. "2,3"
-SPIN_ENV = "STEP_TRACE_SPIN"  # 1: the worker's event loop never sleeps (an experiment: a core at 100%)
+SPIN_ENV = "STEP_TRACE_SPIN"  # "always", or µs after each reply: the worker's event loop does not sleep
 
 
-def keep_loop_awake(server_link: Any) -> None:
-    """From the worker's first receive on: a callback always ready, so its event loop polls and
-    never sleeps between steps (does a thread woken from sleep run the step slower?)."""
-    recv = server_link.recv
-    started: list[bool] = []
+def keep_loop_awake(server_link: Any, window: float | None) -> None:
+    """A callback kept ready on the worker's event loop, so that the loop polls instead of
+    sleeping: always (`window` None), or for `window` seconds after each reply it sends (does a
+    thread woken from sleep run the step slower?)."""
+    send = server_link.send
+    state = {"until": 0.0, "ticking": 0.0}
 
-    @functools.wraps(recv)
+    @functools.wraps(send)
     async def awake(*args: Any, **kwargs: Any) -> Any:
-        if not started:
-            started.append(True)
-            loop = asyncio.get_running_loop()
+        out = await send(*args, **kwargs)
+        loop = asyncio.get_running_loop()
+        state["until"] = time.perf_counter() + (window if window is not None else 1e9)
 
-            def tick() -> None:
+        def tick() -> None:
+            if time.perf_counter() < state["until"]:
                 loop.call_soon(tick)
+            else:
+                state["ticking"] = 0.0
 
+        if not state["ticking"]:
+            state["ticking"] = 1.0
             loop.call_soon(tick)
-        return await recv(*args, **kwargs)
+        return out
 
-    server_link.recv = awake
+    server_link.send = awake
 
 
 def profile_apply(path: str) -> None:
