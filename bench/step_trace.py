@@ -130,6 +130,7 @@ def install(side: str) -> None:
 FINE_ENV = "STEP_TRACE_FINE"
 GC_ENV = "STEP_TRACE_GC"
 PROFILE_ENV = "STEP_TRACE_PROFILE"
+NAP_ENV = "STEP_TRACE_LOCAL_SLEEP"  # µs: --local also runs with this sleep before each step
 CPUS_ENV = "STEP_TRACE_CPUS"  # the worker's threads on these cores only, e.g. "2,3"
 SPIN_ENV = "STEP_TRACE_SPIN"  # "always", or µs after each reply: the worker's event loop does not sleep
 
@@ -366,7 +367,10 @@ def main() -> None:
     model = gpu_step.SMALL
     data = gpu_step.batches(model)
     if args.local:
-        trace_local(gpu_step, model, data, args.steps)
+        trace_local(gpu_step, model, data, args.steps, 0.0)
+        nap = float(os.environ.get(NAP_ENV, "0")) / 1e6
+        if nap:
+            trace_local(gpu_step, model, data, args.steps, nap)
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "client.key"
         Identity.generate(os.urandom).save(key)
@@ -459,8 +463,10 @@ def thread_cpu_ns(pid: int) -> dict[str, int]:
     return out
 
 
-def trace_local(gpu_step: Any, model: Any, data: Any, steps: int) -> None:
-    """The same replay marks on Device.cuda in this process (host batches, then resident)."""
+def trace_local(gpu_step: Any, model: Any, data: Any, steps: int, nap: float) -> None:
+    """The same replay marks on Device.cuda in this process (host batches, then resident); with
+    `nap` seconds of sleep before each step (as a worker sleeps while the client's round trip goes
+    on)."""
     import emberlink as el
     from emberlink.graph_replay.cupy_backend import CupyBackend
 
@@ -501,14 +507,17 @@ def trace_local(gpu_step: Any, model: Any, data: Any, steps: int) -> None:
                 EVENTS.clear()
                 t0 = time.perf_counter()
                 for i in range(steps):
+                    if nap:
+                        time.sleep(nap)
                     mark("c.step")
                     probe()
                     step(i % gpu_step.N_BATCHES)
-                plain = (time.perf_counter() - t0) / steps * 1e6
+                plain = (time.perf_counter() - t0) / steps * 1e6 - nap * 1e6
                 mark("c.step")
                 stages = durations(list(EVENTS), warm=10)
             kind = "resident data" if resident else "host batches"
-            print(f"\n| small MLP, {kind}, Device.cuda jit (in-process): stage | median µs |")
+            slept = f", {nap * 1e6:.0f} µs asleep before each step" if nap else ""
+            print(f"\n| small MLP, {kind}, Device.cuda jit (in-process{slept}): stage | median µs |")
             print("|---|---:|")
             for name, _, _ in FINE_STAGES:
                 values = stages[name]
