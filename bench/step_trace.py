@@ -13,6 +13,13 @@ wrappers cost a few microseconds each; the total is printed beside the untraced 
 the CPU time a step of the untraced run took on the client's thread, the client's I/O thread and in
 the worker process (Linux: /proc; the worker's includes its wrappers), which a loaded machine
 inflates less than wall time.
+
+Finer, for the worker's captured replays (issue 11): STEP_TRACE_FINE=1 splits its Executes and
+Read into their parts and prints the CPU time of each worker thread; `--local` first traces the
+same parts of Device.cuda in this process (STEP_TRACE_LOCAL_SLEEP=<µs>: again, asleep that long
+before each step). Experiments on the worker: STEP_TRACE_SPIN=always|<µs> (its event loop polls
+instead of sleeping), STEP_TRACE_CPUS=2,3 (its threads on those cores), STEP_TRACE_GC=off,
+STEP_TRACE_PROFILE=<file> (cProfile of BatchRunner.apply).
 """
 
 from __future__ import annotations
