@@ -46,7 +46,7 @@ echo "== 5. models on Device.cuda(0): the examples, the CNN memory bench, conv a
 timeout 60 python3 examples/cnn_digits.py --device cuda:0 2>&1 | tee "$OUT/cnn_digits.log" | tail -3
 timeout 60 python3 examples/lora_finetune.py --device cuda:0 2>&1 | tee "$OUT/lora_finetune.log" | tail -8
 timeout 60 python3 bench/cnn_memory.py --device cuda:0 2>&1 | tee "$OUT/cnn_memory.md" | tail -12
-timeout 120 python3 bench/gpu_models.py --deadline 85 --steps 25 2>"$OUT/gpu_models.err" | tee "$OUT/gpu_models.md"
+[ "${EMBERLINK_GPU_MODELS:-1}" = 1 ] && timeout 120 python3 bench/gpu_models.py --deadline 85 --steps 25 2>"$OUT/gpu_models.err" | tee "$OUT/gpu_models.md"
 
 # EMBERLINK_HOST_BENCHES=1 runs them all; a list of names (e.g. "remote_step local_step") runs those.
 benches=${EMBERLINK_HOST_BENCHES:-0}

@@ -13,6 +13,13 @@ wrappers cost a few microseconds each; the total is printed beside the untraced 
 the CPU time a step of the untraced run took on the client's thread, the client's I/O thread and in
 the worker process (Linux: /proc; the worker's includes its wrappers), which a loaded machine
 inflates less than wall time.
+
+Finer, for the worker's captured replays (issue 11): STEP_TRACE_FINE=1 splits its Executes and
+Read into their parts and prints the CPU time of each worker thread; `--local` first traces the
+same parts of Device.cuda in this process (STEP_TRACE_LOCAL_SLEEP=<µs>: again, asleep that long
+before each step). Experiments on the worker: STEP_TRACE_SPIN=always|<µs> (its event loop polls
+instead of sleeping), STEP_TRACE_CPUS=2,3 (its threads on those cores), STEP_TRACE_GC=off,
+STEP_TRACE_PROFILE=<file> (cProfile of BatchRunner.apply).
 """
 
 from __future__ import annotations
@@ -121,9 +128,145 @@ def install(side: str) -> None:
     for backend in (CupyBackend, NumpyBackend):
         wrap(backend, "to_numpy", "w.read", "w.readed")
     wrap(Session, "_finished", "w.post")
+    install_replay()
+    if os.environ.get(CPUS_ENV):
+        os.sched_setaffinity(0, {int(c) for c in os.environ[CPUS_ENV].split(",")})
+    spin = os.environ.get(SPIN_ENV)
+    if spin:
+        keep_loop_awake(server_link, None if spin == "always" else float(spin) / 1e6)
+    if os.environ.get(GC_ENV) == "off":
+        import gc
+
+        gc.disable()
+    if os.environ.get(PROFILE_ENV):
+        profile_apply(os.environ[PROFILE_ENV])
     out = os.environ[OUT_ENV]
     atexit.register(lambda: np.save(out, np.array([(t, n) for t, n in EVENTS], dtype=object)))
 
+
+FINE_ENV = "STEP_TRACE_FINE"
+GC_ENV = "STEP_TRACE_GC"
+PROFILE_ENV = "STEP_TRACE_PROFILE"
+NAP_ENV = "STEP_TRACE_LOCAL_SLEEP"  # µs: --local also runs with this sleep before each step
+CPUS_ENV = "STEP_TRACE_CPUS"  # the worker's threads on these cores only, e.g. "2,3"
+SPIN_ENV = "STEP_TRACE_SPIN"  # "always", or µs after each reply: the worker's event loop does not sleep
+
+
+def keep_loop_awake(server_link: Any, window: float | None) -> None:
+    """A callback kept ready on the worker's event loop, so that the loop polls instead of
+    sleeping: always (`window` None), or for `window` seconds after each reply it sends (does a
+    thread woken from sleep run the step slower?)."""
+    send = server_link.send
+    state = {"until": 0.0, "ticking": 0.0}
+
+    @functools.wraps(send)
+    async def awake(*args: Any, **kwargs: Any) -> Any:
+        out = await send(*args, **kwargs)
+        loop = asyncio.get_running_loop()
+        state["until"] = time.perf_counter() + (window if window is not None else 1e9)
+
+        def tick() -> None:
+            if time.perf_counter() < state["until"]:
+                loop.call_soon(tick)
+            else:
+                state["ticking"] = 0.0
+
+        if not state["ticking"]:
+            state["ticking"] = 1.0
+            loop.call_soon(tick)
+        return out
+
+    server_link.send = awake
+
+
+def profile_apply(path: str) -> None:
+    """cProfile around the worker's BatchRunner.apply; the top functions written to `path` at exit."""
+    import cProfile
+    import pstats
+
+    from emberlink.server.runner import BatchRunner
+
+    prof = cProfile.Profile()
+    apply = BatchRunner.apply
+
+    @functools.wraps(apply)
+    def profiled(*args: Any, **kwargs: Any) -> Any:
+        prof.enable()
+        try:
+            return apply(*args, **kwargs)
+        finally:
+            prof.disable()
+
+    BatchRunner.apply = profiled  # type: ignore[method-assign]
+
+    def dump() -> None:
+        with open(path, "a") as f:
+            stats = pstats.Stats(prof, stream=f)
+            stats.sort_stats("tottime").print_stats(35)
+            stats.sort_stats("cumulative").print_stats(35)
+
+    atexit.register(dump)
+
+
+def probe() -> None:
+    """A fixed bit of pure-Python work, timed: how fast this thread's core runs Python right now
+    (a core woken from sleep, or with cold caches, runs it slower)."""
+    mark("probe")
+    n = 0
+    for i in range(300):
+        n += i
+    mark("probed")
+
+
+def install_replay() -> None:
+    """Marks inside an Execute's captured replay (STEP_TRACE_FINE=1): where its time goes."""
+    if os.environ.get(FINE_ENV) != "1":
+        return
+    from emberlink.graph_replay import captured, cuda_graph
+    from emberlink.graph_replay.cupy_backend import CupyBackend
+    from emberlink.server.runner import BatchRunner
+    from emberlink.server.store import TensorStore
+
+    wrap(captured.Captures, "run", "w.crun", "w.cran")
+    wrap(cuda_graph.CapturedPlan, "replay", "w.replay", "w.replayed")
+    wrap(cuda_graph.CapturedPlan, "_stage", "w.stage", "w.staged")
+    wrap(cuda_graph.CapturedPlan, "_send", "w.send", "w.sent")
+    checks = getattr(cuda_graph, "check_bindings")  # noqa: B009 - not exported
+
+    def check_bindings(*args: Any) -> Any:
+        out = checks(*args)
+        mark("w.checked")
+        return out
+
+    setattr(cuda_graph, "check_bindings", check_bindings)  # noqa: B010
+    wrap(CupyBackend, "_side_stream", "w.made")
+    wrap(TensorStore, "put_many", "w.put", "w.putted")
+    apply = BatchRunner.apply
+
+    @functools.wraps(apply)
+    def probed(*args: Any, **kwargs: Any) -> Any:
+        probe()
+        return apply(*args, **kwargs)
+
+    BatchRunner.apply = probed  # type: ignore[method-assign]
+
+
+FINE_STAGES = [
+    ("probe: 300 Python additions at the start of apply / of a local step", "probe", "probed"),
+    ("Execute: runner before Captures.run (store, quota, takes_host)", "w.execute", "w.crun"),
+    ("Execute: Captures.run to replay", "w.crun", "w.replay"),
+    ("Execute: replay to _stage (device context)", "w.replay", "w.stage"),
+    ("Execute: _stage checks (inputs, bindings)", "w.stage", "w.checked"),
+    ("Execute: _stage rest (wait for staging, tables, outputs)", "w.checked", "w.staged"),
+    ("Execute: _send (memcpyAsync)", "w.send", "w.sent"),
+    ("Execute: launches, events, mark_ready", "w.sent", "w.replayed"),
+    ("Execute: Captures.run after replay", "w.replayed", "w.cran"),
+    ("Execute: runner after run (put_many, counters)", "w.cran", "w.executed"),
+    ("  of which put_many", "w.put", "w.putted"),
+    ("Read: wait for the early outputs' event", "w.read", "w.made"),
+    ("Read: copy to host", "w.made", "w.readed"),
+]
+SUMMED = {"w.execute", "w.read", "probe"} | {b for _, b, _ in FINE_STAGES}
 
 STAGES = [
     ("client: step until the batch is handed over (jit replay, recording, flush)", "c.step", "c.flush"),
@@ -151,14 +294,14 @@ def durations(events: list[tuple[str, int]], warm: int) -> dict[str, list[float]
     several times in a step (two Executes)."""
     events = sorted(events, key=lambda e: e[1])
     starts = [i for i, (t, _) in enumerate(events) if t == "c.step"]
-    out: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
+    out: dict[str, list[float]] = {name: [] for name, _, _ in STAGES + FINE_STAGES}
     for a, b in itertools.pairwise(starts[warm:]):
         window = events[a:b]
         first: dict[str, int] = {}
         for t, n in window:
             first.setdefault(t, n)
-        for name, begin, end in STAGES:
-            if begin in ("w.execute", "w.read"):
+        for name, begin, end in STAGES + FINE_STAGES:
+            if begin in SUMMED:
                 total = 0
                 opened = None
                 for t, n in window:
@@ -167,7 +310,8 @@ def durations(events: list[tuple[str, int]], warm: int) -> dict[str, list[float]
                     elif t == end and opened is not None:
                         total += n - opened
                         opened = None
-                out[name].append(total / 1e3)
+                if total:
+                    out[name].append(total / 1e3)
             elif begin in first and end in first:
                 out[name].append((first[end] - first[begin]) / 1e3)
     return out
@@ -228,6 +372,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--transport", choices=("grpc", "tcp"), default="grpc")
     parser.add_argument("--step", choices=("mlp", "tiny"), default="mlp")
+    parser.add_argument("--local", action="store_true", help="also trace Device.cuda's replays in-process")
     args = parser.parse_args()
     os.environ[TRANSPORT_ENV] = args.transport  # the worker process inherits it
     sys.path.insert(0, str(HERE))
@@ -238,6 +383,11 @@ def main() -> None:
 
     model = gpu_step.SMALL
     data = gpu_step.batches(model)
+    if args.local:
+        trace_local(gpu_step, model, data, args.steps, 0.0)
+        nap = float(os.environ.get(NAP_ENV, "0")) / 1e6
+        if nap:
+            trace_local(gpu_step, model, data, args.steps, nap)
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "client.key"
         Identity.generate(os.urandom).save(key)
@@ -259,11 +409,15 @@ def main() -> None:
                 for i in range(30):
                     step(i % gpu_step.N_BATCHES)
                 cpu0 = cpu_ns(pid)
+                threads0 = thread_cpu_ns(pid)
                 t0 = time.perf_counter()
                 for i in range(args.steps):
                     step(i % gpu_step.N_BATCHES)
                 plain = (time.perf_counter() - t0) / args.steps * 1e6
                 cpu = {k: (v - cpu0[k]) / args.steps / 1e3 for k, v in cpu_ns(pid).items()}
+                threads = {
+                    k: (v - threads0.get(k, 0)) / args.steps / 1e3 for k, v in thread_cpu_ns(pid).items()
+                }
                 install("client")
                 rebind(dev)
                 EVENTS.clear()
@@ -281,7 +435,7 @@ def main() -> None:
             what = "tiny step" if args.step == "tiny" else f"small MLP, {kind}"
             print(f"\n| {what}, Device.remote jit over {args.transport}: stage | median µs |")
             print("|---|---:|")
-            for name, _, _ in STAGES:
+            for name, _, _ in STAGES + (FINE_STAGES if os.environ.get(FINE_ENV) == "1" else []):
                 values = stages[name]
                 print(f"| {name} | {statistics.median(values):.0f} |" if values else f"| {name} | - |")
             print(f"| the whole step, untraced | {plain:.0f} |")
@@ -289,6 +443,9 @@ def main() -> None:
             print("|---|---:|")
             for name, us in cpu.items():
                 print(f"| {name} | {us:.0f} |")
+            for name, us in sorted(threads.items(), key=lambda kv: -kv[1]):
+                if us >= 1:
+                    print(f"| worker thread {name} | {us:.0f} |")
 
 
 def cpu_ns(worker_pid: int) -> dict[str, int]:
@@ -310,6 +467,87 @@ def cpu_ns(worker_pid: int) -> dict[str, int]:
         "client: the I/O loop thread": time.clock_gettime_ns(time.pthread_getcpuclockid(io_thread)),
         "worker: all its threads": worker,
     }
+
+
+def thread_cpu_ns(pid: int) -> dict[str, int]:
+    """CPU time so far (ns) of each of a process's threads, summed by thread name."""
+    out: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = f"{(task / 'comm').read_text().strip()} {task.name}"
+            ns = int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError):
+            continue
+        out[name] = ns
+    return out
+
+
+def trace_local(gpu_step: Any, model: Any, data: Any, steps: int, nap: float) -> None:
+    """The same replay marks on Device.cuda in this process (host batches, then resident); with
+    `nap` seconds of sleep before each step (as a worker sleeps while the client's round trip goes
+    on)."""
+    import emberlink as el
+    from emberlink.graph_replay.cupy_backend import CupyBackend
+
+    os.environ[FINE_ENV] = "1"
+    from emberlink.graph_replay import captured, cuda_graph
+
+    saved = {
+        (cls, name): getattr(cls, name)
+        for cls, name in [
+            (captured.Captures, "run"),
+            (cuda_graph.CapturedPlan, "replay"),
+            (cuda_graph.CapturedPlan, "_stage"),
+            (cuda_graph.CapturedPlan, "_send"),
+            (CupyBackend, "_side_stream"),
+            (CupyBackend, "to_numpy"),
+        ]
+    }
+    checks = getattr(cuda_graph, "check_bindings")  # noqa: B009 - not exported
+    wrap(captured.Captures, "run", "w.crun", "w.cran")
+    wrap(cuda_graph.CapturedPlan, "replay", "w.replay", "w.replayed")
+    wrap(cuda_graph.CapturedPlan, "_stage", "w.stage", "w.staged")
+    wrap(cuda_graph.CapturedPlan, "_send", "w.send", "w.sent")
+
+    def check_bindings(*a: Any) -> Any:
+        out = checks(*a)
+        mark("w.checked")
+        return out
+
+    setattr(cuda_graph, "check_bindings", check_bindings)  # noqa: B010
+    wrap(CupyBackend, "_side_stream", "w.made")
+    wrap(CupyBackend, "to_numpy", "w.read", "w.readed")
+    try:
+        for resident in (False, True):
+            with el.Device.cuda(0) as dev:
+                step = gpu_step.ember_step(dev, model, data, jit=True, resident=resident, lazy=False)
+                for i in range(30):
+                    step(i % gpu_step.N_BATCHES)
+                EVENTS.clear()
+                t0 = time.perf_counter()
+                for i in range(steps):
+                    if nap:
+                        time.sleep(nap)
+                    mark("c.step")
+                    probe()
+                    step(i % gpu_step.N_BATCHES)
+                plain = (time.perf_counter() - t0) / steps * 1e6 - nap * 1e6
+                mark("c.step")
+                stages = durations(list(EVENTS), warm=10)
+            kind = "resident data" if resident else "host batches"
+            slept = f", {nap * 1e6:.0f} µs asleep before each step" if nap else ""
+            print(f"\n| small MLP, {kind}, Device.cuda jit (in-process{slept}): stage | median µs |")
+            print("|---|---:|")
+            for name, _, _ in FINE_STAGES:
+                values = stages[name]
+                if values:
+                    print(f"| {name} | {statistics.median(values):.1f} |")
+            print(f"| the whole step, traced | {plain:.0f} |")
+    finally:
+        for (cls, name), fn in saved.items():
+            setattr(cls, name, fn)
+        setattr(cuda_graph, "check_bindings", checks)  # noqa: B010
+        EVENTS.clear()
 
 
 _ORIGINALS: dict[tuple[Any, str], Any] = {}

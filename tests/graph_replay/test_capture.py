@@ -455,3 +455,64 @@ def test_the_cache_refuses_a_capture_that_alone_passes_the_budget_or_lost_its_en
     assert not cache.resize("c", b"g", other, 10)  # the entry holds another plan now
     assert not cache.resize("c", b"missing", plan, 10)
     assert cache.stats("c")["size"] == 3000
+
+
+# -- whether a host input is pinned (cuda_graph._pinned), without CuPy --------------------------------
+
+
+class _FakePinned(bytearray):
+    """Stands for CuPy's PinnedMemoryPointer (a buffer the pinned pool hands out)."""
+
+
+class _FakeRuntime:
+    def __init__(self, answer: int) -> None:
+        self.answer = answer
+        self.asked = 0
+
+    def pointerGetAttributes(self, ptr: int) -> Any:
+        self.asked += 1
+        return type("Attributes", (), {"type": self.answer})()
+
+
+def _fake_xp(answer: int) -> Any:
+    runtime = _FakeRuntime(answer)
+    cuda = type("Cuda", (), {"PinnedMemoryPointer": _FakePinned, "runtime": runtime})()
+    return type("Xp", (), {"cuda": cuda})()
+
+
+def test_pinned_input_is_known_from_its_owner_without_asking_the_driver() -> None:
+    from emberlink.graph_replay.cuda_graph import _pinned
+
+    xp = _fake_xp(answer=0)  # the driver would say "not pinned": it must not be asked
+    buffer = np.frombuffer(_FakePinned(4096), np.uint8, 4000)  # CupyBackend.host_buffer's shape
+    upload = buffer.view(np.float32).reshape(10, 100)  # session._upload_array
+    inline = np.frombuffer(memoryview(buffer)[64:464], np.float32)  # a view of a pinned plaintext
+    assert _pinned(xp, upload)
+    assert _pinned(xp, inline)
+    assert _pinned(xp, inline[::2])
+    assert xp.cuda.runtime.asked == 0
+
+
+def test_numpy_or_python_memory_is_pageable_without_asking_the_driver() -> None:
+    from emberlink.graph_replay.cuda_graph import _pinned
+
+    xp = _fake_xp(answer=1)  # the driver would say "pinned": it must not be asked
+    assert not _pinned(xp, np.zeros((4, 4), np.float32))
+    assert not _pinned(xp, np.zeros((4, 4), np.float32)[1:])
+    assert not _pinned(xp, np.frombuffer(bytes(64), np.float32))
+    assert not _pinned(xp, np.frombuffer(memoryview(bytearray(64))[8:], np.float32))
+    assert xp.cuda.runtime.asked == 0
+
+
+def test_memory_of_an_unknown_owner_is_what_the_driver_says() -> None:
+    import mmap
+
+    from emberlink.graph_replay.cuda_graph import _pinned
+
+    for answer, pinned in ((1, True), (0, False)):
+        xp = _fake_xp(answer)
+        with mmap.mmap(-1, 64) as region:
+            a = np.frombuffer(region, np.float32)
+            assert _pinned(xp, a) is pinned
+            del a
+        assert xp.cuda.runtime.asked == 1
