@@ -91,6 +91,18 @@ def link_classes() -> tuple[Any, Any]:
     return g.GrpcClientLink, g.GrpcServerLink
 
 
+def wrap_io(link: Any, side: str) -> None:
+    """Mark a link's writes and arrivals: a TcpLink's writes go through `send_nowait` (from `send`
+    or straight from a pump) and its blobs arrive in `_deliver` (handed to a pump's callback or
+    queued for `recv`); other links' through `send` and `recv`."""
+    if hasattr(link, "send_nowait"):
+        wrap(link, "send_nowait", f"{side}.write", f"{side}.written")
+        wrap(link, "_deliver", f"{side}.recv")
+    else:
+        wrap(link, "recv", None, f"{side}.recv")
+    wrap(link, "send", f"{side}.write", f"{side}.written")
+
+
 def install(side: str) -> None:
     """Wrap the methods a step passes through on one side ("client" or "worker")."""
     client_link, server_link = link_classes()
@@ -101,8 +113,7 @@ def install(side: str) -> None:
 
         wrap(RemoteExecutor, "_flush", "c.flush")
         wrap(ClientSession, "submit", "c.submit")
-        wrap(client_link, "send", "c.write", "c.written")
-        wrap(client_link, "recv", None, "c.recv")
+        wrap_io(client_link, "c")
         wrap(ClientSession, "_resolve", "c.resolve")
         return
     from emberlink.graph_replay.cupy_backend import CupyBackend
@@ -110,14 +121,13 @@ def install(side: str) -> None:
     from emberlink.server.runner import BatchRunner
     from emberlink.server.session import Session
 
-    wrap(server_link, "recv", None, "w.recv")
+    wrap_io(server_link, "w")
     wrap(Session, "_submit", "w.submit")
     wrap(BatchRunner, "apply", "w.apply", "w.applied")
     wrap(BatchRunner, "_execute", "w.execute", "w.executed")
     for backend in (CupyBackend, NumpyBackend):
         wrap(backend, "to_numpy", "w.read", "w.readed")
     wrap(Session, "_finished", "w.post")
-    wrap(server_link, "send", "w.write", "w.written")
     install_replay()
     if os.environ.get(CPUS_ENV):
         os.sched_setaffinity(0, {int(c) for c in os.environ[CPUS_ENV].split(",")})
@@ -409,6 +419,7 @@ def main() -> None:
                     k: (v - threads0.get(k, 0)) / args.steps / 1e3 for k, v in thread_cpu_ns(pid).items()
                 }
                 install("client")
+                rebind(dev)
                 EVENTS.clear()
                 for i in range(args.steps):
                     mark("c.step")
@@ -417,6 +428,7 @@ def main() -> None:
                 mark("c.step")
                 client_events = list(EVENTS)
                 uninstall_client()
+                rebind(dev)
             worker_events = [(str(t), int(n)) for t, n in np.load(out, allow_pickle=True)]
             stages = durations(client_events + worker_events, warm=10)
             kind = "resident data" if resident else "host batches"
@@ -551,10 +563,21 @@ def uninstall_client() -> None:
         (ClientSession, "submit"),
         (client_link, "send"),
         (client_link, "recv"),
+        (client_link, "send_nowait"),
+        (client_link, "_deliver"),
         (ClientSession, "_resolve"),
     ]:
-        fn = getattr(cls, name)
-        setattr(cls, name, getattr(fn, "__wrapped__", fn))
+        fn = getattr(cls, name, None)
+        if fn is not None:
+            setattr(cls, name, getattr(fn, "__wrapped__", fn))
+
+
+def rebind(dev: Any) -> None:
+    """The client session keeps its link's `send_nowait` bound from the start: bind it again (after
+    `install` or `uninstall_client`), so that its writes are seen as they are."""
+    session = dev._executor._session
+    if getattr(session, "_nowait", None) is not None:
+        session._nowait = session._link.send_nowait
 
 
 if __name__ == "__main__":

@@ -1017,6 +1017,22 @@ def expand_batch(batch: Batch, template: tuple[ClientMessage, ...] | None) -> Ba
     return Batch(batch.seq, tuple(out), batch.received)
 
 
+def same_messages(a: tuple[ClientMessage, ...], b: tuple[ClientMessage, ...]) -> bool:
+    """Whether two batches' messages are equal and encode to the same bytes (bindings' scalars of
+    the same types, floats bit for bit)."""
+    if a != b:
+        return False
+    for x, y in zip(a, b, strict=True):
+        t = type(x)
+        if t in _BINDS:
+            sh = _SHIFTS[t]
+            vx, vy = sh.get(x), sh.get(y)
+            for i in sh.bindings:
+                if not _same_scalars(vx[i], vy[i]):
+                    return False
+    return True
+
+
 def _same_scalars(a: tuple[Scalar, ...], b: tuple[Scalar, ...]) -> bool:
     """Equal and of the same types, floats bit for bit (1 == 1.0 == True and 0.0 == -0.0 in Python)."""
     if len(a) != len(b):

@@ -249,6 +249,12 @@ class ClientConnection:
         self._queue: deque[OutBatch] = deque()
         self._sent_upto = 0  # highest seq whose frames have begun to be sealed
         self._template: tuple[m.ClientMessage, ...] | None = None
+        # (template, Repeat, what that Repeat expands the template to): the next batch if it
+        # repeats the last one's shifts (`predict`); keyed on the template it was made from.
+        self._predicted: tuple[tuple[m.ClientMessage, ...], m.Repeat, tuple[m.ClientMessage, ...]] | None = (
+            None
+        )
+        self._repeat: m.Repeat | None = None  # the Repeat the last batch went as
         self._results: deque[_Arriving] = deque()
         self._received = 0  # the last Reply ack taken in whole
         self._receiving = 0  # the ack of the reply whose result bytes are still arriving
@@ -327,8 +333,13 @@ class ClientConnection:
         messages, tail, later = self._layout(batch, self.chunk_size)
         wire = messages
         repeat = None
-        if self.templates and not resent and self._template is not None:
-            repeat = m.repeat_of(self._template, messages)
+        template = self._template
+        if self.templates and not resent and template is not None:
+            predicted = self._predicted
+            if predicted is not None and predicted[0] is template and m.same_messages(predicted[2], messages):
+                repeat = predicted[1]  # the shifts of the batch before again: checked, not searched
+            else:
+                repeat = m.repeat_of(template, messages)
             if repeat is not None:
                 wire = (repeat,)
         head = m.encode_batch(m.Batch(batch.seq, wire, self._received))
@@ -339,9 +350,28 @@ class ClientConnection:
         if repeat is not None:
             self.counters.batches_repeated += 1
         self._template = messages
+        self._repeat = repeat
         yield channel.seal_parts([head, *tail], MESSAGE) if tail else channel.seal(head, MESSAGE)
         for data in later:
             yield from channel.seal_chunks(data, self.chunk_size)
+
+    def predict(self) -> None:
+        """Work out, while nothing waits (the pump calls it once a batch is out), the batch that
+        repeats the last one's shifts, so that the next batch, if it is that one, goes as the same
+        Repeat at the cost of a comparison. Measured on the jitted tiny step's batches (four
+        messages, 2,000 replayed through a connection pair): next_frames_of and packing went from
+        18.6 to 13.1 µs of CPU a batch."""
+        template, repeat = self._template, self._repeat
+        if template is None or repeat is None or repeat.bindings is not None:
+            return
+        predicted = self._predicted
+        if predicted is not None and predicted[0] is template:
+            return
+        try:
+            expanded = m.expand_batch(m.Batch(1, (repeat,)), template).messages
+        except ProtocolError:  # an id would leave its range: no such batch
+            return
+        self._predicted = (template, repeat, expanded)
 
     def receive(self, blob: m.BytesLike) -> list[ClientEvent]:
         """Take in one blob of the worker's frames; what happened, in order."""
@@ -459,7 +489,7 @@ class ClientConnection:
         goes again, in full, in order."""
         self.link_lost()
         self.channel = channel
-        self._template = None  # the worker's template went with the old link
+        self._template = self._repeat = self._predicted = None  # the worker's went with the old link
         events: list[ClientEvent] = []
         self._acknowledge(applied, events)
         self._queue = deque(self._unacked.values())
@@ -552,6 +582,12 @@ class WorkerConnection(Generic[K]):
         self._plaintext_buffer = plaintext_buffer
         self._buffer_from = buffer_from
         self._template: tuple[m.ClientMessage, ...] | None = None
+        # (template, Repeat, the template expanded by it): the next batch, expanded ahead, if it
+        # repeats the last one's shifts (`predict`); keyed on the template it was made from.
+        self._predicted: tuple[tuple[m.ClientMessage, ...], m.Repeat, tuple[m.ClientMessage, ...]] | None = (
+            None
+        )
+        self._repeat: m.Repeat | None = None  # the Repeat the last batch came as
         self._targets: deque[_Arriving] = deque()
         self._expecting = False  # a batch arrived and `expect` has not been told where its bulk goes
         self._unacked_bytes: dict[int, int] = {}  # seq -> upload bytes, for batches after `acked`
@@ -593,8 +629,19 @@ class WorkerConnection(Generic[K]):
                 f"client sent batch {batch.seq} while batch {self.acked} is the last acknowledged: "
                 f"more than {MAX_UNACKED_BATCHES} batches without waiting for acks"
             )
-        batch = m.expand_batch(batch, self._template)
+        repeat = batch.messages[0] if len(batch.messages) == 1 else None
+        predicted = self._predicted
+        if (
+            predicted is not None
+            and predicted[0] is self._template
+            and len(batch.messages) == 1
+            and batch.messages[0] == predicted[1]
+        ):  # the shifts of the batch before again: expanded while nothing waited (`predict`)
+            batch = m.Batch(batch.seq, predicted[2], batch.received)
+        else:
+            batch = m.expand_batch(batch, self._template)
         m.check_tail(batch, len(plaintext) - start)
+        self._repeat = repeat if type(repeat) is m.Repeat and repeat.bindings is None else None
         self._template = batch.messages
         if batch.received:
             self.replies.confirm(batch.received)
@@ -633,6 +680,23 @@ class WorkerConnection(Generic[K]):
             return None
         self._targets.popleft()
         return None if self._targets else BulkComplete()
+
+    def predict(self) -> None:
+        """Expand, while nothing waits (the pump calls it once a reply is out), the batch that
+        repeats the last one's shifts, so that the next batch, if it is that Repeat, is expanded
+        at the cost of a comparison. Measured as the client's: receive_frame of a jitted tiny
+        step's batch went from 18.1 to 12.8 µs of CPU."""
+        template, repeat = self._template, self._repeat
+        if template is None or repeat is None:
+            return
+        predicted = self._predicted
+        if predicted is not None and predicted[0] is template:
+            return
+        try:
+            expanded = m.expand_batch(m.Batch(1, (repeat,)), template).messages
+        except ProtocolError:  # an id would leave its range: that batch will be refused as it comes
+            return
+        self._predicted = (template, repeat, expanded)
 
     def discard_partial(self) -> None:
         """Forget a batch whose bulk bytes were still arriving (the client sends it again)."""
@@ -706,7 +770,7 @@ class WorkerConnection(Generic[K]):
         self.channel = channel
         self.replies.confirm(received)
         self.discard_partial()
-        self._template = None  # the first batch on the new link has no previous one to repeat
+        self._template = self._repeat = self._predicted = None  # the first batch on the new link repeats none
         self._unacked_bytes.clear()
         self._held = 0
         self.acked = max(self.acked, applied)

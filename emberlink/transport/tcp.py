@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import cast
 
 from emberlink.errors import TransportError, TransportTimeout
-from emberlink.transport.base import MAX_BLOB, Blob, Handler, check_size
+from emberlink.transport.base import MAX_BLOB, Blob, Handler, OnBlob, check_size
 from emberlink.transport.sessions import SessionSet
 
 _PREFIX = 4
@@ -78,6 +78,7 @@ class TcpLink(asyncio.Protocol):
         self._read_paused = False
         self._last_in = self._last_out = time.monotonic()
         self._timer: asyncio.TimerHandle | None = None
+        self._on_blob: OnBlob | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -158,6 +159,7 @@ class TcpLink(asyncio.Protocol):
             self._end(f"peer {self.peer} closed the session")
         if self._timer is not None:
             self._timer.cancel()
+        self._on_blob = None  # (it holds the session: no cycle outlives the connection)
         if not self._lost.done():
             self._lost.set_result(None)
         self._wake_writer()
@@ -171,7 +173,13 @@ class TcpLink(asyncio.Protocol):
 
     # -- Link ------------------------------------------------------------------------------------
 
-    async def send(self, blob: Blob) -> None:
+    def set_receiver(self, on_blob: OnBlob | None) -> None:
+        """Hand each blob to `on_blob` as it arrives, while nothing waits for `recv` (CallbackLink)."""
+        self._on_blob = on_blob
+
+    def send_nowait(self, blob: Blob) -> bool:
+        """Write a small `blob` now if nothing needs waiting for; False, having written nothing, if
+        something does (a blob being written, a full buffer, a closed link): `send` it then."""
         n = len(blob)
         if (
             n <= SMALL
@@ -182,15 +190,20 @@ class TcpLink(asyncio.Protocol):
             and not self._closed
         ):
             # A step's frame, nothing being written before it: one write, no lock to take (the
-            # checks below, all but the closing transport's, are the ones done here).
+            # checks in `send`, all but the closing transport's, are the ones done here).
             transport = self._transport
             if transport is not None and not transport.is_closing():
                 self._last_out = time.monotonic()
                 transport.write(n.to_bytes(_PREFIX, "big") + blob)
-                if self._write_paused:  # this write filled the buffer: wait as the slow path does
-                    async with self._send_lock:
-                        await self._drain()
-                return
+                return True
+        return False
+
+    async def send(self, blob: Blob) -> None:
+        if self.send_nowait(blob):
+            if self._write_paused:  # this write filled the buffer: wait as the slow path does
+                async with self._send_lock:
+                    await self._drain()
+            return
         check_size(blob)
         if not isinstance(blob, (bytes, bytearray, memoryview)):
             raise TypeError(f"a blob must be bytes, not {type(blob).__name__}")
@@ -243,6 +256,7 @@ class TcpLink(asyncio.Protocol):
         if self._closed:
             return
         self._closed = True
+        self._on_blob = None
         self._end(f"link to {self.peer} is closed")
         transport = self._transport
         if transport is None or transport.is_closing() and self._lost.done():
@@ -257,6 +271,9 @@ class TcpLink(asyncio.Protocol):
     # -- internals -------------------------------------------------------------------------------
 
     def _deliver(self, frame: bytes | memoryview) -> None:
+        on_blob = self._on_blob
+        if on_blob is not None and not self._frames and on_blob(frame):
+            return
         self._frames.append(frame)
         self._queued += len(frame)
         if self._queued > RECV_BUFFER_BYTES and not self._read_paused and self._transport is not None:

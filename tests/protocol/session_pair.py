@@ -195,12 +195,14 @@ class Pair:
         """The client seals everything queued onto the wire (as its pump would)."""
         while (frames := self.client.next_frames()) is not None:
             self.wire_up.extend(pack_frames(frames))
+            self.client.predict()  # as the pump does once a batch is out
 
     def deliver_up(self) -> None:
         blobs, self.wire_up = self.wire_up, []
         for blob in blobs:
             self.worker.take(blob)
         self.wire_down.extend(self.worker.flush())
+        self.worker.conn.predict()  # as the pump does once a reply is out
 
     def deliver_down(self) -> None:
         blobs, self.wire_down = self.wire_down, []

@@ -88,6 +88,61 @@ def test_a_shifted_copy_of_the_previous_batch_goes_as_a_repeat_and_is_expanded()
     np.testing.assert_array_equal(pair.waiter.answers[2][0], np.full(2, 7, np.float32))
 
 
+def applied_batches(pair: Pair) -> list[m.Batch]:
+    """Every batch the pair's worker applies from now on, as it expanded it."""
+    seen: list[m.Batch] = []
+    apply = pair.worker._apply
+
+    def recording(batch: m.Batch, uploads: list[np.ndarray]) -> None:
+        seen.append(batch)
+        apply(batch, uploads)
+
+    pair.worker._apply = recording  # type: ignore[method-assign]
+    return seen
+
+
+def test_steps_that_repeat_the_last_shifts_go_as_repeats_and_expand_to_their_own_ids() -> None:
+    pair = Pair()
+    pair.graph_bodies[GID] = b"body"
+    seen = applied_batches(pair)
+    for step in range(6):
+        x = np.full(2, step, np.float32)
+        tid, rid = 10 + 2 * step, 1 + step
+        pair.waiter.wanted.add(rid)
+        messages: list[m.ClientMessage] = [upload(tid, x), m.Execute(GID, (tid,), (0.5,), tid + 1)]
+        if step == 0:
+            messages.insert(0, m.Register(GID, b"body"))
+        elif step > 1:
+            messages.append(m.Drop((tid - 2,)))
+        pair.client.submit([*messages, m.Read(rid, tid + 1)], [x], x.nbytes)
+        pair.run()  # one step at a time: each end predicts the next between steps
+    assert pair.client.counters.batches_repeated == 3  # steps 3 to 5 (0, 1 and 2 differ in form)
+    for step, batch in enumerate(seen[2:], 2):
+        tid = 10 + 2 * step
+        assert batch.messages == (
+            m.Upload(tid, "float32", (2,), 8, True),
+            m.Execute(GID, (tid,), (0.5,), tid + 1),
+            m.Drop((tid - 2,)),
+            m.Read(1 + step, tid + 1),
+        )
+    for step in range(6):
+        np.testing.assert_array_equal(pair.waiter.answers[1 + step][0], np.full(2, step, np.float32))
+
+
+def test_a_binding_equal_to_the_last_but_of_another_type_keeps_its_type_on_the_wire() -> None:
+    pair = Pair()
+    pair.graph_bodies[GID] = b"body"
+    xs = [np.zeros(1, np.float32)] * 3
+    pair.client.submit([m.Register(GID, b"body"), *(upload(i, x) for i, x in enumerate(xs, 1))], xs, 12)
+    pair.run()
+    seen = applied_batches(pair)
+    for step, scalar in enumerate([1, 1, 1.0]):  # 1 == 1.0, but an int and a float differ on the wire
+        pair.client.submit([m.Execute(GID, (1 + step,), (scalar,), 10 + step)], [], 0)
+        pair.run()
+    assert pair.client.counters.batches_repeated == 2
+    assert [type(b.messages[0].bindings[0]) for b in seen] == [int, int, float]  # type: ignore[union-attr]
+
+
 def test_without_templates_nothing_goes_as_a_repeat() -> None:
     pair = Pair(templates=False)
     for i in (1, 2):

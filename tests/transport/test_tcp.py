@@ -7,6 +7,7 @@ import asyncio
 import signal
 import socket
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -152,6 +153,70 @@ async def test_memoryview_and_bytearray_blobs_are_sent_whole() -> None:
         await link.send(blob)
     assert [bytes(await link.recv()) for _ in range(3)] == [bytes(data), bytes(data), bytes(big)]
     await link.close()
+    await listener.stop(1)
+
+
+async def test_a_receiver_takes_blobs_as_they_come_and_what_it_declines_waits_for_recv_in_order() -> None:
+    listener, port = await started(echo)
+    link = await tcp.connect("127.0.0.1", port)
+    taken: list[bytes] = []
+    decline = {b"3"}
+
+    def on_blob(blob: bytes | memoryview) -> bool:
+        if bytes(blob) in decline:
+            return False
+        taken.append(bytes(blob))
+        return True
+
+    link.set_receiver(on_blob)
+    for i in range(1, 7):
+        await link.send(str(i).encode())
+    for _ in range(500):  # until the echoes are in
+        if len(taken) == 2 and link._frames and len(link._frames) == 4:
+            break
+        await asyncio.sleep(0.01)
+    # "3" was declined: it and every blob after it wait for recv, in order, even those the
+    # receiver would take.
+    assert taken == [b"1", b"2"]
+    assert [bytes(await link.recv()) for _ in range(4)] == [b"3", b"4", b"5", b"6"]
+    await link.send(b"7")  # nothing queued any more: the receiver has it again
+    await within(5, _until(lambda: taken == [b"1", b"2", b"7"]))
+    link.set_receiver(None)
+    await link.send(b"8")
+    assert bytes(await within(5, link.recv())) == b"8"
+    await link.close()
+    await listener.stop(1)
+
+
+async def _until(done: Callable[[], bool]) -> None:
+    while not done():
+        await asyncio.sleep(0.01)
+
+
+async def test_the_link_ends_for_recv_while_a_receiver_takes_its_blobs() -> None:
+    listener, port = await started(echo_once)
+    link = await tcp.connect("127.0.0.1", port)
+    taken: list[bytes] = []
+    link.set_receiver(lambda blob: taken.append(bytes(blob)) is None)
+    await link.send(b"last")
+    with pytest.raises(TransportError, match="closed the session"):
+        await within(5, link.recv())
+    assert taken == [b"last"]  # delivered before the end was told
+    await link.close()
+    await listener.stop(1)
+
+
+async def test_send_nowait_writes_a_small_blob_now_and_declines_what_would_wait() -> None:
+    listener, port = await started(echo)
+    link = await tcp.connect("127.0.0.1", port)
+    assert link.send_nowait(b"now")
+    assert bytes(await within(5, link.recv())) == b"now"
+    assert not link.send_nowait(bytes(tcp.SMALL + 1))  # a large blob goes through send, in slices
+    assert not link.send_nowait(bytearray(b"copy"))  # only bytes: a buffer may change after the call
+    await link.close()
+    assert not link.send_nowait(b"closed")  # send raises for it
+    with pytest.raises(TransportError, match="closed"):
+        await link.send(b"closed")
     await listener.stop(1)
 
 
