@@ -486,7 +486,7 @@ def test_pinned_input_is_known_from_its_owner_without_asking_the_driver() -> Non
     xp = _fake_xp(answer=0)  # the driver would say "not pinned": it must not be asked
     buffer = np.frombuffer(_FakePinned(4096), np.uint8, 4000)  # CupyBackend.host_buffer's shape
     upload = buffer.view(np.float32).reshape(10, 100)  # session._upload_array
-    inline = np.frombuffer(memoryview(buffer)[64:464], np.float32)  # a view of a pinned plaintext
+    inline = np.frombuffer(buffer.data[64:464], np.float32)  # a view of a pinned plaintext
     assert _pinned(xp, upload)
     assert _pinned(xp, inline)
     assert _pinned(xp, inline[::2])

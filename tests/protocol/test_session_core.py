@@ -140,7 +140,7 @@ def test_a_binding_equal_to_the_last_but_of_another_type_keeps_its_type_on_the_w
         pair.client.submit([m.Execute(GID, (1 + step,), (scalar,), 10 + step)], [], 0)
         pair.run()
     assert pair.client.counters.batches_repeated == 2
-    assert [type(b.messages[0].bindings[0]) for b in seen] == [int, int, float]  # type: ignore[union-attr]
+    assert [type(b.messages[0].bindings[0]) for b in seen] == [int, int, float]  # type: ignore[union-attr,index]
 
 
 def test_without_templates_nothing_goes_as_a_repeat() -> None:

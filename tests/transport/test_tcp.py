@@ -197,7 +197,12 @@ async def test_the_link_ends_for_recv_while_a_receiver_takes_its_blobs() -> None
     listener, port = await started(echo_once)
     link = await tcp.connect("127.0.0.1", port)
     taken: list[bytes] = []
-    link.set_receiver(lambda blob: taken.append(bytes(blob)) is None)
+
+    def take(blob: bytes | memoryview) -> bool:
+        taken.append(bytes(blob))
+        return True
+
+    link.set_receiver(take)
     await link.send(b"last")
     with pytest.raises(TransportError, match="closed the session"):
         await within(5, link.recv())
