@@ -180,6 +180,27 @@ def test_an_upload_of_zero_elements_with_huge_dims_ends_the_session_with_an_erro
     assert error.code == "refused" and "shape" in error.message
 
 
+def _a_bug_ends_the_session(
+    worker: InProcessWorker, caplog: pytest.LogCaptureFixture, rid: int = 1
+) -> tuple[m.Error, list[logging.LogRecord]]:
+    """A client sends one Sync; the worker, with a bug planted by the caller, must end the session
+    with an error the client receives, logged once with the client's NodeId."""
+    who = worker.new_client()
+
+    async def go() -> m.Error:
+        c = await WireClient.connect(worker, who)
+        await c.send(1, [m.Sync(rid)])
+        error = await final_error(c)
+        await no_sessions(worker)
+        return error
+
+    with caplog.at_level(logging.INFO, logger="emberlink.server"):
+        error = run(worker, go())
+    failures = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(failures) == 1 and who.node_id in failures[0].getMessage()
+    return error, failures
+
+
 def test_an_exception_in_a_sessions_receive_task_ends_it_with_an_error_logged_once(
     worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -187,20 +208,8 @@ def test_an_exception_in_a_sessions_receive_task_ends_it_with_an_error_logged_on
         raise RuntimeError("a bug in the worker")
 
     monkeypatch.setattr(m, "decode_batch_prefix", broken)
-    who = worker.new_client()
-
-    async def go() -> m.Error:
-        c = await WireClient.connect(worker, who)
-        await c.send(1, [m.Sync(1)])
-        error = await final_error(c)
-        await no_sessions(worker)
-        return error
-
-    with caplog.at_level(logging.INFO, logger="emberlink.server"):
-        error = run(worker, go())
+    error, failures = _a_bug_ends_the_session(worker, caplog)
     assert error.code == "remote" and "RuntimeError" in error.message
-    failures = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(failures) == 1 and who.node_id in failures[0].getMessage()
     assert failures[0].exc_info is not None
 
 
@@ -213,20 +222,8 @@ def test_an_exception_applying_a_batch_ends_the_session_with_an_error_logged_onc
         raise KeyError("a bug in the worker")
 
     monkeypatch.setattr(BatchRunner, "_sync", broken)
-    who = worker.new_client()
-
-    async def go() -> m.Error:
-        c = await WireClient.connect(worker, who)
-        await c.send(1, [m.Sync(1)])
-        error = await final_error(c)
-        await no_sessions(worker)
-        return error
-
-    with caplog.at_level(logging.INFO, logger="emberlink.server"):
-        error = run(worker, go())
+    error, _ = _a_bug_ends_the_session(worker, caplog)
     assert error.code == "remote" and "KeyError" in error.message
-    failures = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(failures) == 1 and who.node_id in failures[0].getMessage()
 
 
 def test_an_exception_in_a_sessions_send_task_ends_it_with_an_error_logged_once(
@@ -240,20 +237,8 @@ def test_an_exception_in_a_sessions_send_task_ends_it_with_an_error_logged_once(
         return real(reply)
 
     monkeypatch.setattr(m, "encode_reply", broken)
-    who = worker.new_client()
-
-    async def go() -> m.Error:
-        c = await WireClient.connect(worker, who)
-        await c.send(1, [m.Sync(7)])
-        error = await final_error(c)
-        await no_sessions(worker)
-        return error
-
-    with caplog.at_level(logging.INFO, logger="emberlink.server"):
-        error = run(worker, go())
+    error, _ = _a_bug_ends_the_session(worker, caplog, rid=7)
     assert error.code == "remote" and "ValueError" in error.message
-    failures = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(failures) == 1 and who.node_id in failures[0].getMessage()
 
 
 # -- replies nobody reads -------------------------------------------------------------------------
