@@ -218,14 +218,11 @@ def probe() -> None:
     mark("probed")
 
 
-def install_replay() -> None:
-    """Marks inside an Execute's captured replay (STEP_TRACE_FINE=1): where its time goes."""
-    if os.environ.get(FINE_ENV) != "1":
-        return
+def wrap_capture_stages() -> None:
+    """Mark the stages of a captured replay (FINE_ENV): Captures.run, the replay, its staging,
+    binding checks and launch, and the side stream made for an early read."""
     from emberlink.graph_replay import captured, cuda_graph
     from emberlink.graph_replay.cupy_backend import CupyBackend
-    from emberlink.server.runner import BatchRunner
-    from emberlink.server.store import TensorStore
 
     wrap(captured.Captures, "run", "w.crun", "w.cran")
     wrap(cuda_graph.CapturedPlan, "replay", "w.replay", "w.replayed")
@@ -240,6 +237,16 @@ def install_replay() -> None:
 
     setattr(cuda_graph, "check_bindings", check_bindings)  # noqa: B010
     wrap(CupyBackend, "_side_stream", "w.made")
+
+
+def install_replay() -> None:
+    """Marks inside an Execute's captured replay (STEP_TRACE_FINE=1): where its time goes."""
+    if os.environ.get(FINE_ENV) != "1":
+        return
+    from emberlink.server.runner import BatchRunner
+    from emberlink.server.store import TensorStore
+
+    wrap_capture_stages()
     wrap(TensorStore, "put_many", "w.put", "w.putted")
     apply = BatchRunner.apply
 
@@ -503,19 +510,8 @@ def trace_local(gpu_step: Any, model: Any, data: Any, steps: int, nap: float) ->
             (CupyBackend, "to_numpy"),
         ]
     }
-    checks = getattr(cuda_graph, "check_bindings")  # noqa: B009 - not exported
-    wrap(captured.Captures, "run", "w.crun", "w.cran")
-    wrap(cuda_graph.CapturedPlan, "replay", "w.replay", "w.replayed")
-    wrap(cuda_graph.CapturedPlan, "_stage", "w.stage", "w.staged")
-    wrap(cuda_graph.CapturedPlan, "_send", "w.send", "w.sent")
-
-    def check_bindings(*a: Any) -> Any:
-        out = checks(*a)
-        mark("w.checked")
-        return out
-
-    setattr(cuda_graph, "check_bindings", check_bindings)  # noqa: B010
-    wrap(CupyBackend, "_side_stream", "w.made")
+    checks = getattr(cuda_graph, "check_bindings")  # noqa: B009 - restored after
+    wrap_capture_stages()
     wrap(CupyBackend, "to_numpy", "w.read", "w.readed")
     try:
         for resident in (False, True):
