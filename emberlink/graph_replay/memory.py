@@ -66,6 +66,9 @@ class MemoryMeter:
         self._died: deque[int] = deque()
         self._in_use = 0
         self._peak = 0
+        # One bound method for every buffer's weak reference, not one made per `track` (64 bytes
+        # each, held as long as the buffer lives: a session holding many small arrays held as many).
+        self._on_death: Callable[[_Tracked], None] = self._gone
 
     def _gone(self, ref: _Tracked) -> None:
         # Runs before the buffer's memory is released, so no new array can have taken its id yet.
@@ -96,7 +99,7 @@ class MemoryMeter:
             self._settle()
             known = self._live.get(key)
             if known is None or known() is not root:  # absent, or a dead buffer's id reused
-                ref = _Tracked(root, self._gone)
+                ref = _Tracked(root, self._on_death)
                 ref.key = key
                 ref.nbytes = int(root.nbytes)
                 self._live[key] = ref

@@ -137,11 +137,16 @@ class Hold:
 
 
 class _Entry:
-    __slots__ = ("array", "nbytes")
+    """A stored array and its size; it is charged `size + ID_BYTES`. The size alone, not the charge,
+    is kept: a tiny tensor's size is one of the interpreter's shared small ints, its charge would be
+    one more object per id (a session holding many tiny tensors leaves that much more memory
+    fragmented after it ends)."""
 
-    def __init__(self, array: Any, nbytes: int) -> None:
+    __slots__ = ("array", "size")
+
+    def __init__(self, array: Any, size: int) -> None:
         self.array = array
-        self.nbytes = nbytes
+        self.size = size
 
 
 def _references_when_alone() -> int:
@@ -178,7 +183,7 @@ class TensorStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        return sum(e.size + ID_BYTES for e in self._entries.values())
 
     def put(self, tid: int, array: Any, nbytes: int, *, charged: bool) -> None:
         """Store an array (replacing tid); `charged`: nbytes + ID_BYTES were reserved already, else
@@ -189,7 +194,7 @@ class TensorStore:
         self._forget(tid)
         if not charged:
             self.quota.charge(nbytes + ID_BYTES)
-        self._entries[tid] = _Entry(array, nbytes + ID_BYTES)
+        self._entries[tid] = _Entry(array, nbytes)
 
     def put_many(self, tids: Any, arrays: Any, sizes: list[int], *, reserved: int = 0) -> None:
         """`put(tid, array, size, charged=False)` for each, with one change to the quota, of which
@@ -200,9 +205,8 @@ class TensorStore:
         for tid, array, size in zip(tids, arrays, sizes, strict=True):
             if tid in entries or (failures and tid in failures):
                 self._forget(tid)
-            charged = size + ID_BYTES
-            entries[tid] = _Entry(array, charged)
-            total += charged
+            entries[tid] = _Entry(array, size)
+            total += size + ID_BYTES
         delta = total - reserved
         if delta > 0:
             self.quota.charge(delta)
@@ -257,9 +261,9 @@ class TensorStore:
                 continue
             array = entry.array  # the same references as in `_forget`, so _ALONE holds here too
             if sys.getrefcount(array) > _ALONE:  # a reply waiting to be sent still holds it
-                keep_charged(quota, array, entry.nbytes)
+                keep_charged(quota, array, entry.size + ID_BYTES)
             else:
-                freed += entry.nbytes
+                freed += entry.size + ID_BYTES
         if freed:
             quota.release(freed)
 
@@ -275,9 +279,9 @@ class TensorStore:
             return
         array = entry.array
         if sys.getrefcount(array) > _ALONE:  # a reply waiting to be sent still holds it
-            keep_charged(self.quota, array, entry.nbytes)
+            keep_charged(self.quota, array, entry.size + ID_BYTES)
         else:
-            self.quota.release(entry.nbytes)
+            self.quota.release(entry.size + ID_BYTES)
 
 
 __all__ = ["ID_BYTES", "Failure", "Hold", "Quota", "TensorStore", "keep_charged"]

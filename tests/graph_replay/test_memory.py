@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from emberlink.graph_replay import memory
 from emberlink.graph_replay.ir import Graph, Node, Scalar, TensorSpec, kind_of_scalar
 from emberlink.graph_replay.memory import MemoryMeter, plan_peak_bytes
 from emberlink.graph_replay.numpy_backend import NumpyBackend
@@ -252,3 +253,24 @@ def test_the_admission_peak_of_an_mlp_step_is_close_to_what_it_allocates() -> No
     estimate = plan_peak_bytes(plan)
     assert allocated <= estimate + SLACK
     assert estimate <= 4 * allocated  # conservative, not absurd: honest plans still fit honest quotas
+
+
+def test_a_tracked_buffer_costs_the_meter_its_weak_reference_and_key_alone() -> None:
+    # A session may hold tens of thousands of tiny arrays; each object the meter keeps per buffer
+    # is one more small allocation that outlives the session as allocator fragmentation (issue 12).
+    # Two per buffer: the weak reference and its dict key (an int), no callback object of its own.
+    meter = MemoryMeter()
+    arrays = [np.ones(1, np.float32) for _ in range(2000)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for a in arrays:
+            meter.track(a)
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    only = [tracemalloc.Filter(True, memory.__file__)]
+    grown = after.filter_traces(only).compare_to(before.filter_traces(only), "filename")
+    blocks = sum(s.count_diff for s in grown)
+    assert meter.buffers == len(arrays)
+    assert blocks <= 2 * len(arrays) + 20  # + the dict's table, rebuilt as it grows

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 
 from emberlink.errors import ErrorCode
+from emberlink.server import store as store_module
 from emberlink.server.store import ID_BYTES, Failure, Quota, TensorStore
 
 
@@ -38,3 +41,28 @@ def test_a_dropped_array_a_reply_still_holds_stays_charged_until_it_is_garbage()
     assert store.quota.used == worker.used == 100 + ID_BYTES
     del held
     assert store.quota.used == worker.used == 0
+
+
+def test_a_stored_tiny_tensor_costs_the_store_one_object_besides_its_array() -> None:
+    # The entry alone (array and size): its charge, size + ID_BYTES, is computed when released,
+    # not kept as one more int per id, which would outlive a session holding many tiny tensors as
+    # allocator fragmentation (issue 12).
+    store = TensorStore(Quota(None))
+    arrays = [np.ones(1, np.float32) for _ in range(2000)]
+    tids = list(range(1000, 1000 + len(arrays)))  # ints made before measuring, as a decoded message's
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for tid, a in zip(tids, arrays, strict=True):
+            store.put(tid, a, a.nbytes, charged=False)
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    only = [tracemalloc.Filter(True, store_module.__file__)]
+    grown = after.filter_traces(only).compare_to(before.filter_traces(only), "filename")
+    assert sum(s.count_diff for s in grown) <= len(arrays) + 20  # + the dict's table as it grows
+    assert store.quota.used == len(arrays) * (4 + ID_BYTES) == store.nbytes
+    del a
+    arrays.clear()  # the store holds the only references now
+    store.drop_many(tids)
+    assert store.quota.used == 0
