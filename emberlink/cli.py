@@ -131,6 +131,12 @@ def add_worker(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="N",
         help="sessions of one client NodeId kept detached for a resume; past it the oldest ends (4)",
     )
+    limits.add_argument(
+        "--max-session-tensors",
+        type=int,
+        metavar="N",
+        help="tensor ids one session may hold at once; past it the session ends (16384)",
+    )
     p.add_argument(
         "--graph-cache-bytes",
         type=_byte_count,

@@ -94,6 +94,7 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         reply_timeout=args.reply_timeout,
         max_client_sessions=args.max_client_sessions,
         max_client_detached=args.max_client_detached,
+        max_session_tensors=args.max_session_tensors,
     )
     for flag, value in (
         ("--max-session-bytes", limits.max_session_bytes),
@@ -104,6 +105,7 @@ def load_config(args: argparse.Namespace) -> WorkerConfig:
         ("--reply-timeout", limits.reply_timeout),
         ("--max-client-sessions", limits.max_client_sessions),
         ("--max-client-detached", limits.max_client_detached),
+        ("--max-session-tensors", limits.max_session_tensors),
     ):
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} must be positive")

@@ -163,7 +163,7 @@ class Session:
         # not yet the session's, whose quota is charged in batch order when they are applied.
         self.inflight = Quota(None, parent=worker.held)
         self._admitted = False
-        self._store: TensorStore | None = TensorStore(self.quota)
+        self._store: TensorStore | None = TensorStore(self.quota, worker.limits.max_session_tensors)
         self._runner: BatchRunner | None = None
         self._lane = worker.device.lane(f"session {self.peer}")
         self._channel: Channel | None = None

@@ -173,10 +173,21 @@ def keep_charged(quota: Quota, array: Any, nbytes: int) -> None:
 class TensorStore:
     """Client-assigned tensor ids to backend arrays, with each array's size charged to the quota."""
 
-    def __init__(self, quota: Quota) -> None:
+    def __init__(self, quota: Quota, max_ids: int | None = None) -> None:
         self.quota = quota
+        self.max_ids = max_ids  # ids held at once, stored and failed (--max-session-tensors)
         self._entries: dict[int, _Entry] = {}
         self._failures: dict[int, Failure] = {}
+
+    def _room(self, new: int) -> None:
+        """ProtocolError if `new` more ids would pass `max_ids` (the session then ends)."""
+        held = len(self._entries) + len(self._failures)
+        if self.max_ids is not None and held + new > self.max_ids:
+            raise ProtocolError(
+                f"the session would hold {held + new} tensor ids, more than the {self.max_ids} this "
+                f"worker allows one session (--max-session-tensors): free tensors you no longer need, "
+                f"or ask for a worker started with a higher limit"
+            )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -192,6 +203,12 @@ class TensorStore:
         Charging here never refuses: callers check room with `Quota.reserve` before they compute.
         """
         self._forget(tid)
+        try:
+            self._room(1)
+        except ProtocolError:
+            if charged:  # what the caller reserved for it goes back: nothing outlives the session
+                self.quota.release(nbytes + ID_BYTES)
+            raise
         if not charged:
             self.quota.charge(nbytes + ID_BYTES)
         self._entries[tid] = _Entry(array, nbytes)
@@ -201,6 +218,12 @@ class TensorStore:
         `reserved` bytes were reserved already (an Execute's outputs: the reservation of its plan's
         peak becomes its outputs' charge, the rest is released)."""
         entries, failures = self._entries, self._failures
+        if self.max_ids is not None:
+            try:
+                self._room(sum(1 for tid in tids if tid not in entries and tid not in failures))
+            except ProtocolError:
+                self.quota.release(reserved)
+                raise
         total = 0
         for tid, array, size in zip(tids, arrays, sizes, strict=True):
             if tid in entries or (failures and tid in failures):
@@ -215,8 +238,9 @@ class TensorStore:
 
     def poison(self, tid: int, failure: Failure) -> None:
         """Make tid stand for a failure; whatever it held is freed. ProtocolError when the session
-        has no room left to remember one more failure."""
+        has no room left to remember one more failure, or holds `max_ids` ids."""
         self._forget(tid)
+        self._room(1)
         if not self.quota.reserve(ID_BYTES, FAILURE_SLACK):
             raise ProtocolError(
                 f"the session holds {len(self._failures)} failed tensor ids and has no room for more: "

@@ -805,10 +805,41 @@ def test_a_worker_refuses_a_clients_session_past_its_cap_and_serves_other_client
     assert served == 2
 
 
+def test_a_session_past_its_tensor_id_limit_ends_with_an_error_naming_the_flag_and_frees_all(
+    make_worker: Callable[..., InProcessWorker],
+) -> None:
+    worker = make_worker(limits=Limits(max_session_tensors=8))
+    x = np.ones(4, np.float32)
+    held_before = worker.worker.held.used
+
+    async def go() -> tuple[m.Error, m.Error]:
+        honest = await WireClient.connect(worker)
+        # Eight ids, dropped and stored again, stay within the limit however often they are reused.
+        await honest.send(1, [upload(t, x) for t in range(1, 9)] + [m.Sync(1)], [x] * 8)
+        await until_ack(honest, 1)
+        await honest.send(2, [m.Drop((1, 2)), upload(9, x), upload(10, x), m.Sync(2)], [x, x])
+        await until_ack(honest, 2)
+        # A ninth id held at once (here a failed one: reading nothing into it) ends the session.
+        hoarder = await WireClient.connect(worker)
+        await hoarder.send(1, [upload(t, x) for t in range(1, 9)] + [m.Sync(1)], [x] * 8)
+        await until_ack(hoarder, 1)
+        await hoarder.send(2, [upload(9, x)], [x])
+        error = await final_error(hoarder)
+        await honest.send(3, [m.Close("bye")])
+        await no_sessions(worker)
+        return error, error
+
+    error, _ = run(worker, go())
+    assert error.code == "refused" and "--max-session-tensors" in error.message
+    assert "9 tensor ids" in error.message and "8" in error.message
+    assert worker.worker.held.used == held_before
+
+
 def test_client_caps_default_to_sane_values_and_must_be_positive() -> None:
     device = DeviceCapacity("cpu", 8 << 30, 2)
     limits = Limits().resolve(device)
     assert limits.max_client_sessions == 16 and limits.max_client_detached == 4
+    assert limits.max_session_tensors == 16_384
     with pytest.raises(ConfigError, match="max_client_detached"):
         Limits(max_client_detached=0).resolve(device)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import tracemalloc
 
 import numpy as np
+import pytest
 
-from emberlink.errors import ErrorCode
+from emberlink.errors import ErrorCode, ProtocolError
 from emberlink.server import store as store_module
 from emberlink.server.store import ID_BYTES, Failure, Quota, TensorStore
 
@@ -66,3 +67,26 @@ def test_a_stored_tiny_tensor_costs_the_store_one_object_besides_its_array() -> 
     arrays.clear()  # the store holds the only references now
     store.drop_many(tids)
     assert store.quota.used == 0
+
+
+def test_ids_past_the_stores_limit_are_refused_and_nothing_reserved_for_them_stays_charged() -> None:
+    quota = Quota(None)
+    store = TensorStore(quota, max_ids=3)
+    a = np.ones(4, np.float32)
+    store.put(1, a, a.nbytes, charged=False)
+    store.poison(2, Failure(ErrorCode.EXECUTION, "failed"))  # a failed id counts as held too
+    held = quota.used
+    assert quota.reserve(2 * (a.nbytes + ID_BYTES))
+    with pytest.raises(ProtocolError, match="--max-session-tensors"):
+        store.put_many((3, 4), (a, a), [a.nbytes, a.nbytes], reserved=2 * (a.nbytes + ID_BYTES))
+    assert quota.used == held and len(store) == 1
+    store.put(1, a, a.nbytes, charged=False)  # replacing an id it holds needs no room
+    store.put_many((3,), (a,), [a.nbytes])  # the third id fits
+    assert quota.reserve(a.nbytes + ID_BYTES)
+    with pytest.raises(ProtocolError, match="4 tensor ids"):
+        store.put(5, a, a.nbytes, charged=True)
+    with pytest.raises(ProtocolError, match="--max-session-tensors"):
+        store.poison(6, Failure(ErrorCode.EXECUTION, "failed"))
+    store.drop_many((1, 2, 3))
+    del a  # the arrays stay charged while anything holds them (here this test)
+    assert quota.used == 0
