@@ -20,6 +20,8 @@ from .transport_checks import (
     check_client_close_reaches_the_worker_after_its_last_blob,
     check_handler_return_closes_the_client,
     check_sessions_are_isolated,
+    check_sigkilled_client_makes_worker_recv_raise,
+    check_sigkilled_worker_makes_client_recv_raise,
     client_script,
     echo,
     echo_once,
@@ -126,24 +128,15 @@ async def test_connect_to_a_silent_listener_times_out_naming_the_address() -> No
 
 
 async def test_sigkilled_worker_makes_client_recv_raise_promptly() -> None:
-    async with Child(ECHO_WORKER) as worker:
-        link = await grpc_transport.connect("127.0.0.1", int(worker.ready_line))
-        assert await ping_pong(link, [b"alive"]) == [b"alive"]
-        pending = asyncio.create_task(link.recv())
-        worker.signal(signal.SIGKILL)
-        with pytest.raises(TransportError):
-            await within(5, pending)
-        await link.close()
+    await check_sigkilled_worker_makes_client_recv_raise(
+        ECHO_WORKER, lambda port: grpc_transport.connect("127.0.0.1", port)
+    )
 
 
 async def test_sigkilled_client_makes_worker_recv_raise_promptly() -> None:
     recorder = Recorder()
     listener, port = await started(recorder)
-    async with Child(CLIENT, str(port)) as client:
-        client.signal(signal.SIGKILL)
-        error = await within(5, recorder.ended)
-    assert isinstance(error, TransportError)
-    assert recorder.received == [b"hello"]
+    await check_sigkilled_client_makes_worker_recv_raise(CLIENT, port, recorder)
     await listener.stop(1)
 
 

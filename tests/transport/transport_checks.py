@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import textwrap
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Self, TypeVar
 
@@ -185,3 +185,28 @@ async def check_handler_return_closes_the_client(link: Link) -> None:
     with pytest.raises(TransportError, match="closed"):
         await within(5, link.recv())
     await link.close()
+
+
+async def check_sigkilled_worker_makes_client_recv_raise(
+    echo_worker: str, connect: Callable[[int], Awaitable[Link]]
+) -> None:
+    """An `echo_worker_script` process SIGKILLed while the client waits in recv: the recv raises
+    TransportError within seconds."""
+    async with Child(echo_worker) as worker:
+        link = await connect(int(worker.ready_line))
+        assert await ping_pong(link, [b"alive"]) == [b"alive"]
+        pending = asyncio.create_task(link.recv())
+        worker.signal(signal.SIGKILL)
+        with pytest.raises(TransportError):
+            await within(5, pending)
+        await link.close()
+
+
+async def check_sigkilled_client_makes_worker_recv_raise(client: str, port: int, recorder: Recorder) -> None:
+    """A `client_script` process, having sent "hello" to a `Recorder` worker on `port`, SIGKILLed:
+    the worker's recv raises TransportError within seconds."""
+    async with Child(client, str(port)) as child:
+        child.signal(signal.SIGKILL)
+        error = await within(5, recorder.ended)
+    assert isinstance(error, TransportError)
+    assert recorder.received == [b"hello"]
