@@ -10,10 +10,12 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +25,7 @@ import emberlink as el
 from emberlink.protocol.identity import Identity
 from emberlink.protocol.ticket import Ticket
 
-from ..netns import iptables_unavailable, namespace_with_veth, nats_server_on, netns_unavailable
+from ..netns import Namespace, iptables_unavailable, namespace_with_veth, nats_server_on, netns_unavailable
 from ..process_harness import Process
 from ..relay import relay_training
 from ..relay.relay_harness import ROOT, new_key, worker_process
@@ -222,11 +224,13 @@ def test_training_goes_on_through_a_worker_stopped_for_three_seconds_with_the_sa
     assert run.losses == expected
 
 
-@pytest.mark.slow
-@needs_iptables
-def test_training_moves_from_the_direct_path_to_the_relay_with_the_same_losses(
-    tmp_path, expected, chaos_report
-) -> None:
+@contextmanager
+def relayed_worker_in_a_namespace(
+    tmp_path: Path,
+) -> Iterator[tuple[Namespace, subprocess.Popen[bytes], Ticket, Path]]:
+    """A network namespace with a nats-server on its host side and a worker process listening
+    there both directly and through that relay; yields the namespace, the nats-server process, the
+    worker's ticket and a client key. The worker and the nats-server are stopped on the way out."""
     _, worker_key = new_key(tmp_path, "worker")
     _, client_key = new_key(tmp_path, "client")
     with namespace_with_veth() as ns:
@@ -240,19 +244,28 @@ def test_training_moves_from_the_direct_path_to_the_relay_with_the_same_losses(
                 key=worker_key,
             )
             try:
-                (_, direct_port), *_ = ticket.addrs
-
-                def block_direct() -> tuple[float, float]:
-                    now = time.monotonic()  # packets to the worker's gRPC port vanish from now on
-                    ns.iptables("-A", "OUTPUT", "-p", "tcp", "--dport", str(direct_port), "-j", "DROP")
-                    return now, now
-
-                run = train_through(tmp_path, str(ticket), client_key, block_direct, prefix=ns.prefix)
+                yield ns, nats, ticket, client_key
             finally:
                 worker.close()
         finally:
-            nats.terminate()
+            nats.kill()
             nats.wait(10)
+
+
+@pytest.mark.slow
+@needs_iptables
+def test_training_moves_from_the_direct_path_to_the_relay_with_the_same_losses(
+    tmp_path, expected, chaos_report
+) -> None:
+    with relayed_worker_in_a_namespace(tmp_path) as (ns, _, ticket, client_key):
+        (_, direct_port), *_ = ticket.addrs
+
+        def block_direct() -> tuple[float, float]:
+            now = time.monotonic()  # packets to the worker's gRPC port vanish from now on
+            ns.iptables("-A", "OUTPUT", "-p", "tcp", "--dport", str(direct_port), "-j", "DROP")
+            return now, now
+
+        run = train_through(tmp_path, str(ticket), client_key, block_direct, prefix=ns.prefix)
     chaos_report(run.describe("direct path blocked for good (direct -> relay)"))
     assert run.losses == expected
     assert run.started_on == "grpc"
@@ -264,37 +277,18 @@ def test_training_moves_from_the_direct_path_to_the_relay_with_the_same_losses(
 def test_training_moves_from_the_relay_back_to_the_direct_path_with_the_same_losses(
     tmp_path, expected, chaos_report
 ) -> None:
-    _, worker_key = new_key(tmp_path, "worker")
-    _, client_key = new_key(tmp_path, "client")
-    with namespace_with_veth() as ns:
-        nats, port = nats_server_on(ns.root_addr, tmp_path)
-        url = f"nats://{ns.root_addr}:{port}"
-        try:
-            worker, ticket = worker_process(
-                tmp_path,
-                "worker",
-                *("--listen", f"{ns.root_addr}:0", "--allow-any", "--relay", url),
-                key=worker_key,
-            )
-            try:
-                (_, direct_port), *_ = ticket.addrs
-                block = ("OUTPUT", "-p", "tcp", "--dport", str(direct_port), "-j", "REJECT")
-                ns.iptables("-A", *block)  # the client starts on the relay
+    with relayed_worker_in_a_namespace(tmp_path) as (ns, nats, ticket, client_key):
+        (_, direct_port), *_ = ticket.addrs
+        block = ("OUTPUT", "-p", "tcp", "--dport", str(direct_port), "-j", "REJECT")
+        ns.iptables("-A", *block)  # the client starts on the relay
 
-                def relay_dies_direct_opens() -> tuple[float, float]:
-                    ns.iptables("-D", *block)
-                    now = time.monotonic()
-                    nats.kill()
-                    return now, now
-
-                run = train_through(
-                    tmp_path, str(ticket), client_key, relay_dies_direct_opens, prefix=ns.prefix
-                )
-            finally:
-                worker.close()
-        finally:
+        def relay_dies_direct_opens() -> tuple[float, float]:
+            ns.iptables("-D", *block)
+            now = time.monotonic()
             nats.kill()
-            nats.wait(10)
+            return now, now
+
+        run = train_through(tmp_path, str(ticket), client_key, relay_dies_direct_opens, prefix=ns.prefix)
     chaos_report(run.describe("relay killed, direct path open again (relay -> direct)"))
     assert run.losses == expected
     assert run.started_on == "relay"
