@@ -354,6 +354,17 @@ class Session:
         if self.state is State.OPEN:
             self._lose("the client resumed on a new link")
 
+    async def _refuse_resume(self, why: str) -> None:
+        """Tell the client on the resumed link that its session is lost (`worker_lost`), then let
+        that link go."""
+        assert self._conn is not None and self._attach is not None
+        self._conn.channel = self._attach.channel
+        try:
+            await self._link.send(self._conn.final(m.Error(0, ErrorCode.WORKER_LOST, why), 0))
+        except TransportError:
+            pass
+        await self._let_go()
+
     async def _reattach(self, attach: Attach) -> bool:
         """Take up a resumed link: finish the batches received on the old one, tell the client the last
         applied, then send again the replies it had not taken in. False if the new link dropped too."""
@@ -367,29 +378,16 @@ class Session:
         self._link, self._channel, self._attach = attach.link, attach.channel, attach
         self.peer = attach.link.peer
         if resumable.ended is not None:  # it ended meanwhile (its Close, or a refusal, applied)
-            error = m.Error(0, ErrorCode.WORKER_LOST, f"the session ended: {resumable.ended}")
-            conn.channel = attach.channel
-            try:
-                await self._link.send(conn.final(error, 0))
-            except TransportError:
-                pass
-            await self._let_go()
+            await self._refuse_resume(f"the session ended: {resumable.ended}")
             return False
         self._release_outbox()  # every Outgoing still queued is in the reply log
         if not conn.replies.covers(attach.received):  # the log forgot replies the client lacks
-            error = m.Error(
-                0,
-                ErrorCode.WORKER_LOST,
+            reason = (
                 f"the session cannot resume: the replies after {attach.received} were not kept "
-                f"(the client confirmed none of the last {MAX_KEPT_REPLIES})",
+                f"(the client confirmed none of the last {MAX_KEPT_REPLIES})"
             )
-            conn.channel = attach.channel
-            try:
-                await self._link.send(conn.final(error, 0))
-            except TransportError:
-                pass
-            await self._let_go()
-            resumable.give_up(error.message)  # no later resume could be whole either: it ends now
+            await self._refuse_resume(reason)
+            resumable.give_up(reason)  # no later resume could be whole either: it ends now
             return False
         applied = self._runner.applied
         try:
