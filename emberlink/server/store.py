@@ -218,7 +218,8 @@ class TensorStore:
         `reserved` bytes were reserved already (an Execute's outputs: the reservation of its plan's
         peak becomes its outputs' charge, the rest is released)."""
         entries, failures = self._entries, self._failures
-        if self.max_ids is not None:
+        # Counted exactly only when the outputs could pass the limit (the per-step path stays cheap).
+        if self.max_ids is not None and len(entries) + len(failures) + len(tids) > self.max_ids:
             try:
                 self._room(sum(1 for tid in tids if tid not in entries and tid not in failures))
             except ProtocolError:
