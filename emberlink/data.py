@@ -3,9 +3,12 @@
 PyTorch's `DataLoader` over a `TensorDataset`, with the device named, in one of two ways:
 
 - Host data (`resident=False`, the default): each batch is cut from the NumPy arrays here and
-  uploaded. The upload of batch k+1 is made, and sent on its way, when batch k is handed out, so
-  before the user's step k is even recorded (double buffering): on a remote device its bytes
-  cross the network while step k is recorded and while earlier steps run on the worker.
+  uploaded. The upload of batch k+1 is made, and sent on its way, right after step k's first read
+  is sent and before that read waits (double buffering), or when batch k+1 is asked for if step k
+  reads nothing: on a remote device its bytes are sealed here and opened on the worker while
+  step k runs there and its answer travels back, and on the wire they come after step k's work,
+  never before it. (Sent when batch k is handed out, as this loader first did, they went ahead
+  of step k: the worker opened them before it could start the step.)
 - Resident data (`resident=True`): the arrays are uploaded once, when the loader is made, and a
   batch is `data.take(idx, axis=0)` recorded on the device, so per batch only `idx` (batch_size
   int32 indices; int64 past 2**31 rows) travels. The index is a tensor on purpose: a slice's
@@ -18,7 +21,8 @@ that does not read every step still runs one graph a step, not a run of steps cu
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 import numpy as np
@@ -30,6 +34,7 @@ if TYPE_CHECKING:
     from emberlink.client.device import Device
 
 Batch = TypeVar("Batch", Tensor, tuple[Tensor, ...])
+T = TypeVar("T")
 
 
 class DataLoader(Generic[Batch]):
@@ -119,17 +124,30 @@ class DataLoader(Generic[Batch]):
     def _uploaded(self, order: np.ndarray | None, bounds: list[tuple[int, int]]) -> Iterator[Batch]:
         if not bounds:
             return
-        ahead = self._upload(order, bounds[0])
-        for following in bounds[1:]:
-            current = ahead
-            self.device.flush()
-            ahead = self._upload(order, following)
-            # Send batch k+1 now, not with step k's read: a private seam on purpose (the loader is
-            # the only caller that wants uploads on the wire before the step that uses them).
-            self.device._executor.send()
+        device = self.device
+        current = self._upload(order, bounds[0])
+        # Private seams on purpose: the loader is the only caller that sends uploads before a
+        # read asks for them (`_executor.send`) and works while a read is on its way
+        # (`_after_read_sent`).
+        device._executor.send()
+        ahead: _Ahead[Batch] | None = None
+        try:
+            for following in bounds[1:]:
+                ahead = _Ahead(functools.partial(self._send_ahead, order, following))
+                device._after_read_sent.append(ahead.run)
+                yield current
+                device.flush()  # the step before the next batch is its own graph
+                current = ahead.take()
+            device.flush()
             yield current
-        self.device.flush()
-        yield ahead
+        finally:
+            if ahead is not None and ahead.run in device._after_read_sent:  # the loop was left
+                device._after_read_sent.remove(ahead.run)
+
+    def _send_ahead(self, order: np.ndarray | None, bound: tuple[int, int]) -> Batch:
+        batch = self._upload(order, bound)
+        self.device._executor.send()
+        return batch
 
     def _upload(self, order: np.ndarray | None, bound: tuple[int, int]) -> Batch:
         start, stop = bound
@@ -169,3 +187,27 @@ def _check_arrays(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
     if len(rows) != 1:
         raise ShapeError(f"DataLoader: the arrays' first dimensions differ: {[len(a) for a in out]}")
     return tuple(out)
+
+
+class _Ahead(Generic[T]):
+    """The next host batch: made by `run` (right after a read is sent) or by `take`, once; a failure
+    to make it is raised by `take`, where the batch is asked for, not inside somebody's read."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make: Callable[[], T] | None = make
+        self._made: T | None = None
+        self._error: Exception | None = None
+
+    def run(self) -> None:
+        make, self._make = self._make, None
+        if make is not None:
+            try:
+                self._made = make()
+            except Exception as e:  # noqa: BLE001 - raised again by take(), in the loader's loop
+                self._error = e
+
+    def take(self) -> T:
+        self.run()
+        if self._error is not None:
+            raise self._error
+        return cast(T, self._made)

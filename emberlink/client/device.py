@@ -83,6 +83,10 @@ class Device:
         # emberlink.jit (client/trace.py): the trace that takes the next segment's graph; replays.
         self._jit_sink: Callable[[_Memo, Call, list[Value]], Call] | None = None
         self._jit_replays = 0
+        # One-shot callables run on the reading thread right after a read is sent and before it
+        # waits (emberlink.data's host loader uploads the next batch there: its bytes are sealed
+        # and sent while this step runs, behind the step's own work on the wire).
+        self._after_read_sent: list[Callable[[], None]] = []
         self._new_segment()
 
     # -- constructors -----------------------------------------------------------------------------
@@ -293,7 +297,15 @@ class Device:
             _tensor.JIT_TRACE.refuse(self, "read")
         if v.node is not None:
             self.flush()
-        return self._executor.read(v.buf).result()  # type: ignore[arg-type]
+        fut = self._executor.read(v.buf)  # type: ignore[arg-type]
+        if self._after_read_sent:
+            self._run_after_read_sent()
+        return fut.result()
+
+    def _run_after_read_sent(self) -> None:
+        calls, self._after_read_sent = self._after_read_sent, []
+        for call in calls:
+            call()
 
     def _read_async(self, v: Value) -> ArrayFuture:
         """`_read` without the wait: the pending work and the read are sent before this returns. A
@@ -302,9 +314,12 @@ class Device:
         try:
             if v.node is not None:
                 self.flush()
-            return ArrayFuture(self._executor.read(v.buf), v.spec[1])  # type: ignore[arg-type]
+            fut = ArrayFuture(self._executor.read(v.buf), v.spec[1])  # type: ignore[arg-type]
         except RemoteError as e:
             return ArrayFuture.failed(e, v.spec[1])
+        if self._after_read_sent:
+            self._run_after_read_sent()
+        return fut
 
     def sync(self) -> None:
         """Run everything recorded so far and wait; raises the first failure since the last sync."""

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -213,26 +214,89 @@ def test_loader_refuses_what_it_cannot_batch(dev: Device, data: tuple[np.ndarray
 # -- the loader: what travels, and when ---------------------------------------------------------------
 
 
-def test_host_loader_sends_the_next_batch_before_the_step_that_uses_this_one(
-    dev: Device, data: tuple[np.ndarray, np.ndarray]
+def spy_on(dev: Device, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The executor calls the device makes from now on, in order: upload, execute, read, send."""
+    calls: list[str] = []
+    executor = dev._executor
+    for name in ("upload", "execute", "read", "send"):
+        method = getattr(executor, name)
+
+        def logged(*args: Any, _name: str = name, _method: Any = method) -> Any:
+            calls.append(_name)
+            return _method(*args)
+
+        monkeypatch.setattr(executor, name, logged)
+    return calls
+
+
+def test_host_loader_sends_the_next_batch_right_after_the_steps_read_is_sent(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x, y = data
     per_batch = 4 * x.itemsize * FEATURES + 4 * y.itemsize
     start = uploaded(dev)
     sent = int(dev.stats()["bytes_sent"])
     it = iter(DataLoader(data, batch_size=4, device=dev))
-    next(it)  # batch 0 handed out: batch 1 is already on its way
-    assert uploaded(dev) - start == 2 * per_batch
-    if dev.name.startswith("remote"):  # and on the wire, though nothing has been read
+    xb, _ = next(it)  # batch 0 handed out and sent; batch 1 waits for the step's read
+    assert uploaded(dev) - start == per_batch
+    if dev.name.startswith("remote"):  # batch 0 is on the wire though nothing has been read
         deadline = time.monotonic() + 30
-        while int(dev.stats()["bytes_sent"]) - sent < 2 * per_batch and time.monotonic() < deadline:
+        while int(dev.stats()["bytes_sent"]) - sent < per_batch and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert int(dev.stats()["bytes_sent"]) - sent >= 2 * per_batch
-    a = dev.tensor(np.ones(1, np.float32)) * 2.0  # the user's step, never read
-    next(it)  # batch 1 handed out: the step before it is flushed, batch 2 (2 rows) uploaded
+        assert int(dev.stats()["bytes_sent"]) - sent >= per_batch
+    calls = spy_on(dev, monkeypatch)
+    assert float((xb * 2.0).sum()) == pytest.approx(2.0 * float(x[:4].sum()), rel=1e-5)
+    # The step and its read first, then batch 1's two arrays, sent before the read waited.
+    assert calls == ["execute", "read", "upload", "upload", "send"]
+    assert uploaded(dev) - start == 2 * per_batch
+    xb1, yb1 = next(it)  # already there: nothing more is uploaded for it
+    assert calls[5:] == []
+    np.testing.assert_array_equal(xb1.numpy(), x[4:8])
+    np.testing.assert_array_equal(yb1.numpy(), y[4:8])
+
+
+def test_host_loader_uploads_the_next_batch_after_a_step_that_reads_nothing(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, _ = data
+    it = iter(DataLoader(data, batch_size=4, device=dev))
+    xb, _ = next(it)
+    calls = spy_on(dev, monkeypatch)
+    a = xb * 2.0  # the user's step, never read
+    xb1, _ = next(it)  # the step flushed as its own graph, then batch 1 uploaded after it
+    assert calls == ["execute", "upload", "upload", "send"]
     assert dev.stats()["pending_nodes"] == 0
-    assert uploaded(dev) - start == 2 * per_batch + per_batch // 2 + 4  # a's 4 bytes
-    np.testing.assert_array_equal(a.numpy(), [2.0])
+    np.testing.assert_array_equal(a.numpy(), x[:4] * 2.0)
+    np.testing.assert_array_equal(xb1.numpy(), x[4:8])
+
+
+def test_a_loop_that_leaves_the_loader_early_uploads_nothing_more(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    x, _ = data
+    per_batch = 4 * x.itemsize * FEATURES + 4 * data[1].itemsize
+    start = uploaded(dev)
+    for xb, _ in DataLoader(data, batch_size=4, device=dev):
+        break  # the generator is closed here: its upload ahead with it
+    assert float(xb.sum()) == pytest.approx(float(x[:4].sum()), rel=1e-5)
+    assert uploaded(dev) - start == per_batch
+
+
+def test_a_batch_that_cannot_be_made_ahead_fails_where_it_is_asked_for_not_in_the_read(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, _ = data
+    loader = DataLoader(data, batch_size=4, device=dev)
+    it = iter(loader)
+    xb, _ = next(it)
+
+    def broken(order: np.ndarray | None, bound: tuple[int, int]) -> Any:
+        raise el.DeviceError("no room for the next batch")
+
+    monkeypatch.setattr(loader, "_upload", broken)
+    assert float(xb.sum()) == pytest.approx(float(x[:4].sum()), rel=1e-5)  # step 0's read still answers
+    with pytest.raises(el.DeviceError, match="no room for the next batch"):
+        next(it)
 
 
 def small_model(dev: Device, features: int = FEATURES) -> tuple[el.nn.Module, el.optim.SGD]:
