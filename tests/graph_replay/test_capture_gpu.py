@@ -163,6 +163,33 @@ def test_a_replayed_steps_loss_is_readable_while_later_work_on_its_stream_waits(
         assert_close(g, w, "the step's outputs", loose=True)
 
 
+def test_each_replayed_steps_loss_reads_as_its_own_value_however_late_it_is_read(
+    backend: Any, captures: Captures
+) -> None:
+    """The first graph writes the loss into a host copy that a later call staged in the same
+    buffer overwrites: losses read one step late, after four more steps and never in order all
+    give their own step's value, blocking and async."""
+    graph = mlp_step(batch=128, sizes=(784, 512, 10))
+    inputs, bindings = mlp_inputs(graph)
+    plan = compile_plan(graph)
+    ins = [backend.from_numpy(a) for a in inputs]
+    rng = np.random.default_rng(5)
+    losses, want = [], []
+    for step in range(8):  # eager, capture, six replays, each on its own batch
+        x = backend.from_numpy(rng.standard_normal(inputs[0].shape).astype(np.float32))
+        outs = captures.run(plan, [x, *ins[1:]], bindings)
+        (expected,) = _numpy(backend, backend.run(compile_plan(graph), [x, *ins[1:]], bindings)[:1])
+        losses.append(outs[0])
+        want.append(expected)
+        if step >= 3:  # one step late, as a loop reading the last step's loss does
+            assert_close(backend.to_numpy(losses[step - 1]), want[step - 1], f"step {step - 1}", loose=True)
+    assert captures.replays == 6
+    reads = [backend.to_numpy_async(loss) for loss in losses]
+    for step in (7, 2, 5, 3, 6, 4):
+        assert_close(backend.to_numpy(losses[step]), want[step], f"step {step}, read late", loose=True)
+        assert_close(reads[step].result(), want[step], f"step {step}, async", loose=True)
+
+
 def test_new_binding_values_reach_a_replay(backend: Any, captures: Captures) -> None:
     """A learning rate and an offset that change every call, in a fused chain and a plain op."""
     full: dict[str, AttrValue] = {"shape": (3,), "dtype": "float64"}
