@@ -217,6 +217,8 @@ class _Staging:
         "mem",
         "out_table",
         "slot_views",
+        "sources",
+        "targets",
         "templates",
         "uses",
     )
@@ -240,6 +242,10 @@ class _Staging:
         # nothing else holds it, or its memory (no result, view or alias of it lives: its last
         # reader was queued before this launch), else makes a new one (CapturedPlan._stage).
         self.templates: list[Any] = []
+        # What the input table's source addresses (with its sizes) and the output table's
+        # destinations hold now; None: unknown (as at first, and after a capture's sizing run).
+        self.sources: list[int] | None = None
+        self.targets: list[int] | None = None
         self.slot_views = [
             host[at : at + s.np_dtype.itemsize].view(s.np_dtype) for s, at in zip(slots, layout.slots_at)
         ]
@@ -469,9 +475,12 @@ class CapturedPlan:
                     continue
             sources.append(a.data.ptr)
             sizes.append(a.nbytes)
-        if sources:
+        # A training loop's inputs (the last call's results, views of the other buffer's kept
+        # arrays) and outputs are where they were the last time this buffer was used.
+        if sources != staging.sources:
             staging.in_table[:, 0] = sources
             staging.in_table[:, 2] = sizes
+            staging.sources = sources
         empty = xp.ndarray  # what cupy.empty calls, without its Python wrapper
         templates = staging.templates
         made = []
@@ -482,8 +491,10 @@ class CapturedPlan:
             if templates[j] is None or _holders(templates[j]) != _IDLE:
                 templates[j] = empty(shape, dtype)  # the old one (if any) lives on in its result
             made.append(templates[j].view())
-        if made:
-            staging.out_table[self._n_early :, 1] = [out.data.ptr for out in made]
+        targets = [out.data.ptr for out in made]
+        if targets != staging.targets:
+            staging.out_table[self._n_early :, 1] = targets
+            staging.targets = targets
         call.results = [inputs[k] if fresh is None else made[fresh] for k, fresh in self._result_of]
         return call
 
