@@ -9,8 +9,11 @@ batches on every row: the small MLP (batch 128, 784-512-512-10) and a big one (b
 4096-4096-4096-10). Every step reads its loss as a Python float, except the rows marked
 "read_async", which read each loss one step later (`loss.read_async()`, resolved after the next
 step is on its way). "host" rows give each step a batch from host memory (`dev.tensor(x)`);
-"resident" rows keep the data set on the device (emberlink: `DataLoader(..., resident=True)`,
-a `take` with an index tensor per batch; PyTorch and CuPy: batches uploaded beforehand).
+"resident" rows keep the data set on the device: emberlink's through `DataLoader(...,
+resident=True)`, which gathers each batch with a `take` of an index tensor (a second plan a step),
+PyTorch's and CuPy's as batches uploaded beforehand. emberlink's "batches uploaded beforehand" rows
+do what those do: each batch uploaded once (`dev.tensor`) before the steps, so a step is the
+training step alone; compare those with PyTorch's and CuPy's resident rows.
 
 Rows: PyTorch eager; PyTorch with the whole step captured as one `torch.cuda.CUDAGraph` (inputs
 copied into its static tensors); hand-written CuPy (forward, backward and update by hand, cuBLAS
@@ -72,6 +75,11 @@ BIG = Model("big", 1024, (4096, 4096, 4096, 10), warm=6, steps=60)
 
 Step = Callable[[int], Any]
 """One step on batch `k` (of N_BATCHES); returns the loss (a float, or a future for read_async)."""
+
+HOST, LOADER, UPLOADED = "host", "loader", "uploaded"
+FEEDS = (HOST, LOADER, UPLOADED)
+"""Where a step's batch comes from (`ember_step`'s `feed`): uploaded from host memory each step, a
+resident DataLoader (a `take` a step), or uploaded once before the steps."""
 
 
 @dataclass
@@ -303,12 +311,15 @@ def ember_step(
     data: list[tuple[np.ndarray, np.ndarray]],
     *,
     jit: bool,
-    resident: bool,
+    feed: str,
     lazy: bool,
 ) -> Step:
-    """A step on `dev`: the batch uploaded (`dev.tensor`) or gathered from a resident DataLoader;
-    the step compiled with `emberlink.jit` or recorded each time; the loss read at once, or
-    (`lazy`) its read started and its future returned."""
+    """A step on `dev`: the batch uploaded each step (`feed` HOST, `dev.tensor`), gathered from a
+    resident DataLoader (LOADER) or uploaded once before the steps (UPLOADED); the step compiled
+    with `emberlink.jit` or recorded each time; the loss read at once, or (`lazy`) its read started
+    and its future returned."""
+    if feed not in FEEDS:
+        raise ValueError(f"feed must be one of {FEEDS}, not {feed!r}")
     net = ember_model(dev, model)
     opt = el.optim.SGD(net.parameters(), lr=LR)
 
@@ -320,16 +331,19 @@ def ember_step(
         return loss
 
     fn = el.jit(train) if jit else train
-    feed: Iterator[Any] | None = None
-    if resident:
+    loaded: Iterator[Any] | None = None
+    if feed == LOADER:
         xs = np.concatenate([x for x, _ in data])
         ys = np.concatenate([y for _, y in data])
         loader = el.data.DataLoader((xs, ys), batch_size=model.batch, device=dev, resident=True)
-        feed = itertools.chain.from_iterable(itertools.repeat(loader))
+        loaded = itertools.chain.from_iterable(itertools.repeat(loader))
+    uploaded = [(dev.tensor(x), dev.tensor(y)) for x, y in data] if feed == UPLOADED else []
 
     def step(k: int) -> Any:
-        if feed is not None:
-            x, y = next(feed)  # the loader's batches in order: batch k on the first steps
+        if loaded is not None:
+            x, y = next(loaded)  # the loader's batches in order: batch k on the first steps
+        elif uploaded:
+            x, y = uploaded[k]
         else:
             x, y = dev.tensor(data[k][0]), dev.tensor(data[k][1])
         loss = fn(x, y)
@@ -365,20 +379,21 @@ def local_rows(
 ) -> list[Row]:
     rows: list[Row] = []
     cases = [
-        ("Device.cuda eager (recorded each step), host batches", False, False, False),
-        ("Device.cuda jit, host batches", True, False, False),
-        ("Device.cuda jit, host batches, read_async", True, False, True),
-        ("Device.cuda jit, resident", True, True, False),
-        ("Device.cuda jit, resident, read_async", True, True, True),
+        ("Device.cuda eager (recorded each step), host batches", False, HOST, False),
+        ("Device.cuda jit, host batches", True, HOST, False),
+        ("Device.cuda jit, host batches, read_async", True, HOST, True),
+        ("Device.cuda jit, resident", True, LOADER, False),
+        ("Device.cuda jit, resident, read_async", True, LOADER, True),
+        ("Device.cuda jit, batches uploaded beforehand", True, UPLOADED, False),
     ]
-    for name, jit, resident, lazy in cases:
+    for name, jit, feed, lazy in cases:
         with (
             el.Device.cpu() if device == "cpu" else el.Device.cuda(int(device.partition(":")[2] or 0)) as dev
         ):
-            step = ember_step(dev, model, data, jit=jit, resident=resident, lazy=lazy)
+            step = ember_step(dev, model, data, jit=jit, feed=feed, lazy=lazy)
             row = Row(name, *measure(step, model, pipelined=lazy), "cuda")
             row.notes.append(f"{dev.stats().get('captured_replays', 0)} captured replays")
-            if jit and resident and not lazy:
+            if jit and feed == LOADER and not lazy:
                 gpu = captured_gpu_ms(dev)
                 if gpu is not None:
                     row.notes.append(f"GPU time of emberlink's captured step: {gpu:.3f} ms")
@@ -437,9 +452,9 @@ def remote_rows(
     profile: bool = False,
 ) -> list[Row]:
     rows: list[Row] = []
-    for name, jit, resident, lazy in cases:
+    for name, jit, feed, lazy in cases:
         with el.Device.remote(ticket, key=str(key)) as dev:
-            step = ember_step(dev, model, data, jit=jit, resident=resident, lazy=lazy)
+            step = ember_step(dev, model, data, jit=jit, feed=feed, lazy=lazy)
             row = Row(f"Device.remote{tag}, {name}", *measure(step, model, pipelined=lazy), "remote")
             before = dev.stats()
             prof = cProfile.Profile() if profile else None
@@ -481,15 +496,17 @@ def profile_worker(model: Model, data: list[tuple[np.ndarray, np.ndarray]], key:
 
 
 REMOTE_CASES = [
-    ("eager (recorded each step), host batches", False, False, False),
-    ("jit, host batches", True, False, False),
-    ("jit, host batches, read_async", True, False, True),
-    ("jit, resident", True, True, False),
-    ("jit, resident, read_async", True, True, True),
+    ("eager (recorded each step), host batches", False, HOST, False),
+    ("jit, host batches", True, HOST, False),
+    ("jit, host batches, read_async", True, HOST, True),
+    ("jit, resident", True, LOADER, False),
+    ("jit, resident, read_async", True, LOADER, True),
+    ("jit, batches uploaded beforehand", True, UPLOADED, False),
+    ("jit, batches uploaded beforehand, read_async", True, UPLOADED, True),
 ]
 DEVICE_THREAD_CASES = [
-    ("jit, host batches", True, False, False),
-    ("jit, resident", True, True, False),
+    ("jit, host batches", True, HOST, False),
+    ("jit, resident", True, LOADER, False),
 ]
 
 
@@ -530,11 +547,15 @@ def goals(small: list[Row], big: list[Row]) -> None:
     def ms(rows: list[Row], name: str) -> float | None:
         return next((r.ms for r in rows if r.name == name), None)
 
+    # "Data on the worker": the DataLoader row (a take a step) and the row with each batch
+    # uploaded beforehand, as PyTorch's resident rows have theirs; each line names its row.
     checks = [
         (small, "Device.remote, jit, host batches", "PyTorch eager, host batches", 0.85),
         (small, "Device.remote, jit, resident", "PyTorch eager, host batches", 0.40),
+        (small, "Device.remote, jit, batches uploaded beforehand", "PyTorch eager, host batches", 0.40),
         (small, "Device.cuda jit, host batches", "PyTorch eager, host batches", 0.25),
         (big, "Device.remote, jit, resident", "PyTorch eager, resident", 1.05),
+        (big, "Device.remote, jit, batches uploaded beforehand", "PyTorch eager, resident", 1.05),
         (big, "Device.remote, jit, resident, read_async", "PyTorch eager, resident", 1.05),
     ]
     checks += [

@@ -3,7 +3,8 @@
     python bench/step_trace.py [--device cuda:0] [--steps 300] [--transport grpc|tcp] [--step mlp|tiny]
 
 The small MLP step of bench/gpu_step.py, jitted, against an `emberlink worker` process on
-127.0.0.1 (host batches, then resident data); or, with `--step tiny`, bench/remote_step.py's jitted
+127.0.0.1 (host batches, resident data through DataLoader(resident=True), then batches uploaded
+once beforehand); or, with `--step tiny`, bench/remote_step.py's jitted
 tiny step (64 B upload, sum, scalar read). `--transport tcp` serves and connects over the raw TCP
 transport (transport/tcp.py) instead of gRPC; the "gRPC" stages are then that transport's. The bench wraps methods of the client (in this
 process) and of the worker (its process starts with the same wrappers installed) to record
@@ -144,6 +145,9 @@ def install(side: str) -> None:
     atexit.register(lambda: np.save(out, np.array([(t, n) for t, n in EVENTS], dtype=object)))
 
 
+FEED_NAMES = {"host": "host batches", "loader": "resident data", "uploaded": "batches uploaded beforehand"}
+"""The rows' names for gpu_step's feeds (HOST, LOADER: DataLoader(resident=True), UPLOADED)."""
+
 FINE_ENV = "STEP_TRACE_FINE"
 GC_ENV = "STEP_TRACE_GC"
 PROFILE_ENV = "STEP_TRACE_PROFILE"
@@ -237,6 +241,9 @@ def wrap_capture_stages() -> None:
 
     setattr(cuda_graph, "check_bindings", check_bindings)  # noqa: B010
     wrap(CupyBackend, "_side_stream", "w.made")
+    early = getattr(cuda_graph, "_EarlyCopy", None)  # the early output's host copy, where there is one
+    if early is not None:
+        wrap(early, "read", "w.made")
 
 
 def install_replay() -> None:
@@ -271,7 +278,7 @@ FINE_STAGES = [
     ("Execute: runner after run (put_many, counters)", "w.cran", "w.executed"),
     ("  of which put_many", "w.put", "w.putted"),
     ("Read: wait for the early outputs' event", "w.read", "w.made"),
-    ("Read: copy to host", "w.made", "w.readed"),
+    ("Read: copy to host (from the graph's host copy, else from the device)", "w.made", "w.readed"),
 ]
 SUMMED = {"w.execute", "w.read", "probe"} | {b for _, b, _ in FINE_STAGES}
 
@@ -398,21 +405,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "client.key"
         Identity.generate(os.urandom).save(key)
-        for resident in (False,) if args.step == "tiny" else (False, True):
-            out = Path(tmp) / f"worker{int(resident)}.npy"
+        for feed in (gpu_step.HOST,) if args.step == "tiny" else gpu_step.FEEDS:
+            out = Path(tmp) / f"worker_{feed}.npy"
             with (
                 traced_worker(key, args.device, out) as (ticket, pid),
                 el.Device.remote(ticket, key=str(key)) as dev,
             ):
+                step: gpu_step.Step
                 if args.step == "tiny":
                     import remote_step
 
                     tiny = remote_step.jit_tiny_step(dev)
 
-                    def step(_: int, run: Any = tiny) -> Any:
+                    def tiny_step(_: int, run: Any = tiny) -> Any:
                         return run()
+
+                    step = tiny_step
                 else:
-                    step = gpu_step.ember_step(dev, model, data, jit=True, resident=resident, lazy=False)
+                    step = gpu_step.ember_step(dev, model, data, jit=True, feed=feed, lazy=False)
                 for i in range(30):
                     step(i % gpu_step.N_BATCHES)
                 cpu0 = cpu_ns(pid)
@@ -438,8 +448,7 @@ def main() -> None:
                 rebind(dev)
             worker_events = [(str(t), int(n)) for t, n in np.load(out, allow_pickle=True)]
             stages = durations(client_events + worker_events, warm=10)
-            kind = "resident data" if resident else "host batches"
-            what = "tiny step" if args.step == "tiny" else f"small MLP, {kind}"
+            what = "tiny step" if args.step == "tiny" else f"small MLP, {FEED_NAMES[feed]}"
             print(f"\n| {what}, Device.remote jit over {args.transport}: stage | median µs |")
             print("|---|---:|")
             for name, _, _ in STAGES + (FINE_STAGES if os.environ.get(FINE_ENV) == "1" else []):
@@ -490,7 +499,7 @@ def thread_cpu_ns(pid: int) -> dict[str, int]:
 
 
 def trace_local(gpu_step: Any, model: Any, data: Any, steps: int, nap: float) -> None:
-    """The same replay marks on Device.cuda in this process (host batches, then resident); with
+    """The same replay marks on Device.cuda in this process (each of gpu_step's feeds); with
     `nap` seconds of sleep before each step (as a worker sleeps while the client's round trip goes
     on)."""
     import emberlink as el
@@ -508,15 +517,16 @@ def trace_local(gpu_step: Any, model: Any, data: Any, steps: int, nap: float) ->
             (cuda_graph.CapturedPlan, "_send"),
             (CupyBackend, "_side_stream"),
             (CupyBackend, "to_numpy"),
+            *([(cuda_graph._EarlyCopy, "read")] if hasattr(cuda_graph, "_EarlyCopy") else []),
         ]
     }
     checks = getattr(cuda_graph, "check_bindings")  # noqa: B009 - restored after
     wrap_capture_stages()
     wrap(CupyBackend, "to_numpy", "w.read", "w.readed")
     try:
-        for resident in (False, True):
+        for feed in gpu_step.FEEDS:
             with el.Device.cuda(0) as dev:
-                step = gpu_step.ember_step(dev, model, data, jit=True, resident=resident, lazy=False)
+                step = gpu_step.ember_step(dev, model, data, jit=True, feed=feed, lazy=False)
                 for i in range(30):
                     step(i % gpu_step.N_BATCHES)
                 EVENTS.clear()
@@ -530,9 +540,10 @@ def trace_local(gpu_step: Any, model: Any, data: Any, steps: int, nap: float) ->
                 plain = (time.perf_counter() - t0) / steps * 1e6 - nap * 1e6
                 mark("c.step")
                 stages = durations(list(EVENTS), warm=10)
-            kind = "resident data" if resident else "host batches"
             slept = f", {nap * 1e6:.0f} µs asleep before each step" if nap else ""
-            print(f"\n| small MLP, {kind}, Device.cuda jit (in-process{slept}): stage | median µs |")
+            print(
+                f"\n| small MLP, {FEED_NAMES[feed]}, Device.cuda jit (in-process{slept}): stage | median µs |"
+            )
             print("|---|---:|")
             for name, _, _ in FINE_STAGES:
                 values = stages[name]

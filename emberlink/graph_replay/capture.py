@@ -298,21 +298,30 @@ class StagingLayout:
     the device: the input copy table, the output copy table (3 uint64 per row: source address,
     destination address, bytes), the binding slots (8 bytes each), then one region per input that
     arrives in host memory (`hosts_at`, None for the others), `HOST_ALIGN`-aligned: its device copy
-    is the graph's fixed buffer for that input."""
+    is the graph's fixed buffer for that input. Last, not copied to the device: one region per
+    early output (`early_at`), which the first graph's copy kernel writes straight into (page-locked
+    memory is addressable from the device), so a read of such an output copies nothing."""
 
     inputs_at: int
     outputs_at: int
     slots_at: tuple[int, ...]
     hosts_at: tuple[int | None, ...]
     nbytes: int
+    early_at: tuple[int, ...] = ()
 
 
 HOST_ALIGN = 256
 
 
-def staging_layout(n_outputs: int, slots: Sequence[Slot], host_nbytes: Sequence[int | None]) -> StagingLayout:
+def staging_layout(
+    n_outputs: int,
+    slots: Sequence[Slot],
+    host_nbytes: Sequence[int | None],
+    early_nbytes: Sequence[int] = (),
+) -> StagingLayout:
     """The layout for `len(host_nbytes)` inputs, where `host_nbytes[i]` is input `i`'s size if it
-    is staged from host memory, else None."""
+    is staged from host memory, else None; `n_outputs` rows of the output table; and a region of
+    each size in `early_nbytes` (the early outputs' host copies)."""
     inputs_at = 0
     outputs_at = inputs_at + 24 * len(host_nbytes)
     at = outputs_at + 24 * n_outputs
@@ -328,7 +337,12 @@ def staging_layout(n_outputs: int, slots: Sequence[Slot], host_nbytes: Sequence[
         at = -(-at // HOST_ALIGN) * HOST_ALIGN
         hosts_at.append(at)
         at += n
-    return StagingLayout(inputs_at, outputs_at, tuple(slots_at), tuple(hosts_at), max(at, 8))
+    early_at: list[int] = []
+    for n in early_nbytes:
+        at = -(-at // HOST_ALIGN) * HOST_ALIGN
+        early_at.append(at)
+        at += n
+    return StagingLayout(inputs_at, outputs_at, tuple(slots_at), tuple(hosts_at), max(at, 8), tuple(early_at))
 
 
 __all__ = [

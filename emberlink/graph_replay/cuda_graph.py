@@ -17,15 +17,19 @@ captured.py decides when to capture; this module does it. A captured plan owns:
   allocates nothing but its outputs;
 - the graph: the plan's steps (CuPy's kernels and fused kernels, matmuls through cuBLAS from
   nvmath_matmul.py, `take` without its device-side range check, which staging did on the host),
-  then one kernel that copies the outputs into the arrays the replay allocated for them, so each
-  call's results are its own arrays, as on the eager path;
+  then one kernel that copies the outputs into the arrays the replay made for them, so each
+  call's results are its own arrays, as on the eager path (outputs up to KEPT_OUTPUT_BYTES are
+  new views of arrays the staging buffer keeps and takes again once nothing holds them or their
+  memory: a view costs far less than an array from the pool);
 - or two graphs, where capture.early_split cuts the plan after its first small output (a training
   step's loss, made by the forward pass): the first runs the steps up to the cut and copies out
   the outputs made so far, the second the rest. A replay records an event between the two
   launches and tells the backend (`mark_ready`), so a read of such an output waits for that event
   only, and the time a reader takes to act on it (a client's round trip, the next step's Python)
   overlaps the backward pass and the update. Measured on the H200 (bench/gpu_step.py), see the
-  README.
+  README. The first graph also writes the early outputs into their regions of the staging buffer
+  (page-locked host memory, which the copy kernel addresses directly), so such a read is the wait
+  and a copy on the host, with no device-to-host copy to queue and wait for (`_EarlyCopy`).
 
 Capturing runs the same body twice. First it runs for real (the sizing run), with every
 allocation taken from CuPy's pool and also placed in an `ArenaLayout`; its outputs are that
@@ -43,10 +47,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
+import sys
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -161,6 +165,38 @@ class _Block:
         self.layout.free(self.offset)
 
 
+KEPT_OUTPUT_BYTES = 4 << 20
+"""Outputs up to this size are made as views of arrays a staging buffer keeps (`_Staging.templates`):
+a view costs a fraction of a new array from the pool (measured on the H200: 7 new arrays 25 µs),
+which is most of a small step's staging; a larger output's GPU work dwarfs its allocation."""
+
+
+class _Probe:
+    """Stands in for a template (`.data.mem`, as a CuPy array has) when counting references."""
+
+    __slots__ = ("data", "mem")
+    data: Any
+    mem: Any
+
+
+def _holders(t: Any) -> tuple[int, int, int]:
+    """`sys.getrefcount` of a template, its memory pointer and its memory."""
+    return sys.getrefcount(t), sys.getrefcount(t.data), sys.getrefcount(getattr(t.data, "mem", None))
+
+
+def _idle_counts() -> tuple[int, int, int]:
+    """What `_holders(templates[j])` gives for a template nothing else holds: measured, not
+    assumed, so the interpreter's counting conventions cancel out."""
+    probe = _Probe()
+    probe.data = _Probe()
+    probe.data.mem = _Probe()
+    templates = [probe]
+    del probe
+    return _holders(templates[0])
+
+
+_IDLE = _idle_counts()
+
 STAGING_BUFFERS = 2
 """Staging buffers a captured plan fills in turn. A replay waits only until the launch that last
 used the buffer it fills has finished, i.e. the launch before the previous one: a host that runs
@@ -170,14 +206,46 @@ one launch ahead (a loop reading each loss one step late) never waits to stage."
 class _Staging:
     """One staging buffer in pinned host memory (capture.StagingLayout) and what its launch reads."""
 
-    __slots__ = ("bound", "done", "held", "host_views", "in_table", "made", "mem", "out_table", "slot_views")
+    __slots__ = (
+        "bound",
+        "done",
+        "early_views",
+        "held",
+        "host_views",
+        "in_table",
+        "made",
+        "mem",
+        "out_table",
+        "slot_views",
+        "sources",
+        "targets",
+        "templates",
+        "uses",
+    )
 
-    def __init__(self, xp: Any, plan: Plan, layout: cap.StagingLayout, n_outputs: int, slots: Any) -> None:
+    def __init__(
+        self, xp: Any, plan: Plan, layout: cap.StagingLayout, n_rows: int, slots: Any, early: Sequence[int]
+    ) -> None:
         self.mem = xp.cuda.alloc_pinned_memory(layout.nbytes)
         host = np.frombuffer(self.mem, np.uint8, layout.nbytes)
         self.in_table = host[layout.inputs_at : layout.outputs_at].view(np.uint64).reshape(-1, 3)
-        out_end = layout.outputs_at + 24 * n_outputs
+        out_end = layout.outputs_at + 24 * n_rows
         self.out_table = host[layout.outputs_at : out_end].view(np.uint64).reshape(-1, 3)
+        # The early outputs' host copies, which the first graph writes (see CapturedPlan._row_values).
+        specs = [plan.specs[v] for v in early]
+        self.early_views: list[np.ndarray] = [
+            host[at : at + s.nbytes].view(s.dtype).reshape(s.shape) for s, at in zip(specs, layout.early_at)
+        ]
+        self.uses = 0  # calls staged in this buffer: a launch's early copies last until the next one
+        # Per output row (those up to KEPT_OUTPUT_BYTES): the array whose memory this buffer's
+        # calls give their result in, as a new view of it each call. A call takes it again once
+        # nothing else holds it, or its memory (no result, view or alias of it lives: its last
+        # reader was queued before this launch), else makes a new one (CapturedPlan._stage).
+        self.templates: list[Any] = []
+        # What the input table's source addresses (with its sizes) and the output table's
+        # destinations hold now; None: unknown (as at first, and after a capture's sizing run).
+        self.sources: list[int] | None = None
+        self.targets: list[int] | None = None
         self.slot_views = [
             host[at : at + s.np_dtype.itemsize].view(s.np_dtype) for s, at in zip(slots, layout.slots_at)
         ]
@@ -225,6 +293,18 @@ def _pinned(xp: Any, a: np.ndarray) -> bool:
 _HOST_MEMORY = 1  # cudaMemoryTypeHost
 
 
+def _same_values(values: list[Scalar], bound: list[Scalar] | None) -> bool:
+    """Whether binding values (as check_bindings gives them: each position always of one type)
+    fill the slots as `bound` did: equal, and a float zero of the same sign (0.0 == -0.0)."""
+    if bound is None or values != bound:
+        return False
+    if 0 in values:
+        for v, b in zip(values, bound):
+            if type(v) is float and v == 0 and math.copysign(1.0, v) != math.copysign(1.0, cast(float, b)):
+                return False
+    return True
+
+
 class CapturedPlan:
     """One plan as a CUDA graph with its own staging, input buffers and arena (see the module doc)."""
 
@@ -234,6 +314,7 @@ class CapturedPlan:
         self.plan = plan
         graph = plan.graph
         self._n_inputs = len(graph.inputs)
+        self._input_specs = [(np.dtype(s.dtype), s.shape) for s in graph.inputs]  # (dtype, shape) each
         self._first_node = graph.first_node_value
         # Outputs: node values get a copy-table row each (once, however often listed); inputs are
         # returned as they came, as the eager path returns them.
@@ -243,21 +324,28 @@ class CapturedPlan:
         if self._split is not None:
             early = self._split.outputs
             self._node_outputs = early + tuple(v for v in self._node_outputs if v not in early)
-        self._n_early = 0 if self._split is None else len(self._split.outputs)
+        self._n_early = n_early = 0 if self._split is None else len(self._split.outputs)
+        early = self._node_outputs[:n_early]
+        # The output table's rows: first the early outputs into their host copies in the staging
+        # buffer, then every node output into the array made for it (its row in `_node_outputs`
+        # plus n_early). The first graph copies out the rows up to 2 * n_early, the second the rest.
+        self._row_values = early + self._node_outputs
+        n_rows = len(self._row_values)
         self._slots = cap.binding_slots(plan)
         self._slot_index = {(s.value, s.dtype): k for k, s in enumerate(self._slots)}
         self._checks = cap.host_checks(plan)
         self._layout = cap.staging_layout(
-            len(self._node_outputs),
+            n_rows,
             self._slots,
             [s.nbytes if h else None for s, h in zip(graph.inputs, host)],
+            [plan.specs[v].nbytes for v in early],
         )
         layout = self._layout
         size = layout.nbytes
         # Staged on every call: the tables and the slots; the host regions only when used.
-        self._tables_end = layout.outputs_at + 24 * len(self._node_outputs) + 8 * len(self._slots)
+        self._tables_end = layout.outputs_at + 24 * n_rows + 8 * len(self._slots)
         self._staging = [
-            _Staging(xp, plan, layout, len(self._node_outputs), self._slots) for _ in range(STAGING_BUFFERS)
+            _Staging(xp, plan, layout, n_rows, self._slots, early) for _ in range(STAGING_BUFFERS)
         ]
         self._turn = 0
         self._dev_mem = self._c.pool.malloc(cap.aligned(size))
@@ -275,35 +363,47 @@ class CapturedPlan:
         for staging in self._staging:
             for row, array in zip(staging.in_table, self._fixed):
                 row[1] = array.data.ptr
-            for row, v in zip(staging.out_table, self._node_outputs):
+            for row, v in zip(staging.out_table, self._row_values):
                 row[2] = plan.specs[v].nbytes
+            for row, at in zip(staging.out_table, layout.early_at):
+                row[1] = staging.mem.ptr + at  # page-locked: the same address on the device
         self._fixed_ptrs = [a.data.ptr for a in self._fixed]
         self._out_specs = [(plan.specs[v].shape, np.dtype(plan.specs[v].dtype)) for v in self._node_outputs]
         # Each result: (input number, None) for an input returned as it came, else (0, its row).
         row_of = {v: j for j, v in enumerate(self._node_outputs)}
         self._result_of = [(v, None) if v < self._n_inputs else (0, row_of[v]) for v in plan.outputs]
-        # The results a replay marks readable after the first graph.
+        # The results a replay marks readable after the first graph: (result, its host copy).
         self._early_results = tuple(
-            k for k, v in enumerate(plan.outputs) if v >= self._first_node and row_of[v] < self._n_early
+            (k, row_of[v])
+            for k, v in enumerate(plan.outputs)
+            if v >= self._first_node and row_of[v] < n_early
         )
         self._in_grid = _grid([a.nbytes for a in self._fixed])
         # Each graph's steps and output rows: [(first step, end step, first row, end row), ...].
-        n_steps, n_rows = len(plan.steps), len(self._node_outputs)
+        n_steps = len(plan.steps)
         if self._split is None:
             self._parts = [(0, n_steps, 0, n_rows)]
         else:
-            cut, n_early = self._split.at, self._n_early
-            self._parts = [(0, cut, 0, n_early), (cut, n_steps, n_early, n_rows)]
+            cut = self._split.at
+            self._parts = [(0, cut, 0, 2 * n_early), (cut, n_steps, 2 * n_early, n_rows)]
         self._args = [self._step_args(step) for step in plan.steps]
         self._values: list[Any] = []
         # The device array each fixed buffer holds a copy of (weakly), or None: unknown, or not one.
         self._copied: list[weakref.ref[Any] | None] = [None] * self._n_inputs
         self._arena: Any = None
         self._graphs: list[Any] = []
+        # The outputs up to the first too large to keep have templates (see _Staging.templates).
+        kept = next(
+            (j for j, v in enumerate(self._node_outputs) if plan.specs[v].nbytes > KEPT_OUTPUT_BYTES), None
+        )
+        n_kept = len(self._node_outputs) if kept is None else kept
+        for staging in self._staging:
+            staging.templates = [None] * n_kept
         self._fixed_bytes = (
             cap.aligned(size)
             + STAGING_BUFFERS * size
             + sum(cap.aligned(a.nbytes) for a, at in zip(self._fixed, layout.hosts_at) if at is None)
+            + STAGING_BUFFERS * sum(cap.aligned(plan.specs[v].nbytes) for v in self._node_outputs[:n_kept])
         )
 
     @property
@@ -316,18 +416,19 @@ class CapturedPlan:
     def _stage(self, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> _Call:
         """Fill the next staging buffer with this call's addresses, bindings and host inputs."""
         plan, xp = self.plan, self._c.xp
-        check_inputs(plan, inputs)
+        if [(a.dtype, a.shape) for a in inputs] != self._input_specs:
+            check_inputs(plan, inputs)  # says which input does not match
         values = check_bindings(plan, bindings)
         for check in self._checks:
             cap.check_indices(check, inputs[check.input])
         n_in = self._n_inputs
         staging = self._staging[self._turn]
+        staging.uses += 1  # its early copies are this call's from now on
         staging.done.synchronize()  # the launch that last read this buffer has finished
         staging.held = []
-        bound = staging.bound
-        # The same binding objects as this buffer last held (a jitted step's constants): its slots
-        # hold their values already.
-        if bound is None or len(bound) != len(values) or not all(map(operator.is_, values, bound)):
+        # The same binding values as this buffer last held (a jitted step's constants, which a
+        # worker decodes as new objects every call): its slots hold them already.
+        if not _same_values(values, staging.bound):
             staging.bound = None
             for slot, view in zip(self._slots, staging.slot_views):
                 try:
@@ -359,7 +460,7 @@ class CapturedPlan:
                     continue
                 a = xp.asarray(a)
                 call.keep.append(a)
-            elif not a.flags.c_contiguous:
+            elif not a._c_contiguous:  # what a.flags says, without making a Flags object
                 a = xp.ascontiguousarray(a)
                 call.keep.append(a)
             elif region is None:
@@ -374,13 +475,26 @@ class CapturedPlan:
                     continue
             sources.append(a.data.ptr)
             sizes.append(a.nbytes)
-        if sources:
+        # A training loop's inputs (the last call's results, views of the other buffer's kept
+        # arrays) and outputs are where they were the last time this buffer was used.
+        if sources != staging.sources:
             staging.in_table[:, 0] = sources
             staging.in_table[:, 2] = sizes
+            staging.sources = sources
         empty = xp.ndarray  # what cupy.empty calls, without its Python wrapper
-        made = [empty(shape, dtype) for shape, dtype in self._out_specs]
-        if made:
-            staging.out_table[:, 1] = [out.data.ptr for out in made]
+        templates = staging.templates
+        made = []
+        for j, (shape, dtype) in enumerate(self._out_specs):
+            if j >= len(templates):  # too large to keep: a new array from the pool
+                made.append(empty(shape, dtype))
+                continue
+            if templates[j] is None or _holders(templates[j]) != _IDLE:
+                templates[j] = empty(shape, dtype)  # the old one (if any) lives on in its result
+            made.append(templates[j].view())
+        targets = [out.data.ptr for out in made]
+        if targets != staging.targets:
+            staging.out_table[self._n_early :, 1] = targets
+            staging.targets = targets
         call.results = [inputs[k] if fresh is None else made[fresh] for k, fresh in self._result_of]
         return call
 
@@ -472,8 +586,13 @@ class CapturedPlan:
             self._values = []  # this part's sources below are the last references
         if hi == lo:
             return
-        sources = [xp.ascontiguousarray(values[v]) for v in self._node_outputs[lo:hi]]
-        del values
+        rows = self._row_values[lo:hi]
+        contiguous: dict[int, Any] = {}
+        for v in rows:
+            if v not in contiguous:
+                contiguous[v] = xp.ascontiguousarray(values[v])
+        sources = [contiguous[v] for v in rows]
+        del values, contiguous
         out_table = (staging or self._staging[self._turn]).out_table
         for row, a in zip(out_table[lo:hi], sources):
             row[0] = a.data.ptr
@@ -487,7 +606,7 @@ class CapturedPlan:
                 stream_ptr,
             )
         table = xp.ndarray((hi - lo, 3), np.uint64, memptr=self._dev_mem + at)
-        grid = _grid([self.plan.specs[v].nbytes for v in self._node_outputs[lo:hi]])
+        grid = _grid([self.plan.specs[v].nbytes for v in rows])
         self._c.copy_kernel((grid, hi - lo), (_THREADS,), (table,))
 
     def launch(self, stream: Any) -> None:
@@ -585,11 +704,12 @@ class CapturedPlan:
                 graphs = self._graphs
                 graphs[0].launch(stream)
                 if len(graphs) > 1:
-                    made = call.staging.made
+                    staging = call.staging
+                    made = staging.made
                     made.record(stream)
-                    mark, results = self._c.backend.mark_ready, call.results
-                    for k in self._early_results:
-                        mark(results[k], made)
+                    mark, results, uses = self._c.backend.mark_ready, call.results, staging.uses
+                    for k, j in self._early_results:
+                        mark(results[k], made, _EarlyCopy(staging, j, uses).read)
                     graphs[1].launch(stream)
                 self._sent(call, stream)
             except cap.StagingError:
@@ -611,10 +731,31 @@ class CapturedPlan:
         for staging in self._staging:
             staging.done.synchronize()
             staging.held = []
+            staging.templates = []
         self._graphs = []
         self._arena = None
         self._fixed = []
         self._slot_arrays = []
+
+
+class _EarlyCopy:
+    """The host copy one launch's first graph wrote of an early output, in its staging buffer:
+    `read()` (once the launch's `made` event has passed) gives a copy of it, or None once a later
+    call has been staged in that buffer (its launch overwrites the copy)."""
+
+    __slots__ = ("_index", "_staging", "_uses")
+
+    def __init__(self, staging: _Staging, index: int, uses: int) -> None:
+        self._staging = staging
+        self._index = index
+        self._uses = uses
+
+    def read(self) -> np.ndarray | None:
+        staging = self._staging
+        if staging.uses != self._uses:
+            return None
+        host = staging.early_views[self._index].copy()
+        return host if staging.uses == self._uses else None  # staged again meanwhile: maybe torn
 
 
 class _Call:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -168,6 +168,18 @@ PINNED_UNIT = 64 << 10
 ASYNC_READ_BYTES = 1 << 20
 
 
+def _wait(event: Any, timeout: float | None) -> None:
+    """Until `event` has passed; TimeoutError after `timeout` seconds (None: no limit)."""
+    if timeout is None:
+        event.synchronize()
+        return
+    deadline = time.monotonic() + timeout
+    while not event.done:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the copy to host memory did not finish within {timeout} s")
+        time.sleep(1e-4)
+
+
 class _Download:
     """A device-to-host copy into pinned memory, done when its event is."""
 
@@ -178,18 +190,40 @@ class _Download:
         self._done = done
 
     def result(self, timeout: float | None = None) -> np.ndarray:
-        if timeout is None:
-            self._done.synchronize()
-        else:
-            deadline = time.monotonic() + timeout
-            while not self._done.done:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the copy to host memory did not finish within {timeout} s")
-                time.sleep(1e-4)
+        _wait(self._done, timeout)
         return self._host
 
     def done(self) -> bool:
         return bool(self._done.done)
+
+
+HostRead = Callable[[], np.ndarray | None]
+"""A host copy of an array that its maker wrote to host memory itself (`mark_ready`): a new
+NumPy array, or None once that copy is gone (then the array is copied from the device)."""
+
+
+class _EarlyRead:
+    """A read of an array with a host copy (`mark_ready`): done when the copy is written."""
+
+    __slots__ = ("_array", "_backend", "_host", "_made", "_read")
+
+    def __init__(self, backend: CupyBackend, a: Array, made: Any, read: HostRead) -> None:
+        self._backend = backend
+        self._array: Array = a
+        self._made = made
+        self._read = read
+        self._host: np.ndarray | None = None
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        if self._host is None:
+            _wait(self._made, timeout)
+            host = self._read()
+            self._host = host if host is not None else self._backend.to_numpy(self._array)
+            self._array = None
+        return self._host
+
+    def done(self) -> bool:
+        return self._host is not None or bool(self._made.done)
 
 
 class CupyBackend:
@@ -225,9 +259,9 @@ class CupyBackend:
         self._oom: tuple[type[BaseException], ...] = (MemoryError, cupy.cuda.memory.OutOfMemoryError)
         self._variants: weakref.WeakKeyDictionary[Plan, Plan] = weakref.WeakKeyDictionary()
         self._kernels: dict[tuple[str, str, str], Any] = {}
-        # id(array) -> (weak reference to it, the event after which its value is final): arrays a
-        # captured replay made before the rest of its work (`mark_ready`).
-        self._ready: dict[int, tuple[weakref.ref[Any], Any]] = {}
+        # id(array) -> (weak reference to it, the event after which its value is final, its host
+        # copy or None): arrays a captured replay made before the rest of its work (`mark_ready`).
+        self._ready: dict[int, tuple[weakref.ref[Any], Any, HostRead | None]] = {}
         self._side: Any = None
 
     # -- fusion -------------------------------------------------------------------------------------
@@ -300,10 +334,11 @@ class CupyBackend:
         self._sample()
         return out
 
-    def mark_ready(self, a: Array, event: Any) -> None:
+    def mark_ready(self, a: Array, event: Any, host: HostRead | None = None) -> None:
         """`a`'s value is final once `event` (recorded on the current stream) has passed, though
         more work is queued after it: reads of `a` wait for that event only (cuda_graph.py's
-        early outputs). Forgotten when `a` goes."""
+        early outputs), then take `host()`, a copy its maker wrote to host memory, where given
+        and still there. Forgotten when `a` goes."""
         key, ready = id(a), self._ready
 
         def forget(ref: weakref.ref[Any]) -> None:
@@ -311,14 +346,14 @@ class CupyBackend:
             if entry is not None and entry[0] is ref:
                 del ready[key]
 
-        ready[key] = (weakref.ref(a, forget), event)
+        ready[key] = (weakref.ref(a, forget), event, host)
 
-    def _ready_event(self, a: Array) -> Any:
-        """The event after which `a` is final, if a replay marked it; None otherwise."""
+    def _ready_entry(self, a: Array) -> tuple[Any, HostRead | None] | None:
+        """(the event after which `a` is final, its host copy or None), if a replay marked it."""
         entry = self._ready.get(id(a))
         if entry is None or entry[0]() is not a:
             return None
-        return entry[1]
+        return entry[1], entry[2]
 
     def _side_stream(self) -> Any:
         """The stream early reads copy on, beside the work still queued on the current one."""
@@ -327,20 +362,30 @@ class CupyBackend:
         return self._side
 
     def to_numpy(self, a: Array) -> Any:
-        with self._device:
-            made = self._ready_event(a) if self._ready else None
-            if made is None:
+        entry = self._ready_entry(a) if self._ready else None
+        if entry is None:
+            with self._device:
                 return self._cp.asnumpy(a)
-            made.synchronize()  # a is final: copy it beside the rest of its graph's work
+        made, host = entry
+        made.synchronize()  # a is final
+        if host is not None:
+            copied = host()
+            if copied is not None:
+                return copied
+        with self._device:  # copy it beside the rest of its graph's work
             return self._cp.asnumpy(a, stream=self._side_stream())
 
     def to_numpy_async(self, a: Array) -> HostCopy:
         """A copy into pinned memory queued on the current stream (up to ASYNC_READ_BYTES; larger
         arrays are copied at once, so that they do not hold page-locked memory). An array marked
         ready (`mark_ready`) is copied on a side stream as soon as its event has passed, and work
-        queued later on the current stream waits for that copy (it may reuse the array's memory)."""
+        queued later on the current stream waits for that copy (it may reuse the array's memory);
+        one with a host copy is read from that once its event has passed, with nothing queued."""
         if isinstance(a, np.ndarray):  # an upload still in host memory
             return Ready(np.array(a, copy=True))
+        entry = self._ready_entry(a) if self._ready else None
+        if entry is not None and entry[1] is not None:
+            return _EarlyRead(self, a, entry[0], entry[1])
         if a.nbytes > ASYNC_READ_BYTES:
             return Ready(self.to_numpy(a))
         cp = self._cp
@@ -348,7 +393,7 @@ class CupyBackend:
             out = cp.cuda.alloc_pinned_memory(max(a.nbytes, 1))
             host = np.frombuffer(out, a.dtype, a.size).reshape(a.shape)
             done = cp.cuda.Event(block=False, disable_timing=True)
-            made = self._ready_event(a) if self._ready else None
+            made = None if entry is None else entry[0]
             if made is None:
                 cp.asnumpy(a, out=host, blocking=False)
                 done.record()

@@ -163,6 +163,33 @@ def test_a_replayed_steps_loss_is_readable_while_later_work_on_its_stream_waits(
         assert_close(g, w, "the step's outputs", loose=True)
 
 
+def test_each_replayed_steps_loss_reads_as_its_own_value_however_late_it_is_read(
+    backend: Any, captures: Captures
+) -> None:
+    """The first graph writes the loss into a host copy that a later call staged in the same
+    buffer overwrites: losses read one step late, after four more steps and never in order all
+    give their own step's value, blocking and async."""
+    graph = mlp_step(batch=128, sizes=(784, 512, 10))
+    inputs, bindings = mlp_inputs(graph)
+    plan = compile_plan(graph)
+    ins = [backend.from_numpy(a) for a in inputs]
+    rng = np.random.default_rng(5)
+    losses, want = [], []
+    for step in range(8):  # eager, capture, six replays, each on its own batch
+        x = backend.from_numpy(rng.standard_normal(inputs[0].shape).astype(np.float32))
+        outs = captures.run(plan, [x, *ins[1:]], bindings)
+        (expected,) = _numpy(backend, backend.run(compile_plan(graph), [x, *ins[1:]], bindings)[:1])
+        losses.append(outs[0])
+        want.append(expected)
+        if step >= 3:  # one step late, as a loop reading the last step's loss does
+            assert_close(backend.to_numpy(losses[step - 1]), want[step - 1], f"step {step - 1}", loose=True)
+    assert captures.replays == 6
+    reads = [backend.to_numpy_async(loss) for loss in losses]
+    for step in (7, 2, 5, 3, 6, 4):
+        assert_close(backend.to_numpy(losses[step]), want[step], f"step {step}, read late", loose=True)
+        assert_close(reads[step].result(), want[step], f"step {step}, async", loose=True)
+
+
 def test_new_binding_values_reach_a_replay(backend: Any, captures: Captures) -> None:
     """A learning rate and an offset that change every call, in a fused chain and a plain op."""
     full: dict[str, AttrValue] = {"shape": (3,), "dtype": "float64"}
@@ -177,6 +204,23 @@ def test_new_binding_values_reach_a_replay(backend: Any, captures: Captures) -> 
             np.testing.assert_array_equal(g, w, err_msg=f"call {k}")
         np.testing.assert_array_equal(got[1], np.full(3, off))
     assert captures.captured(plan)
+
+
+def test_a_binding_equal_to_the_last_but_of_another_sign_or_object_reaches_a_replay(
+    backend: Any, captures: Captures
+) -> None:
+    """Equal binding values (new objects, as a worker decodes them) reuse the staged slots; a zero
+    of the other sign (0.0 == -0.0) does not: the product's sign bits are the eager ones."""
+    nodes = (Node("multiply", (0, 1)),)
+    graph = Graph((TensorSpec("float32", (8,)),), ("float",), nodes, (2,))
+    plan, eager = compile_plan(graph), compile_plan(graph)
+    x = backend.from_numpy(np.linspace(1, 2, 8, dtype=np.float32))
+    for k, value in enumerate([0.0, float("0.0"), -0.0, float("-0.0"), 0.0, float("1.5"), 1.5, -0.0]):
+        (got,) = _numpy(backend, captures.run(plan, [x], [value]))
+        (want,) = _numpy(backend, backend.run(eager, [x], [value]))
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want), err_msg=f"call {k}: {value!r}")
+        np.testing.assert_array_equal(got, want, err_msg=f"call {k}: {value!r}")
+    assert captures.replays == 6
 
 
 def test_host_and_device_inputs_reach_a_replay_whichever_kind_it_was_captured_with(
@@ -218,15 +262,56 @@ def test_a_device_input_passed_again_or_replaced_at_the_same_address_gives_its_o
         np.testing.assert_array_equal(got, want, err_msg=f"call {k}")
     address = x.data.ptr
     reused = False
-    for k in range(4):
+    calls = 0
+    # Where the pool puts a new array depends on its free blocks, which earlier tests left: new
+    # arrays until one lands where the dead one was (at least four).
+    while calls < 4 or not reused and calls < 32:
         del x
         x = backend.from_numpy(rng.standard_normal(1000).astype(np.float32))
         reused |= x.data.ptr == address
+        address = x.data.ptr
         (got,) = _numpy(backend, captures.run(plan, [x], []))
         (want,) = _numpy(backend, backend.run(eager, [x], []))
-        np.testing.assert_array_equal(got, want, err_msg=f"new array {k}")
+        np.testing.assert_array_equal(got, want, err_msg=f"new array {calls}")
+        calls += 1
     assert reused, "the pool never reused the dead input's memory: the case this test is for did not occur"
-    assert captures.replays == 6
+    assert captures.replays == 2 + calls
+
+
+def test_a_replays_result_is_never_overwritten_while_it_or_its_memory_is_held(
+    backend: Any, captures: Captures
+) -> None:
+    """Later replays give their results in the memory of earlier ones that nothing holds any
+    more; a result held as itself, through a view, or through its memory alone keeps its values."""
+    import cupy
+
+    graph = Graph((TensorSpec("float32", (1000,)),), (), (Node("exp", (0,)),), (1,))
+    plan, eager = compile_plan(graph), compile_plan(graph)
+    rng = np.random.default_rng(13)
+    held: list[tuple[int, Any]] = []
+    want = []
+    for k in range(17):  # eager, capture, 15 replays
+        a = rng.standard_normal(1000).astype(np.float32)
+        (out,) = captures.run(plan, [backend.from_numpy(a)], [])
+        (expected,) = _numpy(backend, backend.run(eager, [backend.from_numpy(a)], []))
+        want.append(expected)
+        kind = k % 5
+        if kind == 0:
+            held.append((k, out))  # the result itself
+        elif kind == 1:
+            held.append((k, out[1:]))  # a view of it
+        elif kind == 2:
+            held.append((k, cupy.ndarray(out.shape, out.dtype, memptr=out.data)))  # its memory pointer
+        elif kind == 3:
+            held.append((k, cupy.ndarray((999,), out.dtype, memptr=out.data + 4)))  # its memory
+        else:  # read, then dropped: its memory is free for a later replay's result
+            np.testing.assert_array_equal(backend.to_numpy(out), expected, err_msg=f"call {k}")
+        del out
+    assert captures.replays == 15
+    backend.synchronize()
+    for k, array in held:
+        got = cupy.asnumpy(array)
+        np.testing.assert_array_equal(got, want[k][-got.size :], err_msg=f"call {k}, held as kind {k % 5}")
 
 
 def test_a_large_batch_on_a_cuda_device_is_staged_in_page_locked_memory() -> None:
