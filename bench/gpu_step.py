@@ -8,7 +8,8 @@ Two models, float32, softmax cross-entropy (mean), SGD lr=0.01, the same startin
 batches on every row: the small MLP (batch 128, 784-512-512-10) and a big one (batch 1024,
 4096-4096-4096-10). Every step reads its loss as a Python float, except the rows marked
 "read_async", which read each loss one step later (`loss.read_async()`, resolved after the next
-step is on its way). "host" rows give each step a batch from host memory (`dev.tensor(x)`);
+step is on its way). "host" rows give each step a batch from host memory (`dev.tensor(x)`; "from a DataLoader":
+`DataLoader(..., resident=False)`, which uploads batch k+1 right after step k's read is sent);
 "resident" rows keep the data set on the device: emberlink's through `DataLoader(...,
 resident=True)`, which gathers each batch with a `take` of an index tensor (a second plan a step),
 PyTorch's and CuPy's as batches uploaded beforehand. emberlink's "batches uploaded beforehand" rows
@@ -76,8 +77,8 @@ BIG = Model("big", 1024, (4096, 4096, 4096, 10), warm=6, steps=60)
 Step = Callable[[int], Any]
 """One step on batch `k` (of N_BATCHES); returns the loss (a float, or a future for read_async)."""
 
-HOST, LOADER, UPLOADED = "host", "loader", "uploaded"
-FEEDS = (HOST, LOADER, UPLOADED)
+HOST, HOST_LOADER, LOADER, UPLOADED = "host", "host loader", "loader", "uploaded"
+FEEDS = (HOST, HOST_LOADER, LOADER, UPLOADED)
 """Where a step's batch comes from (`ember_step`'s `feed`): uploaded from host memory each step, a
 resident DataLoader (a `take` a step), or uploaded once before the steps."""
 
@@ -314,8 +315,9 @@ def ember_step(
     feed: str,
     lazy: bool,
 ) -> Step:
-    """A step on `dev`: the batch uploaded each step (`feed` HOST, `dev.tensor`), gathered from a
-    resident DataLoader (LOADER) or uploaded once before the steps (UPLOADED); the step compiled
+    """A step on `dev`: the batch uploaded each step (`feed` HOST, `dev.tensor`; HOST_LOADER, by a
+    host-data DataLoader, which sends batch k+1 while step k runs), gathered from a resident
+    DataLoader (LOADER) or uploaded once before the steps (UPLOADED); the step compiled
     with `emberlink.jit` or recorded each time; the loss read at once, or (`lazy`) its read started
     and its future returned."""
     if feed not in FEEDS:
@@ -332,10 +334,10 @@ def ember_step(
 
     fn = el.jit(train) if jit else train
     loaded: Iterator[Any] | None = None
-    if feed == LOADER:
+    if feed in (LOADER, HOST_LOADER):
         xs = np.concatenate([x for x, _ in data])
         ys = np.concatenate([y for _, y in data])
-        loader = el.data.DataLoader((xs, ys), batch_size=model.batch, device=dev, resident=True)
+        loader = el.data.DataLoader((xs, ys), batch_size=model.batch, device=dev, resident=feed == LOADER)
         loaded = itertools.chain.from_iterable(itertools.repeat(loader))
     uploaded = [(dev.tensor(x), dev.tensor(y)) for x, y in data] if feed == UPLOADED else []
 
@@ -382,6 +384,7 @@ def local_rows(
         ("Device.cuda eager (recorded each step), host batches", False, HOST, False),
         ("Device.cuda jit, host batches", True, HOST, False),
         ("Device.cuda jit, host batches, read_async", True, HOST, True),
+        ("Device.cuda jit, host batches from a DataLoader", True, HOST_LOADER, False),
         ("Device.cuda jit, resident", True, LOADER, False),
         ("Device.cuda jit, resident, read_async", True, LOADER, True),
         ("Device.cuda jit, batches uploaded beforehand", True, UPLOADED, False),
@@ -499,6 +502,7 @@ REMOTE_CASES = [
     ("eager (recorded each step), host batches", False, HOST, False),
     ("jit, host batches", True, HOST, False),
     ("jit, host batches, read_async", True, HOST, True),
+    ("jit, host batches from a DataLoader", True, HOST_LOADER, False),
     ("jit, resident", True, LOADER, False),
     ("jit, resident, read_async", True, LOADER, True),
     ("jit, batches uploaded beforehand", True, UPLOADED, False),
@@ -551,6 +555,7 @@ def goals(small: list[Row], big: list[Row]) -> None:
     # uploaded beforehand, as PyTorch's resident rows have theirs; each line names its row.
     checks = [
         (small, "Device.remote, jit, host batches", "PyTorch eager, host batches", 0.85),
+        (small, "Device.remote, jit, host batches from a DataLoader", "PyTorch eager, host batches", 0.85),
         (small, "Device.remote, jit, resident", "PyTorch eager, host batches", 0.40),
         (small, "Device.remote, jit, batches uploaded beforehand", "PyTorch eager, host batches", 0.40),
         (small, "Device.cuda jit, host batches", "PyTorch eager, host batches", 0.25),

@@ -14,8 +14,9 @@ Rules (everything that decides between the eager path and a captured graph lives
 - Inputs may be host (NumPy) arrays where `takes_host(plan)` says so: the plan is about to be
   captured or replayed, and a capture copies host inputs into its pinned staging buffer, the
   upload being one node of the graph. An owner keeps an uploaded batch in host memory and uploads
-  it itself only for a plan that runs eagerly; if a run falls back to the eager path after all,
-  its host inputs are uploaded first.
+  it itself for a plan that runs eagerly, or once a second replay reads it (data uploaded once and
+  used on many steps); if a run falls back to the eager path after all, its host inputs are
+  uploaded first.
 - A capture lives as long as its plan and its owner: when the plan is dropped (graph-cache
   eviction) or the owner closes (session end), its memory is freed and `release` is told.
 """

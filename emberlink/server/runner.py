@@ -137,6 +137,8 @@ class BatchRunner:
         # and to the client's cache entry of the plan; None where capture cannot serve.
         self._captures = open_captures(backend, admit=self._admit_capture, release=self._release_capture)
         self._peaks: dict[bytes, int] = {}  # gid -> its plan's peak bytes (graphs.Costs, memoized here)
+        # Uploads still in host memory that one captured replay has read (see `_host_inputs`).
+        self._host_read_once: set[int] = set()
 
     # -- one batch ----------------------------------------------------------------------------------
 
@@ -188,6 +190,8 @@ class BatchRunner:
                 self._read(msg, out)
             elif type(msg) is m.Drop:
                 self._store.drop_many(msg.ids)
+                if self._host_read_once:
+                    self._host_read_once.difference_update(msg.ids)
             elif type(msg) is m.Sync:
                 self._sync(msg, out)
             elif type(msg) is m.Stats:
@@ -354,6 +358,8 @@ class BatchRunner:
             if self._captures is not None:
                 if not self._captures.takes_host(plan):
                     inputs = self._on_device(msg.inputs, inputs)
+                else:
+                    inputs = self._host_inputs(msg.inputs, inputs)
                 results = self._captures.run(plan, inputs, msg.bindings, msg.gid)
                 self.counters.captured_replays = self._captures.replays
                 if self._captures.captured(plan):
@@ -392,6 +398,25 @@ class BatchRunner:
                 a = self._backend.from_numpy(a)
                 self._store.put(tid, a, self._backend.nbytes(a), charged=False)
             out.append(a)
+        return out
+
+    def _host_inputs(self, tids: Sequence[int], inputs: list[Any]) -> list[Any]:
+        """A captured replay's inputs: an upload stays in (pinned) host memory for its first replay,
+        which copies it in as a node of the graph; one that a second replay reads is moved to the
+        device for good, so data uploaded once and used on many steps (batches a client uploaded
+        beforehand, as PyTorch keeps resident data) is not copied over again on every step."""
+        seen = self._host_read_once
+        out = inputs
+        for k, (tid, a) in enumerate(zip(tids, inputs, strict=True)):
+            if type(a) is np.ndarray:
+                if tid not in seen:
+                    seen.add(tid)
+                    continue
+                seen.discard(tid)
+                if out is inputs:
+                    out = list(inputs)
+                out[k] = self._backend.from_numpy(a)
+                self._store.put(tid, out[k], self._backend.nbytes(out[k]), charged=False)
         return out
 
     def _read(self, msg: m.Read, out: Outgoing) -> None:

@@ -554,3 +554,25 @@ def test_a_worker_charges_captures_frees_them_on_eviction_and_recaptures_after_r
     _wait_until(lambda: not cuda_worker.worker.sessions)
     assert cuda_worker.worker.held.used == 0  # the session's tensors and captures are all released
     assert backend.pool.used_bytes() <= pool_before + WORKSPACE_BYTES  # cuBLAS's stays with the device
+
+
+def test_an_upload_a_second_replay_reads_is_moved_to_the_device_and_gives_the_same_values(
+    cuda_worker: Any,
+) -> None:
+    """A batch uploaded once and used on many steps (as PyTorch keeps resident data) is copied in
+    by the graph on its first replay and lives on the device from its second on; a batch used
+    once stays in host memory, copied in by its one replay."""
+    import cupy
+
+    rng = np.random.default_rng(5)
+    batches = [rng.standard_normal(1 << 16, dtype=np.float32) for _ in range(4)]
+    want = [float(np.exp(b * np.float32(0.5)).sum(dtype=np.float64)) for b in batches]
+    with memory_device(cuda_worker) as dev:
+        xs = [dev.tensor(b) for b in batches]
+        for k in (0, 1, 2, 1, 2, 1, 3):  # 0 eager, then captured and replayed
+            assert float((xs[k] * 0.5).exp().sum()) == pytest.approx(want[k], rel=1e-4)
+        (session,) = cuda_worker.worker.sessions
+        kinds = [type(session._store.get(x._v.buf)) for x in xs]
+        # 0: moved by its eager run; 1, 2: read by a second replay; 3: read by one replay only.
+        assert kinds == [cupy.ndarray, cupy.ndarray, cupy.ndarray, np.ndarray]
+        np.testing.assert_array_equal(xs[1].numpy(), batches[1])
