@@ -221,9 +221,9 @@ def spy_on(dev: Device, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     for name in ("upload", "execute", "read", "send"):
         method = getattr(executor, name)
 
-        def logged(*args: Any, _name: str = name, _method: Any = method) -> Any:
+        def logged(*args: Any, _name: str = name, _method: Any = method, **kwargs: Any) -> Any:
             calls.append(_name)
-            return _method(*args)
+            return _method(*args, **kwargs)
 
         monkeypatch.setattr(executor, name, logged)
     return calls
