@@ -293,7 +293,7 @@ class Device:
             _tensor.JIT_TRACE.refuse(self, "read")
         if v.node is not None:
             self.flush()
-        return self._executor.read(v.buf).result()  # type: ignore[arg-type]
+        return self._executor.read(v.buf, wait=True).result()  # type: ignore[arg-type]
 
     def _read_async(self, v: Value) -> ArrayFuture:
         """`_read` without the wait: the pending work and the read are sent before this returns. A
