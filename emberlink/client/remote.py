@@ -320,8 +320,7 @@ class RemoteExecutor:
         session = self._session
         if answer is not None and session.request_direct(messages, bulks, nbytes, answer):
             return
-        session.want_loop()
-        self._loop.call_soon_threadsafe(session.submit, messages, bulks, nbytes)
+        session.hand_over(messages, bulks, nbytes)
 
     def _request(self, make: Callable[[int], m.ClientMessage], wait: bool = False) -> Future[Any]:
         """Queue a message that the worker answers, flush, and return the future of the answer

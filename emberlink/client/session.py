@@ -130,6 +130,7 @@ class ClientSession:
         templates: bool = True,
     ) -> None:
         self._link = link
+        self._loop = asyncio.get_running_loop()
         self._counters = counters
         self._flow = flow
         self._worker = worker
@@ -220,11 +221,13 @@ class ClientSession:
 
     # -- a user thread's own round trip ---------------------------------------------------------------
 
-    def want_loop(self) -> None:
-        """From a user thread about to hand the loop a batch: no thread owns the link meanwhile."""
+    def hand_over(self, messages: list[m.ClientMessage], bulks: list[np.ndarray], nbytes: int) -> None:
+        """From a user thread: `submit` the batch on the loop (no thread claims the link before)."""
         ownable = self._ownable
         if ownable is not None:
-            ownable.want_loop()
+            ownable.call_on_loop(functools.partial(self.submit, messages, bulks, nbytes))
+        else:
+            self._loop.call_soon_threadsafe(self.submit, messages, bulks, nbytes)
 
     def request_direct(
         self, messages: list[m.ClientMessage], bulks: list[np.ndarray], nbytes: int, answer: Future[Any]

@@ -70,8 +70,8 @@ class OwnableLink(CallbackLink, Protocol):
     """A link whose socket a user thread can own for a synchronous round trip, doing the I/O
     itself instead of the event loop (the raw TCP link's, on Linux; transport/tcp.py says how).
 
-    On the loop: `allow_parking`, `take_back`. On user threads: `try_claim`, `want_loop`; and, by
-    the owner only, `write_direct`, `read_direct` and `release`.
+    On the loop: `allow_parking`, `take_back`. On user threads: `try_claim`, `call_on_loop`; and,
+    by the owner only, `write_direct`, `read_direct` and `release`.
     """
 
     def allow_parking(self, idle: Callable[[], bool] | None) -> None: ...
@@ -80,7 +80,7 @@ class OwnableLink(CallbackLink, Protocol):
 
     def try_claim(self) -> bool: ...
 
-    def want_loop(self) -> None: ...
+    def call_on_loop(self, fn: Callable[[], None]) -> None: ...
 
     def write_direct(self, blob: bytes | bytearray) -> bool: ...
 

@@ -25,7 +25,8 @@ a link can hand its socket to one user thread at a time, which writes and reads 
 blocking. Who may touch the socket is the link's `Mode`, changed under a lock:
 - LOOP: the loop's transport reads and writes, as above; no other thread touches the socket.
 - PARKED: the loop has paused reading with nothing queued to write or half-parsed (`allow_parking`
-  says when the session has nothing outstanding either); nobody touches the socket.
+  says when the session has nothing outstanding either), and no user thread has handed it work
+  that has not run yet (`call_on_loop`); nobody touches the socket.
 - OWNED: the user thread that claimed it (`try_claim`, from PARKED only) writes (`write_direct`)
   and reads (`read_direct`) until it `release`s it: back to PARKED, or to LOOP when it cannot
   finish alone (a write that would block, the link broke) or the loop asked for it.
@@ -119,6 +120,7 @@ class TcpLink(asyncio.Protocol):
         self._bell = -1  # eventfd the loop rings to ask an owner to release
         self._poll: select.poll | None = None
         self._wanted = False  # the loop asked the owner to release
+        self._loop_calls = 0  # calls user threads handed the loop (`call_on_loop`) not yet run
         self._handing_back = False  # an owner released to the loop, whose `_back` has not run yet
         self._on_back: list[Callable[[], None]] = []  # loop work waiting for the socket, in order
         self._owner_take: OnBlob | None = None  # the owner's receiver while it reads
@@ -343,7 +345,7 @@ class TcpLink(asyncio.Protocol):
     def try_claim(self) -> bool:
         """Make the calling thread the socket's owner if it is parked; whether it now is."""
         with self._owner_lock:
-            if self._mode is not Mode.PARKED:
+            if self._mode is not Mode.PARKED or self._loop_calls:
                 return False
             if self._poll is None:
                 self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -354,14 +356,21 @@ class TcpLink(asyncio.Protocol):
             self._wanted = False
             return True
 
-    def want_loop(self) -> None:
-        """From a user thread about to hand the loop work for this link: no thread claims the socket
-        until the loop has taken it back, and an owner releases it as soon as it can."""
+    def call_on_loop(self, fn: Callable[[], None]) -> None:
+        """From a user thread: run `fn` on the loop (which takes the socket back first, if it
+        needs it). Until it has run, no thread claims the socket and the loop does not park it,
+        so work handed over this way cannot be overtaken by a claimer's; an owner is asked to
+        release now."""
         with self._owner_lock:
-            if self._mode is Mode.PARKED:
-                self._mode = Mode.LOOP  # reading resumes when the loop takes it (`take_back`)
-            elif self._mode is Mode.OWNED:
+            self._loop_calls += 1
+            if self._mode is Mode.OWNED:
                 self._ring()
+        self._loop.call_soon_threadsafe(self._loop_call, fn)
+
+    def _loop_call(self, fn: Callable[[], None]) -> None:
+        with self._owner_lock:
+            self._loop_calls -= 1
+        fn()
 
     def take_back(self, then: Callable[[], None]) -> bool:
         """On the loop, before it does I/O or session work on this link: True when the loop has
@@ -484,10 +493,12 @@ class TcpLink(asyncio.Protocol):
             or transport.get_write_buffer_size()
         ):
             return
-        if not self._park_paused:
-            transport.pause_reading()
-            self._park_paused = True
-        with self._owner_lock:
+        with self._owner_lock:  # a claimer waits for the whole of it (pause_reading may let go of the GIL)
+            if self._loop_calls:
+                return
+            if not self._park_paused:
+                transport.pause_reading()
+                self._park_paused = True
             self._mode = Mode.PARKED
 
     def _resume_parked(self) -> None:
