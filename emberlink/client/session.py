@@ -58,6 +58,9 @@ PROGRESS_BYTES = 64 << 20
 SEND_NOW_BYTES = 64 << 10
 """A batch with at most this many upload bytes is sealed and written where it is submitted when the
 sender task is idle and the link can write at once (`ClientSession._send_now`)."""
+DIRECT_BYTES = 1 << 20
+"""A batch with at most this many upload bytes (one blob) may be sent and answered on the thread
+that waits for it (`ClientSession.request_direct`): the MLP step's 400 KB host batch is."""
 
 
 @dataclass(slots=True)
@@ -238,7 +241,7 @@ class ClientSession:
         releases the link to the loop when something needs it: `answer` is then the loop's to
         settle. Measured: see the module docstring of transport/tcp.py."""
         link = self._ownable
-        if link is None or nbytes > SEND_NOW_BYTES or not link.try_claim():
+        if link is None or nbytes > DIRECT_BYTES or not link.try_claim():
             return False
         # This thread owns the link: the loop touches neither it nor the connection until released.
         keep = False

@@ -411,10 +411,11 @@ class TcpLink(asyncio.Protocol):
         self._loop.call_soon_threadsafe(self._back)
 
     def write_direct(self, blob: bytes | bytearray) -> bool:
-        """The owner writes `blob` (at most `SMALL` bytes) now; False when it could not write it
-        whole: the rest, or the failure, is the loop's once the owner releases the socket, which
-        it must then do before it writes anything else."""
-        return self._write_owned(len(blob).to_bytes(_PREFIX, "big") + blob)
+        """The owner writes `blob` now; False when it could not write it whole: the rest, or the
+        failure, is the loop's once the owner releases the socket, which it must then do before
+        it writes anything else."""
+        check_size(blob)
+        return self._write_owned(len(blob).to_bytes(_PREFIX, "big"), blob)
 
     def read_direct(self, take: OnBlob) -> bool:
         """The owner waits for bytes, at most `KEEPALIVE_S` (sending a heartbeat if it wrote
@@ -453,17 +454,17 @@ class TcpLink(asyncio.Protocol):
         self._take_in(data)
         return self._owner_failed is None
 
-    def _write_owned(self, data: bytes) -> bool:
+    def _write_owned(self, head: bytes, body: bytes | bytearray = b"") -> bool:
         try:
-            sent = os.write(self._fd, data)
+            sent = os.writev(self._fd, (head, body)) if body else os.write(self._fd, head)
         except BlockingIOError:
             sent = 0
         except OSError as e:
             self._owner_failed = f"send to {self.peer} failed: {type(e).__name__}: {e}"
             return False
         self._last_out = time.monotonic()
-        if sent < len(data):
-            self._owner_rest = data[sent:]
+        if sent < len(head) + len(body):
+            self._owner_rest = (head + body)[sent:]
             return False
         return True
 
