@@ -5,7 +5,7 @@ is protocol/session.py's `ClientConnection`. This pump sends the frames it gives
 few blobs as the transport allows, feeds it the blobs that arrive, and acts on its events:
 resolves the futures user threads wait on and tells the executor about acks. Results are
 decrypted straight into arrays allocated here. User threads never touch it except through
-`call_soon_threadsafe` (and the futures it resolves).
+`hand_over` (`call_soon_threadsafe`), the futures it resolves, and `request_direct` (below).
 
 Over a link a user thread can own (the raw TCP link's, transport/tcp.py), a batch that a thread
 waits for at once (a blocking read, `sync`) may skip the loop: `request_direct`, on that thread,
@@ -239,7 +239,9 @@ class ClientSession:
         `answer` is settled on this thread, if the link is parked (nothing else outstanding);
         False, having done nothing, if not (`submit` it through the loop then). The thread
         releases the link to the loop when something needs it: `answer` is then the loop's to
-        settle. Measured: see the module docstring of transport/tcp.py."""
+        settle. Measured on the jitted tiny step over tcp (uvloop, worker in another process,
+        bench/step_trace.py, three interleaved runs each): the step 256-315 -> 237-251 µs, the
+        client's CPU a step (user thread + I/O thread) 126-163 -> 112-119 µs."""
         link = self._ownable
         if link is None or nbytes > DIRECT_BYTES or not link.try_claim():
             return False
