@@ -329,16 +329,20 @@ class RemoteExecutor:
         rid = next(self._rids)
         fut: Future[Any] = Future()
         self._flow.futures[rid] = fut
+        if wait:
+            self._flow.waited.add(rid)
         self._pending.append(make(rid))
         self.counters.round_trips += 1
         try:
             self._flush(fut if wait else None)
         except EmberlinkError as e:
             self._flow.futures.pop(rid, None)
+            self._flow.waited.discard(rid)
             _settle(fut, e)
         dead = self._dead
         if dead is not None:  # the session died before the loop could see this future
             self._flow.futures.pop(rid, None)
+            self._flow.waited.discard(rid)
             _settle(fut, dead)
         return fut
 

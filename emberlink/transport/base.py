@@ -70,11 +70,14 @@ class OwnableLink(CallbackLink, Protocol):
     """A link whose socket a user thread can own for a synchronous round trip, doing the I/O
     itself instead of the event loop (the raw TCP link's, on Linux; transport/tcp.py says how).
 
-    On the loop: `allow_parking`, `take_back`. On user threads: `try_claim`, `call_on_loop`; and,
+    On the loop: `allow_parking`, `loop_has_it`, `take_back`. On user threads: `try_claim`, `call_on_loop`; and,
     by the owner only, `write_direct`, `read_direct` and `release`.
     """
 
     def allow_parking(self, idle: Callable[[], bool] | None) -> None: ...
+
+    @property
+    def loop_has_it(self) -> bool: ...
 
     def take_back(self, then: Callable[[], None]) -> bool: ...
 

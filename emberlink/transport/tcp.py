@@ -120,7 +120,7 @@ class TcpLink(asyncio.Protocol):
         self._bell = -1  # eventfd the loop rings to ask an owner to release
         self._poll: select.poll | None = None
         self._wanted = False  # the loop asked the owner to release
-        self._loop_calls = 0  # calls user threads handed the loop (`call_on_loop`) not yet run
+        self._handed: deque[None] = deque()  # one per call handed to the loop (`call_on_loop`) not yet run
         self._handing_back = False  # an owner released to the loop, whose `_back` has not run yet
         self._on_back: list[Callable[[], None]] = []  # loop work waiting for the socket, in order
         self._owner_take: OnBlob | None = None  # the owner's receiver while it reads
@@ -345,7 +345,7 @@ class TcpLink(asyncio.Protocol):
     def try_claim(self) -> bool:
         """Make the calling thread the socket's owner if it is parked; whether it now is."""
         with self._owner_lock:
-            if self._mode is not Mode.PARKED or self._loop_calls:
+            if self._mode is not Mode.PARKED or self._handed:
                 return False
             if self._poll is None:
                 self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -361,16 +361,21 @@ class TcpLink(asyncio.Protocol):
         needs it). Until it has run, no thread claims the socket and the loop does not park it,
         so work handed over this way cannot be overtaken by a claimer's; an owner is asked to
         release now."""
-        with self._owner_lock:
-            self._loop_calls += 1
-            if self._mode is Mode.OWNED:
-                self._ring()
+        self._handed.append(None)  # (atomic: no lock on the common path; checked under it)
+        if self._mode is Mode.OWNED:
+            with self._owner_lock:
+                if self._mode is Mode.OWNED:
+                    self._ring()
         self._loop.call_soon_threadsafe(self._loop_call, fn)
 
     def _loop_call(self, fn: Callable[[], None]) -> None:
-        with self._owner_lock:
-            self._loop_calls -= 1
+        self._handed.popleft()
         fn()
+
+    @property
+    def loop_has_it(self) -> bool:
+        """On the loop: whether it has the socket now, reading (`take_back` is then not needed)."""
+        return self._mode is Mode.LOOP and not self._handing_back and not self._park_paused
 
     def take_back(self, then: Callable[[], None]) -> bool:
         """On the loop, before it does I/O or session work on this link: True when the loop has
@@ -495,7 +500,7 @@ class TcpLink(asyncio.Protocol):
         ):
             return
         with self._owner_lock:  # a claimer waits for the whole of it (pause_reading may let go of the GIL)
-            if self._loop_calls:
+            if self._handed:
                 return
             if not self._park_paused:
                 transport.pause_reading()
