@@ -440,12 +440,14 @@ class TcpLink(asyncio.Protocol):
                 readable = True
         if self._wanted:
             return False
+        now = time.monotonic()
+        if now - self._last_out >= KEEPALIVE_S and not self._write_owned(_HEARTBEAT_BYTES):
+            return False  # (a peer's heartbeats wake the poll: ours go whether or not it timed out)
         if not readable:
-            now = time.monotonic()
             if now - self._last_in > DEAD_AFTER_S:
                 self._owner_failed = f"no sign of life from peer {self.peer} for {now - self._last_in:.1f} s"
                 return False
-            return now - self._last_out < KEEPALIVE_S or self._write_owned(_HEARTBEAT_BYTES)
+            return True
         try:
             data = os.read(self._fd, _DIRECT_READ)
         except BlockingIOError:

@@ -518,6 +518,35 @@ async def test_an_owner_notices_a_silent_peer_and_the_link_ends_saying_so(
         await link.close()
 
 
+async def test_an_owner_sends_heartbeats_while_it_waits_even_when_the_peer_chatters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tcp, "KEEPALIVE_S", 0.05)
+    heard: list[bytes] = []
+
+    async def busy_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answer_once(reader, writer)
+        await reader.readexactly(int.from_bytes(await reader.readexactly(4), "big"))  # the request
+
+        async def listen() -> None:  # what the client says meanwhile
+            while True:
+                heard.append(await reader.readexactly(4))
+
+        listening = asyncio.create_task(listen())
+        for _ in range(50):  # busy for ten keepalive periods, sending its own heartbeats meanwhile
+            writer.write((0xFFFF_FFFF).to_bytes(4, "big"))
+            await asyncio.sleep(0.01)
+        listening.cancel()
+        writer.write((6).to_bytes(4, "big") + b"answer")
+
+    async with RawPeer(busy_worker) as port:
+        link = await tcp.connect("127.0.0.1", port)
+        await parked(link, [])
+        assert await within(20, asyncio.to_thread(owner_round_trip, link, b"request")) == [b"answer"]
+        assert len(heard) >= 3 and set(heard) == {(0xFFFF_FFFF).to_bytes(4, "big")}
+        await link.close()
+
+
 async def test_what_an_owner_cannot_write_at_once_goes_from_the_loop_first_and_in_order() -> None:
     go = asyncio.Event()
     got: list[bytes] = []
