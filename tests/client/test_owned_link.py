@@ -21,6 +21,8 @@ from emberlink.client.remote import connect_ticket
 from emberlink.client.session import ClientSession
 from emberlink.protocol.ticket import Ticket
 
+from ..training import mlp_losses
+
 
 class Counted:
     """Wraps a ClientSession method: how often it was called, and how often it returned True."""
@@ -195,3 +197,17 @@ def test_a_tcp_link_cut_while_the_thread_waits_for_its_answer_is_resumed() -> No
         cutter.join()
         assert float(x.sum()) == 65536.0  # (had the cut come after the read, this one meets it)
         assert dev.stats()["resumes"] == 1
+
+
+def test_a_graph_the_worker_lacks_is_sent_again_when_the_reading_thread_hears_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    direct = Counted(monkeypatch, "request_direct")
+    with el.Device.cpu() as cpu:
+        expected = mlp_losses(cpu, 6)
+    # A graph cache smaller than one graph: every Execute meets GraphUnknown, and the batch goes
+    # again (through the loop) with its graph.
+    with emberlink.testing.worker(tcp=True, graph_cache_bytes=64) as w, w.device(transport="tcp") as dev:
+        assert mlp_losses(dev, 6) == expected
+        assert dev.stats()["graph_cache_misses"] > 0
+    assert direct.true > 0
