@@ -94,10 +94,13 @@ def link_classes() -> tuple[Any, Any]:
 
 def wrap_io(link: Any, side: str) -> None:
     """Mark a link's writes and arrivals: a TcpLink's writes go through `send_nowait` (from `send`
-    or straight from a pump) and its blobs arrive in `_deliver` (handed to a pump's callback or
-    queued for `recv`); other links' through `send` and `recv`."""
+    or straight from a pump) or, from a user thread that owns it, `write_direct`, and its blobs
+    arrive in `_deliver` (handed to a pump's callback or an owner's, or queued for `recv`); other
+    links' through `send` and `recv`."""
     if hasattr(link, "send_nowait"):
         wrap(link, "send_nowait", f"{side}.write", f"{side}.written")
+        if hasattr(link, "write_direct"):
+            wrap(link, "write_direct", f"{side}.write", f"{side}.written")
         wrap(link, "_deliver", f"{side}.recv")
     else:
         wrap(link, "recv", None, f"{side}.recv")
@@ -114,6 +117,7 @@ def install(side: str) -> None:
 
         wrap(RemoteExecutor, "_flush", "c.flush")
         wrap(ClientSession, "submit", "c.submit")
+        wrap(ClientSession, "request_direct", "c.submit")  # no hand-off: sent by the user's thread
         wrap_io(client_link, "c")
         wrap(ClientSession, "_resolve", "c.resolve")
         return
@@ -568,6 +572,8 @@ def uninstall_client() -> None:
     for cls, name in [
         (RemoteExecutor, "_flush"),
         (ClientSession, "submit"),
+        (ClientSession, "request_direct"),
+        (client_link, "write_direct"),
         (client_link, "send"),
         (client_link, "recv"),
         (client_link, "send_nowait"),

@@ -85,8 +85,9 @@ class Executor(Protocol):
         A failure poisons the outputs: reading one raises the failure, and `sync` raises it once.
         """
 
-    def read(self, buf: int) -> ReadFuture:
-        """The array in `buf`, as a future; the array returned is the caller's to keep."""
+    def read(self, buf: int, wait: bool = False) -> ReadFuture:
+        """The array in `buf`, as a future; the array returned is the caller's to keep. `wait`: the
+        caller waits for it at once (a remote executor may then do the round trip on its thread)."""
         ...
 
     def drop(self, bufs: Sequence[int]) -> None:

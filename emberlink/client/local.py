@@ -148,7 +148,7 @@ class LocalExecutor:
         if self._first_failure is None:
             self._first_failure = error
 
-    def read(self, buf: int) -> HostCopy | _Failed:
+    def read(self, buf: int, wait: bool = False) -> HostCopy | _Failed:
         """The copy to host memory starts now; on a GPU it runs after the work queued so far, and
         only `result()` waits for it (so `read_async` lets the next step's work go on meanwhile)."""
         array = self._store.get(buf)

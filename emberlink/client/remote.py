@@ -302,7 +302,9 @@ class RemoteExecutor:
                 raise type(dead)(dead.message) from dead
             raise WorkerLost(f"the session with worker {self.worker_node_id} is over: {dead}") from dead
 
-    def _flush(self) -> None:
+    def _flush(self, answer: Future[Any] | None = None) -> None:
+        """Send the pending batch; `answer`: this thread waits for that future at once, so it may
+        do the round trip itself (ClientSession.request_direct)."""
         if not self._pending:
             return
         messages, bulks, nbytes = self._pending, self._pending_bulks, self._pending_bytes
@@ -315,24 +317,32 @@ class RemoteExecutor:
             self._unacked_batches += 1
             self._unacked_bytes += nbytes
         self._check()
-        self._loop.call_soon_threadsafe(self._session.submit, messages, bulks, nbytes)
+        session = self._session
+        if answer is not None and session.request_direct(messages, bulks, nbytes, answer):
+            return
+        session.hand_over(messages, bulks, nbytes)
 
-    def _request(self, make: Callable[[int], m.ClientMessage]) -> Future[Any]:
-        """Queue a message that the worker answers, flush, and return the future of the answer."""
+    def _request(self, make: Callable[[int], m.ClientMessage], wait: bool = False) -> Future[Any]:
+        """Queue a message that the worker answers, flush, and return the future of the answer
+        (`wait`: the caller waits for it at once)."""
         self._check()
         rid = next(self._rids)
         fut: Future[Any] = Future()
         self._flow.futures[rid] = fut
+        if wait:
+            self._flow.waited.add(rid)
         self._pending.append(make(rid))
         self.counters.round_trips += 1
         try:
-            self._flush()
+            self._flush(fut if wait else None)
         except EmberlinkError as e:
             self._flow.futures.pop(rid, None)
+            self._flow.waited.discard(rid)
             _settle(fut, e)
         dead = self._dead
         if dead is not None:  # the session died before the loop could see this future
             self._flow.futures.pop(rid, None)
+            self._flow.waited.discard(rid)
             _settle(fut, dead)
         return fut
 
@@ -384,9 +394,9 @@ class RemoteExecutor:
         if len(self._pending) >= FLUSH_MESSAGES:
             self._flush()
 
-    def read(self, buf: int) -> Future[np.ndarray]:
+    def read(self, buf: int, wait: bool = False) -> Future[np.ndarray]:
         """The array in `buf` as a concurrent future (`.result()` waits; `numpy()` calls it)."""
-        return self._request(lambda rid: m.Read(rid, buf))
+        return self._request(lambda rid: m.Read(rid, buf), wait)
 
     def drop(self, bufs: Sequence[int]) -> None:
         if self._dead is not None or self._closed or not bufs:
@@ -400,7 +410,7 @@ class RemoteExecutor:
         self._flush()
 
     def sync(self) -> None:
-        self._request(m.Sync).result()
+        self._request(m.Sync, wait=True).result()
 
     def stats(self) -> ExecutorStats:
         out = self.counters.as_dict()

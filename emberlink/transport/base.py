@@ -65,6 +65,33 @@ class CallbackLink(Link, Protocol):
     def send_nowait(self, blob: Blob) -> bool: ...
 
 
+@runtime_checkable
+class OwnableLink(CallbackLink, Protocol):
+    """A link whose socket a user thread can own for a synchronous round trip, doing the I/O
+    itself instead of the event loop (the raw TCP link's, on Linux; transport/tcp.py says how).
+
+    On the loop: `allow_parking`, `loop_has_it`, `take_back`. On user threads: `try_claim`, `call_on_loop`; and,
+    by the owner only, `write_direct`, `read_direct` and `release`.
+    """
+
+    def allow_parking(self, idle: Callable[[], bool] | None) -> None: ...
+
+    @property
+    def loop_has_it(self) -> bool: ...
+
+    def take_back(self, then: Callable[[], None]) -> bool: ...
+
+    def try_claim(self) -> bool: ...
+
+    def call_on_loop(self, fn: Callable[[], None]) -> None: ...
+
+    def write_direct(self, blob: bytes | bytearray) -> bool: ...
+
+    def read_direct(self, take: OnBlob) -> bool: ...
+
+    def release(self, keep: bool, then: Callable[[], None] | None = None) -> None: ...
+
+
 def offer_receiver(link: Link, on_blob: OnBlob | None) -> bool:
     """Hand `link`'s blobs to `on_blob` as they arrive where its transport can (None: stop); whether it can."""
     if isinstance(link, CallbackLink):

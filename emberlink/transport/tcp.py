@@ -18,15 +18,36 @@ Flow: blobs larger than `SLICE` are written a slice at a time with a drain betwe
 write() is several times slower in asyncio), so a peer that stops reading blocks `send` instead of
 growing a buffer. Uses whatever event loop runs it; `event_loop_factory` (transport/loop.py) picks
 uvloop where installed.
+
+Owned by a user thread (Linux): a client's synchronous round trip (send a batch, wait for its
+reply) costs the event loop two wake-ups and the user's thread one when the loop does the I/O. So
+a link can hand its socket to one user thread at a time, which writes and reads it itself,
+blocking. Who may touch the socket is the link's `Mode`, changed under a lock:
+- LOOP: the loop's transport reads and writes, as above; no other thread touches the socket.
+- PARKED: the loop has paused reading with nothing queued to write or half-parsed (`allow_parking`
+  says when the session has nothing outstanding either), and no user thread has handed it work
+  that has not run yet (`call_on_loop`); nobody touches the socket.
+- OWNED: the user thread that claimed it (`try_claim`, from PARKED only) writes (`write_direct`)
+  and reads (`read_direct`) until it `release`s it: back to PARKED, or to LOOP when it cannot
+  finish alone (a write that would block, the link broke) or the loop asked for it.
+The loop never touches the socket unless the mode is LOOP: it takes the socket back (`take_back`)
+before it writes, reads or closes, waiting for an owner's release (it rings the owner's bell, an
+eventfd in the owner's poll, so it comes at once) and running what waited after it. An owner sends
+heartbeats and notices silence itself while it waits; a link parked for `KEEPALIVE_S` with
+nothing said either way goes back to the loop at the next keepalive tick.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import select
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from enum import Enum
 from typing import cast
 
 from emberlink.errors import TransportError, TransportTimeout
@@ -49,6 +70,19 @@ DEAD_AFTER_S = 2.5
 
 #: How long close() lets written blobs drain to a peer before it cuts the connection.
 _CLOSE_WAIT_S = 1.0
+
+
+#: Bytes a user thread asks the socket for at a time when it reads a reply itself.
+_DIRECT_READ = 256 * 1024
+_DIRECT = hasattr(os, "eventfd") and hasattr(select, "poll")  # Linux: user threads may own the socket
+
+
+class Mode(Enum):
+    """Who does a link's socket I/O (see "Owned by a user thread" in the module docstring)."""
+
+    LOOP = "loop"  # the event loop, through its transport
+    PARKED = "parked"  # nobody: the loop stopped reading, with nothing to write; a user thread may claim it
+    OWNED = "owned"  # one user thread, blocking, until it releases the socket
 
 
 def _address(host: str, port: int) -> str:
@@ -79,6 +113,21 @@ class TcpLink(asyncio.Protocol):
         self._last_in = self._last_out = time.monotonic()
         self._timer: asyncio.TimerHandle | None = None
         self._on_blob: OnBlob | None = None
+        # Ownership of the socket (module docstring): the mode and what goes with it, under _owner_lock.
+        self._owner_lock = threading.Lock()
+        self._mode = Mode.LOOP
+        self._fd = -1  # the socket's, for an owner's I/O (-1: no owner ever)
+        self._bell = -1  # eventfd the loop rings to ask an owner to release
+        self._poll: select.poll | None = None
+        self._wanted = False  # the loop asked the owner to release
+        self._handed: deque[None] = deque()  # one per call handed to the loop (`call_on_loop`) not yet run
+        self._handing_back = False  # an owner released to the loop, whose `_back` has not run yet
+        self._on_back: list[Callable[[], None]] = []  # loop work waiting for the socket, in order
+        self._owner_take: OnBlob | None = None  # the owner's receiver while it reads
+        self._owner_failed: str | None = None  # why the owner gave up on the link (the loop fails it)
+        self._owner_rest: bytes | None = None  # what the owner could not write: the loop writes it first
+        self._park_paused = False  # reading paused by parking (not by a full receive buffer)
+        self._parkable: Callable[[], bool] | None = None  # whether the session has nothing outstanding
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -87,6 +136,8 @@ class TcpLink(asyncio.Protocol):
         sock = self._transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if _DIRECT and sock.family in (socket.AF_INET, socket.AF_INET6):
+                self._fd = sock.fileno()
         if self.peer == "tcp:?":
             name = self._transport.get_extra_info("peername")
             if isinstance(name, tuple):
@@ -96,6 +147,13 @@ class TcpLink(asyncio.Protocol):
             self._on_made(self)
 
     def data_received(self, data: bytes) -> None:
+        self._take_in(data)
+        parkable = self._parkable
+        if parkable is not None and parkable():
+            self._park()
+
+    def _take_in(self, data: bytes) -> None:
+        """Parse `data`, handing each whole blob to `_deliver` (on the loop, or on an owner's thread)."""
         self._last_in = time.monotonic()
         end = len(data)
         if end > _PREFIX and self._body is None and not self._head and self._ended is None:
@@ -105,7 +163,7 @@ class TcpLink(asyncio.Protocol):
                 return
         view = memoryview(data)
         pos, end = 0, len(data)
-        while pos < end and self._ended is None:
+        while pos < end and self._ended is None and self._owner_failed is None:
             body = self._body
             if body is None:
                 if not self._head and end - pos >= _PREFIX:
@@ -122,10 +180,14 @@ class TcpLink(asyncio.Protocol):
                 if n == _HEARTBEAT:
                     continue
                 if n > MAX_BLOB:
-                    self._fail(
+                    why = (
                         f"peer {self.peer} sent a malformed length prefix: {n} bytes is over the "
                         f"transport limit of {MAX_BLOB} bytes"
                     )
+                    if self._mode is Mode.OWNED:
+                        self._owner_failed = why  # the loop fails the link once the owner releases
+                    else:
+                        self._fail(why)
                     return
                 if end - pos >= n:  # the whole blob is in this chunk: the common case for small ones
                     self._deliver(bytes(view[pos : pos + n]))
@@ -142,14 +204,7 @@ class TcpLink(asyncio.Protocol):
                     self._deliver(memoryview(body))
 
     def eof_received(self) -> bool:
-        if self._body is not None or self._head:
-            got = self._filled + _PREFIX if self._body is not None else len(self._head)
-            want = len(self._body) + _PREFIX if self._body is not None else _PREFIX
-            self._end(
-                f"peer {self.peer} closed the connection in the middle of a blob ({got} of {want} bytes)"
-            )
-        else:
-            self._end(f"peer {self.peer} closed the session")
+        self._end(self._eof_why())
         return False  # close our side too once our queued writes are out
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -159,7 +214,12 @@ class TcpLink(asyncio.Protocol):
             self._end(f"peer {self.peer} closed the session")
         if self._timer is not None:
             self._timer.cancel()
-        self._on_blob = None  # (it holds the session: no cycle outlives the connection)
+        self._on_blob = self._parkable = None  # (they hold the session: no cycle outlives the connection)
+        with self._owner_lock:  # LOOP already (only the loop closes the transport): no claim from now on
+            self._mode, self._fd = Mode.LOOP, -1
+            if self._bell >= 0:
+                os.close(self._bell)
+                self._bell = -1
         if not self._lost.done():
             self._lost.set_result(None)
         self._wake_writer()
@@ -188,6 +248,8 @@ class TcpLink(asyncio.Protocol):
             and not self._send_lock.locked()
             and self._ended is None
             and not self._closed
+            and self._mode is Mode.LOOP
+            and not self._handing_back
         ):
             # A step's frame, nothing being written before it: one write, no lock to take (the
             # checks in `send`, all but the closing transport's, are the ones done here).
@@ -199,6 +261,8 @@ class TcpLink(asyncio.Protocol):
         return False
 
     async def send(self, blob: Blob) -> None:
+        if self._mode is not Mode.LOOP or self._handing_back or self._park_paused:
+            await self._own()
         if self.send_nowait(blob):
             if self._write_paused:  # this write filled the buffer: wait as the slow path does
                 async with self._send_lock:
@@ -255,6 +319,9 @@ class TcpLink(asyncio.Protocol):
     async def close(self) -> None:
         if self._closed:
             return
+        await self._own()
+        if self._closed:
+            return
         self._closed = True
         self._on_blob = None
         self._end(f"link to {self.peer} is closed")
@@ -268,9 +335,236 @@ class TcpLink(asyncio.Protocol):
             except TimeoutError:
                 transport.abort()  # a peer that stopped reading must not make close() hang
 
+    # -- ownership by a user thread (module docstring) -------------------------------------------
+
+    def allow_parking(self, idle: Callable[[], bool] | None) -> None:
+        """Park the socket after an arrival whenever `idle()` says the session has nothing
+        outstanding, so that a user thread may claim it (None: never park)."""
+        self._parkable = idle if self._fd >= 0 else None
+
+    def try_claim(self) -> bool:
+        """Make the calling thread the socket's owner if it is parked; whether it now is."""
+        with self._owner_lock:
+            if self._mode is not Mode.PARKED or self._handed:
+                return False
+            if self._poll is None:
+                self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                self._poll = select.poll()
+                self._poll.register(self._fd, select.POLLIN)
+                self._poll.register(self._bell, select.POLLIN)
+            self._mode = Mode.OWNED
+            self._wanted = False
+            return True
+
+    def call_on_loop(self, fn: Callable[[], None]) -> None:
+        """From a user thread: run `fn` on the loop (which takes the socket back first, if it
+        needs it). Until it has run, no thread claims the socket and the loop does not park it,
+        so work handed over this way cannot be overtaken by a claimer's; an owner is asked to
+        release now."""
+        self._handed.append(None)  # (atomic: no lock on the common path; checked under it)
+        if self._mode is Mode.OWNED:
+            with self._owner_lock:
+                if self._mode is Mode.OWNED:
+                    self._ring()
+        self._loop.call_soon_threadsafe(self._loop_call, fn)
+
+    def _loop_call(self, fn: Callable[[], None]) -> None:
+        self._handed.popleft()
+        fn()
+
+    @property
+    def loop_has_it(self) -> bool:
+        """On the loop: whether it has the socket now, reading (`take_back` is then not needed)."""
+        return self._mode is Mode.LOOP and not self._handing_back and not self._park_paused
+
+    def take_back(self, then: Callable[[], None]) -> bool:
+        """On the loop, before it does I/O or session work on this link: True when the loop has
+        the socket (reading resumed). False when an owner has it: asked to release, and `then`
+        runs on the loop once it has, after whatever waited before it."""
+        with self._owner_lock:
+            if self._mode is Mode.OWNED or self._handing_back:
+                self._on_back.append(then)
+                if self._mode is Mode.OWNED:
+                    self._ring()
+                return False
+            self._mode = Mode.LOOP
+        self._resume_parked()
+        return True
+
+    def release(self, keep: bool, then: Callable[[], None] | None = None) -> None:
+        """The owner gives the socket up: parked again if `keep` and nothing needs the loop, else
+        to the loop, which writes what the owner could not, fails the link if the owner found it
+        broken, then runs what waited for it, and `then`."""
+        with self._owner_lock:
+            self._owner_take = None
+            if then is not None:
+                self._on_back.append(then)
+            if (
+                then is None
+                and keep
+                and not self._wanted
+                and self._owner_failed is None
+                and self._owner_rest is None
+                and not self._head
+                and self._body is None
+            ):
+                self._mode = Mode.PARKED
+                return
+            self._mode = Mode.LOOP
+            self._wanted = False
+            self._handing_back = True
+        self._loop.call_soon_threadsafe(self._back)
+
+    def write_direct(self, blob: bytes | bytearray) -> bool:
+        """The owner writes `blob` now; False when it could not write it whole: the rest, or the
+        failure, is the loop's once the owner releases the socket, which it must then do before
+        it writes anything else."""
+        check_size(blob)
+        return self._write_owned(len(blob).to_bytes(_PREFIX, "big"), blob)
+
+    def read_direct(self, take: OnBlob) -> bool:
+        """The owner waits for bytes, at most `KEEPALIVE_S` (sending a heartbeat if it wrote
+        nothing for as long), and hands each whole blob that arrives to `take`, which must take
+        it. False when the owner must release the socket to the loop: the loop asked for it, or
+        the link is broken (the loop then fails it, saying why)."""
+        assert self._poll is not None and self._mode is Mode.OWNED
+        self._owner_take = take
+        readable = False
+        for fd, _ in self._poll.poll(KEEPALIVE_S * 1000):
+            if fd == self._bell:
+                try:
+                    os.eventfd_read(self._bell)
+                except BlockingIOError:
+                    pass
+            else:
+                readable = True
+        if self._wanted:
+            return False
+        now = time.monotonic()
+        if now - self._last_out >= KEEPALIVE_S and not self._write_owned(_HEARTBEAT_BYTES):
+            return False  # (a peer's heartbeats wake the poll: ours go whether or not it timed out)
+        if not readable:
+            if now - self._last_in > DEAD_AFTER_S:
+                self._owner_failed = f"no sign of life from peer {self.peer} for {now - self._last_in:.1f} s"
+                return False
+            return True
+        try:
+            data = os.read(self._fd, _DIRECT_READ)
+        except BlockingIOError:
+            return True
+        except OSError as e:
+            self._owner_failed = f"connection to {self.peer} lost: {type(e).__name__}: {e}"
+            return False
+        if not data:
+            self._owner_failed = self._eof_why()
+            return False
+        self._take_in(data)
+        return self._owner_failed is None
+
+    def _write_owned(self, head: bytes, body: bytes | bytearray = b"") -> bool:
+        try:
+            sent = os.writev(self._fd, (head, body)) if body else os.write(self._fd, head)
+        except BlockingIOError:
+            sent = 0
+        except OSError as e:
+            self._owner_failed = f"send to {self.peer} failed: {type(e).__name__}: {e}"
+            return False
+        self._last_out = time.monotonic()
+        if sent < len(head) + len(body):
+            self._owner_rest = (head + body)[sent:]
+            return False
+        return True
+
+    def _ring(self) -> None:
+        """Ask the owner to release (under _owner_lock)."""
+        if not self._wanted:
+            self._wanted = True
+            os.eventfd_write(self._bell, 1)
+
+    def _park(self) -> None:
+        """On the loop, after an arrival: stop reading and let a user thread claim the socket, if
+        nothing is in flight on this link."""
+        transport = self._transport
+        if (
+            self._mode is not Mode.LOOP
+            or self._handing_back
+            or transport is None
+            or transport.is_closing()
+            or self._ended is not None
+            or self._closed
+            or self._frames
+            or self._head
+            or self._body is not None
+            or self._read_paused
+            or self._write_paused
+            or self._send_lock.locked()
+            or transport.get_write_buffer_size()
+        ):
+            return
+        with self._owner_lock:  # a claimer waits for the whole of it (pause_reading may let go of the GIL)
+            if self._handed:
+                return
+            if not self._park_paused:
+                transport.pause_reading()
+                self._park_paused = True
+            self._mode = Mode.PARKED
+
+    def _resume_parked(self) -> None:
+        """On the loop, holding the socket: read again if parking paused reading (the silence
+        meanwhile is not counted against the peer, as while a full buffer pauses it)."""
+        if self._park_paused:
+            self._park_paused = False
+            transport = self._transport
+            if transport is not None and not transport.is_closing():
+                self._last_in = time.monotonic()
+                transport.resume_reading()
+
+    def _back(self) -> None:
+        """On the loop, once an owner released the socket to it: the owner's unwritten bytes go
+        first, or its failure ends the link; then what waited for the socket runs, in order."""
+        rest, self._owner_rest = self._owner_rest, None
+        failed, self._owner_failed = self._owner_failed, None
+        with self._owner_lock:
+            self._handing_back = False
+            waiting, self._on_back = self._on_back, []
+        transport = self._transport
+        if failed is not None:
+            self._fail(failed)
+        elif rest is not None and transport is not None and not transport.is_closing():
+            transport.write(rest)
+            self._resume_parked()
+        else:
+            self._resume_parked()
+        for then in waiting:
+            then()
+
+    async def _own(self) -> None:
+        """On the loop: wait until the loop has the socket."""
+        while True:
+            back = self._loop.create_future()
+
+            def wake(back: asyncio.Future[None] = back) -> None:
+                if not back.done():
+                    back.set_result(None)
+
+            if self.take_back(wake):
+                return
+            await back
+
+    def _eof_why(self) -> str:
+        if self._body is not None or self._head:
+            got = self._filled + _PREFIX if self._body is not None else len(self._head)
+            want = len(self._body) + _PREFIX if self._body is not None else _PREFIX
+            return f"peer {self.peer} closed the connection in the middle of a blob ({got} of {want} bytes)"
+        return f"peer {self.peer} closed the session"
+
     # -- internals -------------------------------------------------------------------------------
 
     def _deliver(self, frame: bytes | memoryview) -> None:
+        owner_take = self._owner_take
+        if owner_take is not None:  # an owner reads: it takes every blob (its session cannot decline one)
+            owner_take(frame)
+            return
         on_blob = self._on_blob
         if on_blob is not None and not self._frames and on_blob(frame):
             return
@@ -324,6 +618,13 @@ class TcpLink(asyncio.Protocol):
         if transport is None or transport.is_closing():
             return
         now = time.monotonic()
+        if self._mode is not Mode.LOOP or self._handing_back or self._park_paused:
+            # Owned: its owner keeps the link alive meanwhile. Parked and quiet: the loop reads
+            # again (liveness, heartbeats); parked by a user thread that keeps it busy: left so.
+            quiet = now - self._last_in >= KEEPALIVE_S or now - self._last_out >= KEEPALIVE_S
+            if self._mode is Mode.OWNED or not quiet or not self.take_back(lambda: None):
+                self._timer = self._loop.call_later(KEEPALIVE_S, self._tick)
+                return
         if self._read_paused:
             self._last_in = now
         elif now - self._last_in > DEAD_AFTER_S:

@@ -1,7 +1,8 @@
 """The `dev` fixture: every tensor test runs once per device kind in DEVICE_KINDS.
 
-"cpu" is this process's CPU; "remote-memory" and "remote-grpc" are sessions with a worker in this
-process (`emberlink.testing`), over the in-memory transport and over gRPC on loopback. Each test
+"cpu" is this process's CPU; "remote-memory", "remote-grpc" and "remote-tcp" are sessions with a
+worker in this process (`emberlink.testing`), over the in-memory transport, gRPC and the raw TCP
+transport on loopback (over tcp, a read waited for at once is done by the reading thread). Each test
 module gets its own worker (`remote_worker`, started on first use); each device is its own
 session. A tensor test must take `dev` rather than call `Device.cpu()` itself; only tests about
 the local device as such make their own.
@@ -17,7 +18,7 @@ import pytest
 import emberlink.testing
 from emberlink import Device
 
-DEVICE_KINDS = ["cpu", "remote-memory", "remote-grpc"]
+DEVICE_KINDS = ["cpu", "remote-memory", "remote-grpc", "remote-tcp"]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -29,8 +30,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture(scope="module")
 def remote_worker() -> Iterator[emberlink.testing.InProcessWorker]:
-    """The worker of this module's remote devices (memory and gRPC listeners)."""
-    with emberlink.testing.worker(grpc=True) as worker:
+    """The worker of this module's remote devices (memory, gRPC and raw TCP listeners)."""
+    with emberlink.testing.worker(grpc=True, tcp=True) as worker:
         yield worker
 
 
@@ -41,7 +42,8 @@ def device_factory(request: pytest.FixtureRequest) -> Callable[[], Device]:
     if kind == "cpu":
         return Device.cpu
     worker: emberlink.testing.InProcessWorker = request.getfixturevalue("remote_worker")
-    transport: emberlink.testing.Transport = "grpc" if kind == "remote-grpc" else "memory"
+    transports: dict[str, emberlink.testing.Transport] = {"remote-grpc": "grpc", "remote-tcp": "tcp"}
+    transport = transports.get(kind, "memory")
     return lambda: worker.device(transport=transport)
 
 

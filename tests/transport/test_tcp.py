@@ -4,10 +4,13 @@ framing, die, freeze or stop reading."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -360,3 +363,226 @@ async def test_frozen_client_is_noticed_by_keepalive() -> None:
         error = await within(tcp.DEAD_AFTER_S + 5, recorder.ended)
     assert isinstance(error, TransportError) and "no sign of life" in str(error)
     await listener.stop(1)
+
+
+# -- a socket owned by a user thread (transport/tcp.py, "Owned by a user thread") -------------------
+
+
+def keeper(into: list[bytes]) -> Callable[[bytes | memoryview], bool]:
+    """A receiver that keeps every blob."""
+
+    def keep(blob: bytes | memoryview) -> bool:
+        into.append(bytes(blob))
+        return True
+
+    return keep
+
+
+async def parked(link: tcp.TcpLink, taken: list[bytes], blob: bytes = b"park") -> None:
+    """Make `link` parkable, hand what arrives to `taken`, send `blob` and wait for the peer's
+    answer to arrive (the link parks then)."""
+    link.set_receiver(keeper(taken))
+    link.allow_parking(lambda: True)
+    count = len(taken)
+    await link.send(blob)
+    await within(5, until(lambda: len(taken) > count))
+
+
+async def answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A raw peer's answer to `parked`'s blob."""
+    await reader.readexactly(int.from_bytes(await reader.readexactly(4), "big"))
+    writer.write((2).to_bytes(4, "big") + b"hi")
+
+
+class RawPeer:
+    """A plain asyncio server running `handler` for each connection, every connection closed at the end."""
+
+    def __init__(self, handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Any]) -> None:
+        self._handler = handler
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.append(writer)
+        await self._handler(reader, writer)
+
+    async def __aenter__(self) -> int:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._server.close()
+        for writer in self._writers:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except OSError:
+                pass
+        await self._server.wait_closed()
+
+
+def owner_round_trip(link: tcp.TcpLink, blob: bytes) -> list[bytes]:
+    """On a user thread: claim the link, write `blob`, read until a blob comes back, release."""
+    assert link.try_claim()
+    got: list[bytes] = []
+    try:
+        assert link.write_direct(blob)
+        while not got:
+            assert link.read_direct(keeper(got))
+    finally:
+        link.release(keep=True)
+    return got
+
+
+async def test_a_parked_link_is_written_and_read_by_the_thread_that_claims_it_then_by_the_loop() -> None:
+    listener, port = await started(echo)
+    link = await tcp.connect("127.0.0.1", port)
+    taken: list[bytes] = []
+    await parked(link, taken, b"first")
+    for n in (1, 100, tcp.SMALL):
+        blob = os.urandom(n)
+        assert await asyncio.to_thread(owner_round_trip, link, blob) == [blob]
+    assert taken == [b"first"]  # what the owner read was its own
+    await link.send(b"loop")  # the loop takes the parked link back, and reads again
+    await within(5, until(lambda: taken == [b"first", b"loop"]))
+    assert await asyncio.to_thread(owner_round_trip, link, b"again") == [b"again"]  # parked again
+    await link.close()
+    await listener.stop(1)
+
+
+async def test_work_handed_to_the_loop_keeps_the_link_from_being_claimed_until_it_has_run() -> None:
+    listener, port = await started(echo)
+    link = await tcp.connect("127.0.0.1", port)
+    taken: list[bytes] = []
+    await parked(link, taken)
+    ran: list[bool] = []
+    link.call_on_loop(lambda: ran.append(link.try_claim()))  # (its own claim: the call has begun)
+    assert not link.try_claim()
+    await within(5, until(lambda: bool(ran)))
+    assert ran == [True]
+    link.release(keep=True)
+    await link.close()
+    await listener.stop(1)
+
+
+async def test_the_loop_taking_a_link_back_makes_its_owner_release_at_once() -> None:
+    listener, port = await started(echo)
+    link = await tcp.connect("127.0.0.1", port)
+    taken: list[bytes] = []
+    await parked(link, taken)
+    claimed = threading.Event()
+    reads: list[bool] = []
+
+    def owner() -> None:
+        assert link.try_claim()
+        claimed.set()
+        while True:  # nothing comes back to it: only the loop's call ends its wait
+            ok = link.read_direct(lambda b: True)
+            reads.append(ok)
+            if not ok:
+                break
+        link.release(keep=True)
+
+    thread = asyncio.create_task(asyncio.to_thread(owner))
+    await within(5, asyncio.to_thread(claimed.wait))
+    await within(5, link.send(b"from the loop"))  # waits for the owner to release
+    await within(5, thread)
+    assert reads[-1] is False
+    await within(5, until(lambda: taken == [b"park", b"from the loop"]))
+    await link.close()
+    await listener.stop(1)
+
+
+async def test_an_owner_notices_a_silent_peer_and_the_link_ends_saying_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tcp, "KEEPALIVE_S", 0.05)
+    monkeypatch.setattr(tcp, "DEAD_AFTER_S", 0.3)
+
+    async def one_blob_then_silence(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answer_once(reader, writer)
+        await reader.read()  # reads the heartbeats, never answers them
+
+    def owner() -> None:
+        assert link.try_claim()
+        while link.read_direct(lambda b: True):
+            pass
+        link.release(keep=True)
+
+    async with RawPeer(one_blob_then_silence) as port:
+        link = await tcp.connect("127.0.0.1", port)
+        await parked(link, [])
+        await within(10, asyncio.to_thread(owner))
+        with pytest.raises(TransportError, match="no sign of life"):
+            await within(5, link.recv())
+        await link.close()
+
+
+async def test_an_owner_sends_heartbeats_while_it_waits_even_when_the_peer_chatters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tcp, "KEEPALIVE_S", 0.05)
+    heard: list[bytes] = []
+
+    async def busy_worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answer_once(reader, writer)
+        await reader.readexactly(int.from_bytes(await reader.readexactly(4), "big"))  # the request
+
+        async def listen() -> None:  # what the client says meanwhile
+            while True:
+                heard.append(await reader.readexactly(4))
+
+        listening = asyncio.create_task(listen())
+        for _ in range(50):  # busy for ten keepalive periods, sending its own heartbeats meanwhile
+            writer.write((0xFFFF_FFFF).to_bytes(4, "big"))
+            await asyncio.sleep(0.01)
+        listening.cancel()
+        writer.write((6).to_bytes(4, "big") + b"answer")
+
+    async with RawPeer(busy_worker) as port:
+        link = await tcp.connect("127.0.0.1", port)
+        await parked(link, [])
+        assert await within(20, asyncio.to_thread(owner_round_trip, link, b"request")) == [b"answer"]
+        assert len(heard) >= 3 and set(heard) == {(0xFFFF_FFFF).to_bytes(4, "big")}
+        await link.close()
+
+
+async def test_what_an_owner_cannot_write_at_once_goes_from_the_loop_first_and_in_order() -> None:
+    go = asyncio.Event()
+    got: list[bytes] = []
+
+    async def slow_reader(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answer_once(reader, writer)
+        await go.wait()  # until then the socket's buffers fill up
+        while not got or got[-1] != b"after":
+            n = int.from_bytes(await reader.readexactly(4), "big")
+            if n != 0xFFFF_FFFF:  # a heartbeat
+                got.append(await reader.readexactly(n))
+
+    def owner() -> list[bytes]:
+        assert link.try_claim()
+        written = []
+        for i in range(100_000):
+            blob = i.to_bytes(4, "big") * (tcp.SMALL // 4)
+            written.append(blob)
+            if not link.write_direct(blob):
+                break
+        link.release(keep=True)  # something is left to write: the loop's now
+        return written
+
+    async with RawPeer(slow_reader) as port:
+        link = await tcp.connect("127.0.0.1", port)
+        await parked(link, [])
+        written = await within(30, asyncio.to_thread(owner))
+        assert len(written) < 100_000  # a buffer filled up
+        sending = asyncio.create_task(link.send(b"after"))
+        go.set()
+        await within(30, sending)
+        await within(30, until(lambda: bool(got) and got[-1] == b"after"))
+        assert got == [*written, b"after"]
+        await link.close()
+
+
+async def until(done: Callable[[], bool]) -> None:
+    while not done():
+        await asyncio.sleep(0.01)

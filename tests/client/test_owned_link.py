@@ -1,0 +1,213 @@
+"""Remote sessions over the raw TCP transport whose blocking reads are done by the reading thread
+(client/session.py's `request_direct`): the values, the loop taking over whenever it must, a read
+that does not wait, and a link cut under the thread that owns it, resumed."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+import emberlink as el
+import emberlink.testing
+from emberlink.client.device import Device
+from emberlink.client.remote import connect_ticket
+from emberlink.client.session import ClientSession
+from emberlink.protocol.ticket import Ticket
+
+from ..training import mlp_losses
+
+
+class Counted:
+    """Wraps a ClientSession method: how often it was called, and how often it returned True."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+        self.calls = self.true = 0
+        inner = getattr(ClientSession, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            out = inner(*args, **kwargs)
+            self.true += out is True
+            return out
+
+        monkeypatch.setattr(ClientSession, name, counted)
+
+
+def jit_sum() -> Callable[[Device, np.ndarray], float]:
+    total = el.jit(lambda t: t.sum())
+    return lambda dev, x: float(total(dev.tensor(x)))
+
+
+def test_blocking_reads_over_tcp_are_sent_and_read_by_the_waiting_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    direct = Counted(monkeypatch, "request_direct")
+    via_loop = Counted(monkeypatch, "submit")
+    step = jit_sum()
+    with emberlink.testing.worker(tcp=True) as w, w.device(transport="tcp") as dev:
+        for i in range(40):
+            x = np.arange(16, dtype=np.float32) + i
+            assert step(dev, x) == float(x.sum())
+        dev.sync()
+        assert dev.stats()["path"] == "tcp"
+    # The first step goes through the loop (nothing is parked before a reply); after it, the
+    # reading thread sends and reads (the loop takes the link back only when it has been quiet).
+    assert direct.true > 30
+    assert via_loop.calls < 10
+
+
+def test_a_read_that_does_not_wait_is_answered_by_the_loop_while_the_thread_does_other_work() -> None:
+    step = jit_sum()
+    with emberlink.testing.worker(tcp=True) as w, w.device(transport="tcp") as dev:
+        x = np.arange(8, dtype=np.float32)
+        assert step(dev, x) == 28.0  # parks the link: the next read could be the thread's own
+        future = (dev.tensor(x) * 2.0).sum().read_async()
+        deadline = time.monotonic() + 10
+        while not future.done() and time.monotonic() < deadline:
+            time.sleep(0.005)  # the user's thread never waits on the future itself
+        assert future.done() and future.item() == 56.0
+        assert step(dev, x + 1) == 36.0
+
+
+def test_devices_on_several_threads_each_get_their_own_values() -> None:
+    step = jit_sum()
+    errors: list[BaseException] = []
+
+    def run(dev: Device, offset: int) -> None:
+        try:
+            for i in range(30):
+                x = np.full(4, offset + i, np.float32)
+                assert step(dev, x) == float(x.sum())
+                if i % 7 == 0:
+                    assert (dev.tensor(x) + 1.0).read_async().result(timeout=10).tolist() == [
+                        offset + i + 1
+                    ] * 4
+        except BaseException as e:  # noqa: BLE001 (the main thread raises it)
+            errors.append(e)
+
+    with emberlink.testing.worker(tcp=True) as w:
+        devices = [w.device(transport="tcp") for _ in range(3)]
+        threads = [threading.Thread(target=run, args=(d, 100 * k)) for k, d in enumerate(devices)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for d in devices:
+            d.close()
+    assert not errors, errors
+
+
+class CuttableProxy:
+    """A TCP proxy in front of the worker's tcp listener whose connections a test can cut."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self._target = target
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._open: list[socket.socket] = []
+        self._all: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            worker = socket.create_connection(self._target)
+            with self._lock:
+                self._open += [client, worker]
+                self._all += [client, worker]
+            for a, b in ((client, worker), (worker, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        """Drop every connection now (both ends see the link end)."""
+        with self._lock:
+            cut, self._open = self._open, []
+        for s in cut:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._server.close()
+        self.cut()
+        with self._lock:
+            for s in self._all:
+                s.close()
+
+
+@contextmanager
+def proxied_tcp_device(w: emberlink.testing.InProcessWorker) -> Iterator[tuple[Device, CuttableProxy]]:
+    ticket = Ticket.parse(w.ticket)
+    proxy = CuttableProxy(ticket.tcp[0])
+    through = Ticket(ticket.node_id, (), tcp=(("127.0.0.1", proxy.port),))
+    dev = Device(connect_ticket(through, w.client, timeout=10, resume_window=20), "remote(proxied tcp)")
+    try:
+        yield dev, proxy
+    finally:
+        dev.close()
+        proxy.close()
+
+
+def test_a_tcp_link_cut_between_blocking_reads_is_resumed_with_every_value_right() -> None:
+    step = jit_sum()
+    with emberlink.testing.worker(tcp=True) as w, proxied_tcp_device(w) as (dev, proxy):
+        for i in range(30):
+            if i in (5, 6, 17):  # parked by the read before: the reading thread meets the cut
+                proxy.cut()
+            x = np.arange(16, dtype=np.float32) * i
+            assert step(dev, x) == float(x.sum())
+        assert dev.stats()["resumes"] == 3
+
+
+def test_a_tcp_link_cut_while_the_thread_waits_for_its_answer_is_resumed() -> None:
+    with emberlink.testing.worker(tcp=True) as w, proxied_tcp_device(w) as (dev, proxy):
+        x = dev.tensor(np.ones((256, 256), np.float32))
+        assert float(x.sum()) == 65536.0  # parks the link
+        cutter = threading.Timer(0.05, proxy.cut)
+        cutter.start()
+        y = x
+        for _ in range(100):  # long enough a step that the cut comes while this thread reads
+            y = (y @ x) * (1.0 / 256)
+        assert float(y.sum()) == 65536.0
+        cutter.join()
+        assert float(x.sum()) == 65536.0  # (had the cut come after the read, this one meets it)
+        assert dev.stats()["resumes"] == 1
+
+
+def test_a_graph_the_worker_lacks_is_sent_again_when_the_reading_thread_hears_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    direct = Counted(monkeypatch, "request_direct")
+    with el.Device.cpu() as cpu:
+        expected = mlp_losses(cpu, 6)
+    # A graph cache smaller than one graph: every Execute meets GraphUnknown, and the batch goes
+    # again (through the loop) with its graph.
+    with emberlink.testing.worker(tcp=True, graph_cache_bytes=64) as w, w.device(transport="tcp") as dev:
+        assert mlp_losses(dev, 6) == expected
+        assert dev.stats()["graph_cache_misses"] > 0
+    assert direct.true > 0
