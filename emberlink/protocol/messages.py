@@ -883,6 +883,42 @@ def decode_batch_prefix(data: BytesLike) -> tuple[Batch, int]:
     return _batch(envelope), end
 
 
+def decode_repeat(data: BytesLike, repeat: Repeat) -> tuple[int, int] | None:
+    """`(seq, received)` of the batch that is the whole of `data` when it is exactly `repeat` (one
+    Repeat without bindings) and valid; None for anything else, which `decode_batch_prefix` then
+    decodes in full (it accepts every batch this accepts, as the same batch). A replayed step's
+    batch, expected ahead, is checked at the cost of one small unpack, without building messages
+    or raising ExtraData to find its end."""
+    if repeat.bindings is not None or len(data) > _FIRST_FEED:
+        return None
+    try:
+        envelope = msgpack.unpackb(data, **_SMALL)
+    except _UNPACK_ERRORS:
+        return None
+    if type(envelope) is not list or not 2 <= len(envelope) <= 3:
+        return None
+    seq, messages = envelope[0], envelope[1]
+    received = envelope[2] if len(envelope) == 3 else 0
+    if type(seq) is not int or not 1 <= seq <= MAX_ID or type(received) is not int:
+        return None
+    if len(envelope) == 3 and not 1 <= received <= MAX_ID:
+        return None
+    if type(messages) is not list or len(messages) != 1:
+        return None
+    wire = messages[0]
+    if (
+        type(wire) is not list
+        or len(wire) != 3
+        or wire[0] != Tag.REPEAT
+        or type(wire[1]) is not int
+        or type(wire[2]) is not int
+        or wire[1] != repeat.id_shift
+        or wire[2] != repeat.rid_shift
+    ):
+        return None
+    return seq, received
+
+
 def decode_reply(data: BytesLike) -> Reply:
     """The Reply that is the whole of a MESSAGE frame's plaintext; ProtocolError if it is anything
     but a valid one."""

@@ -10,6 +10,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, assert_never
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -324,6 +325,42 @@ def test_a_mutated_batch_decodes_validly_or_raises_only_protocol_error(batch: Ba
             except ProtocolError:
                 continue
             m.check_tail(expanded, m.inline_bytes(expanded.messages))
+
+
+def _repeat_bytes(seq: int, repeat: Repeat, received: int) -> bytes:
+    return m.encode_batch(Batch(seq, (repeat,), received))
+
+
+repeats = st.builds(Repeat, st.integers(-MAX_ID, MAX_ID), st.integers(-MAX_ID, MAX_ID))
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(repeats, st.integers(1, MAX_ID), st.integers(0, MAX_ID), edits, st.booleans())
+def test_the_expected_repeat_decodes_as_the_full_decoder_decodes_it_or_not_at_all(
+    repeat: Repeat, seq: int, received: int, change: Any, mutate: bool
+) -> None:
+    data = _repeat_bytes(seq, repeat, received)
+    if mutate:
+        data = _mutate(data, change)
+    found = m.decode_repeat(data, repeat)
+    if not mutate:
+        assert found == (seq, received)
+    if found is None:
+        return
+    decoded = m.decode_batch(data)  # what it accepts, the full decoder accepts as the same batch
+    assert decoded.messages == (repeat,) and (decoded.seq, decoded.received) == found
+    assert all(type(v) is int for v in (decoded.messages[0].id_shift, decoded.messages[0].rid_shift))
+
+
+def test_the_expected_repeat_leaves_anything_else_to_the_full_decoder() -> None:
+    repeat = Repeat(3, 1)
+    assert m.decode_repeat(_repeat_bytes(7, Repeat(3, 2), 6), repeat) is None  # other shifts
+    assert m.decode_repeat(_repeat_bytes(7, Repeat(3, 1, ((1.0,),)), 6), repeat) is None  # bindings
+    assert m.decode_repeat(m.encode_batch(Batch(7, (repeat, repeat))), repeat) is None  # refused in full
+    assert m.decode_repeat(_repeat_bytes(7, repeat, 6) + b"\x00", repeat) is None  # bytes after it
+    assert m.decode_repeat(msgpack.packb([7, [[9, True, 1]]]), repeat) is None  # a bool is no shift
+    assert m.decode_repeat(msgpack.packb([7, [[9, 3, 1]], 0]), repeat) is None  # received 0 is sent absent
+    assert m.decode_repeat(_repeat_bytes(7, repeat, 0), repeat) == (7, 0)
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
