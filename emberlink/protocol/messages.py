@@ -716,6 +716,20 @@ def encode_reply(reply: Reply) -> bytes:
     return _pack([reply.ack, _wire(reply.messages, _WORKER_WRITERS, "worker")])
 
 
+def encode_reply_inline(ack: int, messages: tuple[WorkerMessage, ...], inline: Iterable[int]) -> bytes:
+    """`encode_reply(Reply(ack, messages))` with the Results at positions `inline` sent inline, as
+    if made with `inline=True` (without making them again: a reply is laid out on every step)."""
+    wire = _wire(messages, _WORKER_WRITERS, "worker")
+    for i in inline:
+        if type(messages[i]) is not Result:
+            raise TypeError(f"message {i} of the reply is a {type(messages[i]).__name__}, not a Result")
+        wire[i][0] = _RESULT_INLINE
+    return _pack([ack, wire])
+
+
+_RESULT_INLINE = int(Tag.RESULT_INLINE)
+
+
 # -- decoding ---------------------------------------------------------------------------------
 
 MessageReader = Callable[[list[Any], _Budget], Any]
@@ -895,28 +909,25 @@ def decode_repeat(data: BytesLike, repeat: Repeat) -> tuple[int, int] | None:
         envelope = msgpack.unpackb(data, **_SMALL)
     except _UNPACK_ERRORS:
         return None
-    if type(envelope) is not list or not 2 <= len(envelope) <= 3:
+    # Equal to the Repeat's wire array, then exact types: a bool equals an int in Python.
+    if type(envelope) is not list or envelope[1:2] != [[[Tag.REPEAT, repeat.id_shift, repeat.rid_shift]]]:
         return None
-    seq, messages = envelope[0], envelope[1]
-    received = envelope[2] if len(envelope) == 3 else 0
-    if type(seq) is not int or not 1 <= seq <= MAX_ID or type(received) is not int:
+    wire = envelope[1][0]
+    if type(wire[0]) is not int or type(wire[1]) is not int or type(wire[2]) is not int:
         return None
-    if len(envelope) == 3 and not 1 <= received <= MAX_ID:
+    if len(envelope) == 2:
+        seq, received = envelope[0], 1
+    elif len(envelope) == 3:
+        seq, received = envelope[0], envelope[2]
+    else:
         return None
-    if type(messages) is not list or len(messages) != 1:
-        return None
-    wire = messages[0]
     if (
-        type(wire) is not list
-        or len(wire) != 3
-        or wire[0] != Tag.REPEAT
-        or type(wire[1]) is not int
-        or type(wire[2]) is not int
-        or wire[1] != repeat.id_shift
-        or wire[2] != repeat.rid_shift
+        type(seq) is not int
+        or type(received) is not int
+        or not (1 <= seq <= MAX_ID and 1 <= received <= MAX_ID)
     ):
         return None
-    return seq, received
+    return seq, received if len(envelope) == 3 else 0
 
 
 def decode_reply(data: BytesLike) -> Reply:
@@ -1040,17 +1051,22 @@ def expand_batch(batch: Batch, template: tuple[ClientMessage, ...] | None) -> Ba
     id out of range, or bindings that do not match the template's Executes."""
     if len(batch.messages) != 1 or type(batch.messages[0]) is not Repeat:
         return batch
-    r = batch.messages[0]
     if template is None:
         _refuse(f"batch {batch.seq} repeats a previous batch, and this session has none")
+    return Batch(batch.seq, expand(batch.messages[0], template), batch.received)
+
+
+def expand(r: Repeat, template: tuple[ClientMessage, ...]) -> tuple[ClientMessage, ...]:
+    """The messages Repeat `r` stands for after `template` (`expand_batch` of a batch of it)."""
     if r.bindings is None and not r.id_shift and not r.rid_shift:
-        return Batch(batch.seq, template, batch.received)  # nothing changes
+        return template  # nothing changes
     rows, d, dr = _rows(r, template), r.id_shift, r.rid_shift
     out = []
+    shifts = _SHIFTS
     for x in template:
-        sh = _SHIFTS.get(type(x))
+        sh = shifts.get(type(x))
         out.append(x if sh is None else sh.cls(*sh.shift(x, d, dr, rows)))
-    return Batch(batch.seq, tuple(out), batch.received)
+    return tuple(out)
 
 
 def same_messages(a: tuple[ClientMessage, ...], b: tuple[ClientMessage, ...]) -> bool:

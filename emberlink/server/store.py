@@ -68,6 +68,8 @@ class Quota:
         self.label = label
         # One lock for a whole tree of quotas: a change takes it once, however deep the chain.
         self._lock: threading.Lock = parent._lock if parent is not None else threading.Lock()
+        # This quota and its parents, nearest first: walked on every change (several a step).
+        self._chain: tuple[Quota, ...] = (self, *(parent._chain if parent is not None else ()))
         self.used = 0
         self.peak = 0
 
@@ -75,12 +77,13 @@ class Quota:
         """Take nbytes if they fit here and in every parent (each limit stretched by `slack`);
         False (taking nothing) otherwise."""
         with self._lock:
-            quota: Quota | None = self
-            while quota is not None:
+            for quota in self._chain:
                 if quota.limit is not None and quota.used + nbytes > quota.limit + slack:
                     return False
-                quota = quota.parent
-            self._add(nbytes)
+            for quota in self._chain:  # as _add does, inlined: this runs several times a step
+                used = quota.used = quota.used + nbytes
+                if used > quota.peak:  # noqa: PLR1730 - no max() call
+                    quota.peak = used
         return True
 
     def charge(self, nbytes: int) -> None:
@@ -90,15 +93,16 @@ class Quota:
 
     def release(self, nbytes: int) -> None:
         with self._lock:
-            self._add(-nbytes)
+            for quota in self._chain:  # as _add does, inlined
+                used = quota.used = quota.used - nbytes
+                if used > quota.peak:  # noqa: PLR1730 - no max() call
+                    quota.peak = used
 
     def _add(self, nbytes: int) -> None:
-        quota: Quota | None = self
-        while quota is not None:
+        for quota in self._chain:
             used = quota.used = quota.used + nbytes
             if used > quota.peak:  # noqa: PLR1730 - no max() call: this runs several times a step
                 quota.peak = used
-            quota = quota.parent
 
     def refusal(self, nbytes: int, what: str) -> Failure:
         """Why `reserve(nbytes)` for `what` failed: this quota's limit, or the first parent's it

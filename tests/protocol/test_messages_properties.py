@@ -262,6 +262,24 @@ def test_a_reply_decodes_to_exactly_what_was_encoded(reply: Reply, tail: bytes) 
     assert m.encode_reply(decoded) == data
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(replies, st.data())
+def test_a_reply_with_results_marked_inline_encodes_as_with_inline_results(reply: Reply, data: Any) -> None:
+    results = [i for i, x in enumerate(reply.messages) if type(x) is Result]
+    inline = data.draw(st.lists(st.sampled_from(results), unique=True)) if results else []
+    marked = tuple(
+        dataclasses.replace(x, inline=True) if i in inline else x for i, x in enumerate(reply.messages)
+    )
+    assert m.encode_reply_inline(reply.ack, reply.messages, sorted(inline)) == m.encode_reply(
+        Reply(reply.ack, marked)
+    )
+
+
+def test_only_a_result_can_be_marked_inline() -> None:
+    with pytest.raises(TypeError, match="not a Result"):
+        m.encode_reply_inline(1, (Done(3),), [0])
+
+
 def test_f32_marks_travel_as_float32_and_come_back_as_the_same_floats() -> None:
     batch = Batch(3, (Execute(GID, (1,), (F32.of(0.1), 0.1, 7), 2),))
     data = m.encode_batch(batch)
@@ -359,6 +377,8 @@ def test_the_expected_repeat_leaves_anything_else_to_the_full_decoder() -> None:
     assert m.decode_repeat(m.encode_batch(Batch(7, (repeat, repeat))), repeat) is None  # refused in full
     assert m.decode_repeat(_repeat_bytes(7, repeat, 6) + b"\x00", repeat) is None  # bytes after it
     assert m.decode_repeat(msgpack.packb([7, [[9, True, 1]]]), repeat) is None  # a bool is no shift
+    assert m.decode_repeat(msgpack.packb([7, [[9.0, 3, 1]]]), repeat) is None  # a float is no tag
+    assert m.decode_repeat(msgpack.packb([7, [[9, 3, 1]], 6, 0]), repeat) is None  # four items
     assert m.decode_repeat(msgpack.packb([7, [[9, 3, 1]], 0]), repeat) is None  # received 0 is sent absent
     assert m.decode_repeat(_repeat_bytes(7, repeat, 0), repeat) == (7, 0)
 
