@@ -141,14 +141,10 @@ class _Direction:
         self.max_frames = max_frames
         self.max_bytes = max_bytes
 
-    def needs_rekey(self, nbytes: int) -> bool:
-        return self.epoch_frames > 0 and (
-            self.epoch_frames >= self.max_frames or self.epoch_bytes + nbytes > self.max_bytes
-        )
-
     def next_key(self, nbytes: int) -> tuple[AESGCM, bytes | None]:
         """The AEAD for a frame of nbytes, and the new key if that frame starts a new epoch."""
-        if self.needs_rekey(nbytes):
+        frames = self.epoch_frames  # a new epoch after max_frames frames or max_bytes bytes
+        if frames > 0 and (frames >= self.max_frames or self.epoch_bytes + nbytes > self.max_bytes):
             key = rekey(self.key)
             return AESGCM(key), key
         return self.aead, None
@@ -345,6 +341,8 @@ _KIND_OF = {int(k): k for k in Kind}  # a dict lookup, not the enum's constructo
 def split_frames(blob: BytesLike) -> list[memoryview]:
     """The frames in a transport blob, as views into it (no copies); ProtocolError on truncation."""
     view = memoryview(blob).cast("B")
+    if view and HEADER_SIZE + parse_header(view)[4] == len(view):
+        return [view]  # one frame: the common blob
     frames: list[memoryview] = []
     offset = 0
     while offset < len(view):

@@ -576,12 +576,17 @@ class ReplyLog(Generic[K]):
         return iter(self._kept)
 
     def keep(self, out: K) -> None:
-        if any(type(msg) is not m.GraphUnknown for msg in out.messages):
-            self._kept.append(out)
-            if len(self._kept) > MAX_KEPT_REPLIES:
-                oldest = self._kept.popleft()
-                oldest.release()  # one posted while detached is in no outbox: nothing else would
-                self.forgotten = oldest.ack
+        for msg in out.messages:  # (a loop, not any() of a generator: this runs every step)
+            if type(msg) is not m.GraphUnknown:
+                break
+        else:
+            return
+        kept = self._kept
+        kept.append(out)
+        if len(kept) > MAX_KEPT_REPLIES:
+            oldest = kept.popleft()
+            oldest.release()  # one posted while detached is in no outbox: nothing else would
+            self.forgotten = oldest.ack
 
     def covers(self, received: int) -> bool:
         """Whether every reply after ack `received` is still kept (a resume from it is whole)."""
@@ -763,10 +768,12 @@ class WorkerConnection(Generic[K]):
         """The blobs of one reply acking batch `ack` (`arrays`: one per Result, in order); acks
         count as told from now on (the client cannot know one before it is sent)."""
         self._acknowledge(ack)
-        if (
-            len(messages) <= SMALL_REPLY_MESSAGES
-            and sum(x.nbytes for x in messages if type(x) is m.Result) <= SMALL_REPLY_BULK
-        ):
+        results = 0
+        if len(messages) <= SMALL_REPLY_MESSAGES:
+            for x in messages:
+                if type(x) is m.Result:
+                    results += x.nbytes
+        if len(messages) <= SMALL_REPLY_MESSAGES and results <= SMALL_REPLY_BULK:
             # The common small reply: one blob of one frame, its results inline (a step's loss
             # goes back in the frame that answers it).
             head, tail, later = _reply_layout(ack, messages, arrays, self.chunk_size)

@@ -995,7 +995,7 @@ class Session:
         assert self._conn is not None
         self._outbox.popleft()
         try:
-            blobs = iter(self._conn.reply(out.ack, list(out.messages), list(out.bulks)))
+            blobs = iter(self._conn.reply(out.ack, out.messages, out.bulks))  # (read, not kept)
             for blob in blobs:
                 if not nowait(blob):
                     self._outbox.appendleft(_Sealed(out, itertools.chain([blob], blobs)))
