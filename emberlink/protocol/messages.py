@@ -987,9 +987,13 @@ def _out_of_range(x: int, by: int, lo: int) -> NoReturn:
 
 def _shifter(get: Callable[[Any], tuple[Any, ...]], changes: tuple[tuple[int, Role, bool], ...]) -> ShiftFn:
     """The one id shift, for expand_batch and repeat_of alike: a message's field values with each
-    tensor id shifted by d, each request id by dr, and its bindings the next of rows (if given)."""
+    tensor id shifted by d, each request id by dr, and its bindings the next of rows (if given).
 
-    def shift(x: Any, d: int, dr: int, rows: Iterator[tuple[Scalar, ...]] | None) -> list[Any]:
+    `ordered` is the rule, field by field, and says which id leaves its range first; `shift` gives
+    the same values by kind of field (fewer steps: a replayed batch is expanded on every step),
+    and leaves a shift that takes an id out of range to `ordered`."""
+
+    def ordered(x: Any, d: int, dr: int, rows: Iterator[tuple[Scalar, ...]] | None) -> list[Any]:
         v = list(get(x))
         for i, role, many in changes:
             if role is _TENSOR:
@@ -1013,6 +1017,35 @@ def _shifter(get: Callable[[Any], tuple[Any, ...]], changes: tuple[tuple[int, Ro
                     _out_of_range(v[i], dr, 1)
                 v[i] = y
             elif rows is not None:
+                v[i] = next(rows)
+        return v
+
+    singles = tuple(i for i, role, many in changes if role is _TENSOR and not many)
+    lists = tuple(i for i, role, many in changes if role is _TENSOR and many)
+    requests = tuple(i for i, role, _ in changes if role is _REQUEST)
+    bindings = tuple(i for i, role, _ in changes if role is Role.BINDINGS)
+
+    def shift(x: Any, d: int, dr: int, rows: Iterator[tuple[Scalar, ...]] | None) -> list[Any]:
+        v = list(get(x))
+        if d:
+            for i in singles:
+                y = v[i] + d
+                if not 0 <= y <= MAX_ID:
+                    return ordered(x, d, dr, rows)
+                v[i] = y
+            for i in lists:
+                ids = v[i]
+                if ids:
+                    if not 0 <= (max(ids) if d > 0 else min(ids)) + d <= MAX_ID:
+                        return ordered(x, d, dr, rows)
+                    v[i] = tuple(map(add, ids, repeat(d)))
+        for i in requests:
+            y = v[i] + dr
+            if not 1 <= y <= MAX_ID:
+                return ordered(x, d, dr, rows)
+            v[i] = y
+        if rows is not None:
+            for i in bindings:
                 v[i] = next(rows)
         return v
 

@@ -1070,11 +1070,15 @@ class Session:
 
     async def _send_reply(self, outs: list[Outgoing], final: m.Error | None) -> None:
         assert self._conn is not None
-        ack = max((o.ack for o in outs), default=self.applied)
-        messages: list[m.WorkerMessage] = [msg for o in outs for msg in o.messages]
-        bulks = [b for o in outs for b in o.bulks]
-        if final is not None:
-            messages.append(final)
+        messages: list[m.WorkerMessage]
+        if len(outs) == 1 and final is None:  # the common one: one step's reply, sent as it is
+            ack, messages, bulks = outs[0].ack, outs[0].messages, outs[0].bulks
+        else:
+            ack = max((o.ack for o in outs), default=self.applied)
+            messages = [msg for o in outs for msg in o.messages]
+            bulks = [b for o in outs for b in o.bulks]
+            if final is not None:
+                messages.append(final)
         began = time.perf_counter()
         for blob in self._conn.reply(ack, messages, bulks):
             self._sending_since = self._loop.time()

@@ -419,6 +419,20 @@ def test_a_repeat_that_shifts_an_id_out_of_the_id_space_is_refused(
     assert m.repeat_of(template, template) == Repeat(0, 0)
 
 
+@pytest.mark.parametrize(
+    ("message", "repeat", "named"),
+    [
+        (Read(MAX_ID, MAX_ID), Repeat(1, 1), f"request id {MAX_ID} shifted by 1"),
+        (Execute(GID, (MAX_ID,), (), MAX_ID - 5), Repeat(6, 0), f"tensor id {MAX_ID} shifted by 6"),
+    ],
+)
+def test_a_shift_that_takes_several_ids_out_names_the_first_field_in_order(
+    message: ClientMessage, repeat: Repeat, named: str
+) -> None:
+    with pytest.raises(ProtocolError, match=named):
+        m.expand_batch(Batch(2, (repeat,)), (message,))
+
+
 def test_a_repeat_shifts_exactly_the_fields_whose_kind_is_an_id() -> None:
     template = (
         Register(GID, b"g"),
