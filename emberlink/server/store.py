@@ -255,6 +255,15 @@ class TensorStore:
         except KeyError:
             raise LookupError(self.failure_of(tid)) from None
 
+    def get_many(self, tids: Any) -> list[Any]:
+        """`get` of each, in order (one call for an Execute's inputs); LookupError carrying the
+        Failure of the first that has no value."""
+        entries = self._entries
+        try:
+            return [entries[tid][0] for tid in tids]
+        except KeyError as e:
+            raise LookupError(self.failure_of(e.args[0])) from None
+
     def peek(self, tid: int) -> Any:
         """The array of tid, or None if it failed or is unknown (no exception: for checks on the
         per-step path, where most ids asked about are made by the batch being checked)."""
