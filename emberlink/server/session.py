@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import itertools
 import logging
 import os
@@ -304,7 +305,7 @@ class Session:
             self._receiver = asyncio.create_task(self._receive_loop(), name=f"recv {self.peer}")
             # Blobs taken as they arrive, where the link can: see _take_blob for the figure. The
             # task above still takes what the callback leaves, and sees the link end.
-            offer_receiver(link, lambda blob: self._take_blob(link, blob))
+            offer_receiver(link, functools.partial(self._take_blob, link))  # (no Python frame of its own)
         self._nowait = link.send_nowait if isinstance(link, CallbackLink) else None
         try:
             reason, final = await self._ended
