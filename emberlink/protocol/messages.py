@@ -915,19 +915,13 @@ def decode_repeat(data: BytesLike, repeat: Repeat) -> tuple[int, int] | None:
     wire = envelope[1][0]
     if type(wire[0]) is not int or type(wire[1]) is not int or type(wire[2]) is not int:
         return None
-    if len(envelope) == 2:
-        seq, received = envelope[0], 1
-    elif len(envelope) == 3:
-        seq, received = envelope[0], envelope[2]
-    else:
+    seq = envelope[0]
+    received = envelope[2] if len(envelope) == 3 else 0  # absent: 0, and 0 is never sent
+    if len(envelope) > 3 or type(seq) is not int or type(received) is not int or not 1 <= seq <= MAX_ID:
         return None
-    if (
-        type(seq) is not int
-        or type(received) is not int
-        or not (1 <= seq <= MAX_ID and 1 <= received <= MAX_ID)
-    ):
+    if len(envelope) == 3 and not 1 <= received <= MAX_ID:
         return None
-    return seq, received if len(envelope) == 3 else 0
+    return seq, received
 
 
 def decode_reply(data: BytesLike) -> Reply:

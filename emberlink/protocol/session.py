@@ -743,9 +743,11 @@ class WorkerConnection(Generic[K]):
 
     def predict(self) -> None:
         """Expand, while nothing waits (the pump calls it once a reply is out), the batch that
-        repeats the last one's shifts, so that the next batch, if it is that Repeat, is expanded
-        at the cost of a comparison. Measured as the client's: receive_frame of a jitted tiny
-        step's batch went from 18.1 to 12.8 µs of CPU."""
+        repeats the last one's shifts, and count its bytes, so that the next batch, if it is that
+        Repeat, is taken in at the cost of one small unpack (`_on_expected`). Measured as the
+        client's: receive_frame of a jitted tiny step's batch went from 18.1 to 12.8 µs of CPU;
+        with the byte counts and `messages.decode_repeat`, from 20.9 to 12.6 µs (median of the
+        worker's calls over tcp, three runs interleaved with the comparison)."""
         predicted = self._predicted = _prediction(self._template, self._repeat, self._predicted)
         last = self._expected
         if predicted is not None and (last is None or last.messages is not predicted[2]):
@@ -825,9 +827,8 @@ class WorkerConnection(Generic[K]):
         self.channel = channel
         self.replies.confirm(received)
         self.discard_partial()
-        self._template = self._repeat = self._predicted = self._expected = (
-            None  # the first batch repeats none
-        )
+        # The first batch on the new link repeats none.
+        self._template = self._repeat = self._predicted = self._expected = None
         self._unacked_bytes.clear()
         self._held = 0
         self.acked = max(self.acked, applied)

@@ -80,10 +80,7 @@ class Quota:
             for quota in self._chain:
                 if quota.limit is not None and quota.used + nbytes > quota.limit + slack:
                     return False
-            for quota in self._chain:  # as _add does, inlined: this runs several times a step
-                used = quota.used = quota.used + nbytes
-                if used > quota.peak:  # noqa: PLR1730 - no max() call
-                    quota.peak = used
+            self._add(nbytes)
         return True
 
     def charge(self, nbytes: int) -> None:
@@ -93,10 +90,7 @@ class Quota:
 
     def release(self, nbytes: int) -> None:
         with self._lock:
-            for quota in self._chain:  # as _add does, inlined
-                used = quota.used = quota.used - nbytes
-                if used > quota.peak:  # noqa: PLR1730 - no max() call
-                    quota.peak = used
+            self._add(-nbytes)
 
     def _add(self, nbytes: int) -> None:
         for quota in self._chain:
