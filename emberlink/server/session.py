@@ -792,7 +792,7 @@ class Session:
             self._waiting.append(incoming)
             return
         try:
-            compile_first = self._needs_compiling(incoming)
+            compile_first = incoming.registers and self._needs_compiling(incoming)
         except BaseException:
             self._drop(incoming)
             raise
