@@ -141,17 +141,15 @@ class _Direction:
         self.max_frames = max_frames
         self.max_bytes = max_bytes
 
-    def needs_rekey(self, nbytes: int) -> bool:
-        return self.epoch_frames > 0 and (
-            self.epoch_frames >= self.max_frames or self.epoch_bytes + nbytes > self.max_bytes
-        )
-
-    def next_key(self, nbytes: int) -> tuple[AESGCM, bytes | None]:
-        """The AEAD for a frame of nbytes, and the new key if that frame starts a new epoch."""
-        if self.needs_rekey(nbytes):
+    def next_key(self, nbytes: int) -> tuple[AESGCM, bytes | None, bytes]:
+        """The AEAD for the next frame, of nbytes, the new key if that frame starts a new epoch,
+        and the frame's nonce."""
+        nonce = _NONCE.pack(self.prefix, self.counter)
+        frames = self.epoch_frames  # a new epoch after max_frames frames or max_bytes bytes
+        if frames > 0 and (frames >= self.max_frames or self.epoch_bytes + nbytes > self.max_bytes):
             key = rekey(self.key)
-            return AESGCM(key), key
-        return self.aead, None
+            return AESGCM(key), key, nonce
+        return self.aead, None, nonce
 
     def commit(self, nbytes: int, aead: AESGCM, new_key: bytes | None) -> None:
         if new_key is not None:
@@ -160,9 +158,6 @@ class _Direction:
         self.counter += 1
         self.epoch_frames += 1
         self.epoch_bytes += nbytes
-
-    def nonce(self) -> bytes:
-        return _NONCE.pack(self.prefix, self.counter)
 
 
 class Channel:
@@ -214,8 +209,8 @@ class Channel:
         """One frame carrying plaintext."""
         n = len(plaintext)
         header = self._next_send_header(kind, n)
-        aead, new_key = self._send.next_key(n)
-        frame = header + aead.encrypt(self._send.nonce(), plaintext, header)
+        aead, new_key, nonce = self._send.next_key(n)
+        frame = header + aead.encrypt(nonce, plaintext, header)
         self._send.commit(n, aead, new_key)
         return frame
 
@@ -248,8 +243,8 @@ class Channel:
         n = len(plaintext)
         frame, out = _new_frame_buffer(HEADER_SIZE + n + TAG_SIZE)
         HEADER.pack_into(out, 0, *self._next_send_header_fields(kind, n))
-        aead, new_key = self._send.next_key(n)
-        aead.encrypt_into(self._send.nonce(), plaintext, out[:HEADER_SIZE], out[HEADER_SIZE:])
+        aead, new_key, nonce = self._send.next_key(n)
+        aead.encrypt_into(nonce, plaintext, out[:HEADER_SIZE], out[HEADER_SIZE:])
         self._send.commit(n, aead, new_key)
         out.release()
         return frame
@@ -258,9 +253,9 @@ class Channel:
         """The kind and plaintext of the peer's next frame; AuthError or ProtocolError if refused."""
         view = memoryview(frame).cast("B")
         kind, n = self._check(view)
-        aead, new_key = self._recv.next_key(n)
+        aead, new_key, nonce = self._recv.next_key(n)
         try:
-            plaintext = aead.decrypt(self._recv.nonce(), view[HEADER_SIZE:], view[:HEADER_SIZE])
+            plaintext = aead.decrypt(nonce, view[HEADER_SIZE:], view[:HEADER_SIZE])
         except InvalidTag as e:
             raise AuthError(f"frame {self._recv.counter} failed authentication") from e
         self._recv.commit(n, aead, new_key)
@@ -275,9 +270,9 @@ class Channel:
         kind, n = self._check(view)
         if len(out) < n:
             raise ProtocolError(f"frame carries {n} bytes, only {len(out)} expected")
-        aead, new_key = self._recv.next_key(n)
+        aead, new_key, nonce = self._recv.next_key(n)
         try:
-            aead.decrypt_into(self._recv.nonce(), view[HEADER_SIZE:], view[:HEADER_SIZE], out[:n])
+            aead.decrypt_into(nonce, view[HEADER_SIZE:], view[:HEADER_SIZE], out[:n])
         except InvalidTag as e:
             raise AuthError(f"frame {self._recv.counter} failed authentication") from e
         self._recv.commit(n, aead, new_key)
@@ -345,6 +340,8 @@ _KIND_OF = {int(k): k for k in Kind}  # a dict lookup, not the enum's constructo
 def split_frames(blob: BytesLike) -> list[memoryview]:
     """The frames in a transport blob, as views into it (no copies); ProtocolError on truncation."""
     view = memoryview(blob).cast("B")
+    if view and HEADER_SIZE + parse_header(view)[4] == len(view):
+        return [view]  # one frame: the common blob
     frames: list[memoryview] = []
     offset = 0
     while offset < len(view):

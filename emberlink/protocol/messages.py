@@ -716,6 +716,20 @@ def encode_reply(reply: Reply) -> bytes:
     return _pack([reply.ack, _wire(reply.messages, _WORKER_WRITERS, "worker")])
 
 
+def encode_reply_inline(ack: int, messages: tuple[WorkerMessage, ...], inline: Iterable[int]) -> bytes:
+    """`encode_reply(Reply(ack, messages))` with the Results at positions `inline` sent inline, as
+    if made with `inline=True` (without making them again: a reply is laid out on every step)."""
+    wire = _wire(messages, _WORKER_WRITERS, "worker")
+    for i in inline:
+        if type(messages[i]) is not Result:
+            raise TypeError(f"message {i} of the reply is a {type(messages[i]).__name__}, not a Result")
+        wire[i][0] = _RESULT_INLINE
+    return _pack([ack, wire])
+
+
+_RESULT_INLINE = int(Tag.RESULT_INLINE)
+
+
 # -- decoding ---------------------------------------------------------------------------------
 
 MessageReader = Callable[[list[Any], _Budget], Any]
@@ -883,6 +897,33 @@ def decode_batch_prefix(data: BytesLike) -> tuple[Batch, int]:
     return _batch(envelope), end
 
 
+def decode_repeat(data: BytesLike, repeat: Repeat) -> tuple[int, int] | None:
+    """`(seq, received)` of the batch that is the whole of `data` when it is exactly `repeat` (one
+    Repeat without bindings) and valid; None for anything else, which `decode_batch_prefix` then
+    decodes in full (it accepts every batch this accepts, as the same batch). A replayed step's
+    batch, expected ahead, is checked at the cost of one small unpack, without building messages
+    or raising ExtraData to find its end."""
+    if repeat.bindings is not None or len(data) > _FIRST_FEED:
+        return None
+    try:
+        envelope = msgpack.unpackb(data, **_SMALL)
+    except _UNPACK_ERRORS:
+        return None
+    # Equal to the Repeat's wire array, then exact types: a bool equals an int in Python.
+    if type(envelope) is not list or envelope[1:2] != [[[Tag.REPEAT, repeat.id_shift, repeat.rid_shift]]]:
+        return None
+    wire = envelope[1][0]
+    if type(wire[0]) is not int or type(wire[1]) is not int or type(wire[2]) is not int:
+        return None
+    seq = envelope[0]
+    received = envelope[2] if len(envelope) == 3 else 0  # absent: 0, and 0 is never sent
+    if len(envelope) > 3 or type(seq) is not int or type(received) is not int or not 1 <= seq <= MAX_ID:
+        return None
+    if len(envelope) == 3 and not 1 <= received <= MAX_ID:
+        return None
+    return seq, received
+
+
 def decode_reply(data: BytesLike) -> Reply:
     """The Reply that is the whole of a MESSAGE frame's plaintext; ProtocolError if it is anything
     but a valid one."""
@@ -940,9 +981,13 @@ def _out_of_range(x: int, by: int, lo: int) -> NoReturn:
 
 def _shifter(get: Callable[[Any], tuple[Any, ...]], changes: tuple[tuple[int, Role, bool], ...]) -> ShiftFn:
     """The one id shift, for expand_batch and repeat_of alike: a message's field values with each
-    tensor id shifted by d, each request id by dr, and its bindings the next of rows (if given)."""
+    tensor id shifted by d, each request id by dr, and its bindings the next of rows (if given).
 
-    def shift(x: Any, d: int, dr: int, rows: Iterator[tuple[Scalar, ...]] | None) -> list[Any]:
+    `ordered` is the rule, field by field, and says which id leaves its range first; `shift` gives
+    the same values by kind of field (fewer steps: a replayed batch is expanded on every step),
+    and leaves a shift that takes an id out of range to `ordered`."""
+
+    def ordered(x: Any, d: int, dr: int, rows: Iterator[tuple[Scalar, ...]] | None) -> list[Any]:
         v = list(get(x))
         for i, role, many in changes:
             if role is _TENSOR:
@@ -966,6 +1011,35 @@ def _shifter(get: Callable[[Any], tuple[Any, ...]], changes: tuple[tuple[int, Ro
                     _out_of_range(v[i], dr, 1)
                 v[i] = y
             elif rows is not None:
+                v[i] = next(rows)
+        return v
+
+    singles = tuple(i for i, role, many in changes if role is _TENSOR and not many)
+    lists = tuple(i for i, role, many in changes if role is _TENSOR and many)
+    requests = tuple(i for i, role, _ in changes if role is _REQUEST)
+    bindings = tuple(i for i, role, _ in changes if role is Role.BINDINGS)
+
+    def shift(x: Any, d: int, dr: int, rows: Iterator[tuple[Scalar, ...]] | None) -> list[Any]:
+        v = list(get(x))
+        if d:
+            for i in singles:
+                y = v[i] + d
+                if not 0 <= y <= MAX_ID:
+                    return ordered(x, d, dr, rows)
+                v[i] = y
+            for i in lists:
+                ids = v[i]
+                if ids:
+                    if not 0 <= (max(ids) if d > 0 else min(ids)) + d <= MAX_ID:
+                        return ordered(x, d, dr, rows)
+                    v[i] = tuple(map(add, ids, repeat(d)))
+        for i in requests:
+            y = v[i] + dr
+            if not 1 <= y <= MAX_ID:
+                return ordered(x, d, dr, rows)
+            v[i] = y
+        if rows is not None:
+            for i in bindings:
                 v[i] = next(rows)
         return v
 
@@ -1004,17 +1078,22 @@ def expand_batch(batch: Batch, template: tuple[ClientMessage, ...] | None) -> Ba
     id out of range, or bindings that do not match the template's Executes."""
     if len(batch.messages) != 1 or type(batch.messages[0]) is not Repeat:
         return batch
-    r = batch.messages[0]
     if template is None:
         _refuse(f"batch {batch.seq} repeats a previous batch, and this session has none")
+    return Batch(batch.seq, expand(batch.messages[0], template), batch.received)
+
+
+def expand(r: Repeat, template: tuple[ClientMessage, ...]) -> tuple[ClientMessage, ...]:
+    """The messages Repeat `r` stands for after `template` (`expand_batch` of a batch of it)."""
     if r.bindings is None and not r.id_shift and not r.rid_shift:
-        return Batch(batch.seq, template, batch.received)  # nothing changes
+        return template  # nothing changes
     rows, d, dr = _rows(r, template), r.id_shift, r.rid_shift
     out = []
+    shifts = _SHIFTS
     for x in template:
-        sh = _SHIFTS.get(type(x))
+        sh = shifts.get(type(x))
         out.append(x if sh is None else sh.cls(*sh.shift(x, d, dr, rows)))
-    return Batch(batch.seq, tuple(out), batch.received)
+    return tuple(out)
 
 
 def same_messages(a: tuple[ClientMessage, ...], b: tuple[ClientMessage, ...]) -> bool:

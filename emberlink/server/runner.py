@@ -336,13 +336,11 @@ class BatchRunner:
         if isinstance(plan, Refusal):
             self._fail(outs, plan.failure)
             return
-        inputs = []
-        for tid in msg.inputs:
-            try:
-                inputs.append(self._store.get(tid))
-            except LookupError as e:
-                self._fail(outs, e.args[0])
-                return
+        try:
+            inputs = self._store.get_many(msg.inputs)
+        except LookupError as e:
+            self._fail(outs, e.args[0])
+            return
         need = self._peaks.get(msg.gid)
         if need is None:
             if len(self._peaks) >= 4096:

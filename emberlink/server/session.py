@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import itertools
 import logging
 import os
@@ -304,7 +305,7 @@ class Session:
             self._receiver = asyncio.create_task(self._receive_loop(), name=f"recv {self.peer}")
             # Blobs taken as they arrive, where the link can: see _take_blob for the figure. The
             # task above still takes what the callback leaves, and sees the link end.
-            offer_receiver(link, lambda blob: self._take_blob(link, blob))
+            offer_receiver(link, functools.partial(self._take_blob, link))  # (no Python frame of its own)
         self._nowait = link.send_nowait if isinstance(link, CallbackLink) else None
         try:
             reason, final = await self._ended
@@ -791,7 +792,7 @@ class Session:
             self._waiting.append(incoming)
             return
         try:
-            compile_first = self._needs_compiling(incoming)
+            compile_first = incoming.registers and self._needs_compiling(incoming)
         except BaseException:
             self._drop(incoming)
             raise
@@ -995,7 +996,7 @@ class Session:
         assert self._conn is not None
         self._outbox.popleft()
         try:
-            blobs = iter(self._conn.reply(out.ack, list(out.messages), list(out.bulks)))
+            blobs = iter(self._conn.reply(out.ack, out.messages, out.bulks))  # (read, not kept)
             for blob in blobs:
                 if not nowait(blob):
                     self._outbox.appendleft(_Sealed(out, itertools.chain([blob], blobs)))
@@ -1070,11 +1071,15 @@ class Session:
 
     async def _send_reply(self, outs: list[Outgoing], final: m.Error | None) -> None:
         assert self._conn is not None
-        ack = max((o.ack for o in outs), default=self.applied)
-        messages: list[m.WorkerMessage] = [msg for o in outs for msg in o.messages]
-        bulks = [b for o in outs for b in o.bulks]
-        if final is not None:
-            messages.append(final)
+        messages: list[m.WorkerMessage]
+        if len(outs) == 1 and final is None:  # the common one: one step's reply, sent as it is
+            ack, messages, bulks = outs[0].ack, outs[0].messages, outs[0].bulks
+        else:
+            ack = max((o.ack for o in outs), default=self.applied)
+            messages = [msg for o in outs for msg in o.messages]
+            bulks = [b for o in outs for b in o.bulks]
+            if final is not None:
+                messages.append(final)
         began = time.perf_counter()
         for blob in self._conn.reply(ack, messages, bulks):
             self._sending_since = self._loop.time()

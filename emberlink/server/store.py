@@ -68,6 +68,8 @@ class Quota:
         self.label = label
         # One lock for a whole tree of quotas: a change takes it once, however deep the chain.
         self._lock: threading.Lock = parent._lock if parent is not None else threading.Lock()
+        # This quota and its parents, nearest first: walked on every change (several a step).
+        self._chain: tuple[Quota, ...] = (self, *(parent._chain if parent is not None else ()))
         self.used = 0
         self.peak = 0
 
@@ -75,11 +77,9 @@ class Quota:
         """Take nbytes if they fit here and in every parent (each limit stretched by `slack`);
         False (taking nothing) otherwise."""
         with self._lock:
-            quota: Quota | None = self
-            while quota is not None:
+            for quota in self._chain:
                 if quota.limit is not None and quota.used + nbytes > quota.limit + slack:
                     return False
-                quota = quota.parent
             self._add(nbytes)
         return True
 
@@ -93,12 +93,10 @@ class Quota:
             self._add(-nbytes)
 
     def _add(self, nbytes: int) -> None:
-        quota: Quota | None = self
-        while quota is not None:
+        for quota in self._chain:
             used = quota.used = quota.used + nbytes
             if used > quota.peak:  # noqa: PLR1730 - no max() call: this runs several times a step
                 quota.peak = used
-            quota = quota.parent
 
     def refusal(self, nbytes: int, what: str) -> Failure:
         """Why `reserve(nbytes)` for `what` failed: this quota's limit, or the first parent's it
@@ -136,25 +134,20 @@ class Hold:
             quota.release(self._nbytes)
 
 
-class _Entry:
-    """A stored array and its size; it is charged `size + ID_BYTES`. The size alone, not the charge,
-    is kept: a tiny tensor's size is one of the interpreter's shared small ints, its charge would be
-    one more object per id (a session holding many tiny tensors leaves that much more memory
-    fragmented after it ends)."""
-
-    __slots__ = ("array", "size")
-
-    def __init__(self, array: Any, size: int) -> None:
-        self.array = array
-        self.size = size
+_Entry = tuple[Any, int]
+"""A stored array and its size; it is charged `size + ID_BYTES`. The size alone, not the charge,
+is kept: a tiny tensor's size is one of the interpreter's shared small ints, its charge would be
+one more object per id (a session holding many tiny tensors leaves that much more memory
+fragmented after it ends). A tuple, not an object with slots: several are made a step, and a
+tuple costs no `__init__` call."""
 
 
 def _references_when_alone() -> int:
     """What `sys.getrefcount` reports in `TensorStore._forget` for an array nothing else holds:
     measured, not assumed, so the interpreter's counting conventions cancel out."""
-    entries = {0: _Entry(object(), 0)}
+    entries: dict[int, _Entry] = {0: (object(), 0)}
     entry = entries.pop(0)
-    array = entry.array
+    array = entry[0]
     return sys.getrefcount(array)
 
 
@@ -194,7 +187,7 @@ class TensorStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.size + ID_BYTES for e in self._entries.values())
+        return sum(size + ID_BYTES for _, size in self._entries.values())
 
     def put(self, tid: int, array: Any, nbytes: int, *, charged: bool) -> None:
         """Store an array (replacing tid); `charged`: nbytes + ID_BYTES were reserved already, else
@@ -211,7 +204,7 @@ class TensorStore:
             raise
         if not charged:
             self.quota.charge(nbytes + ID_BYTES)
-        self._entries[tid] = _Entry(array, nbytes)
+        self._entries[tid] = (array, nbytes)
 
     def put_many(self, tids: Any, arrays: Any, sizes: list[int], *, reserved: int = 0) -> None:
         """`put(tid, array, size, charged=False)` for each, with one change to the quota, of which
@@ -229,7 +222,7 @@ class TensorStore:
         for tid, array, size in zip(tids, arrays, sizes, strict=True):
             if tid in entries or (failures and tid in failures):
                 self._forget(tid)
-            entries[tid] = _Entry(array, size)
+            entries[tid] = (array, size)
             total += size + ID_BYTES
         delta = total - reserved
         if delta > 0:
@@ -252,15 +245,24 @@ class TensorStore:
     def get(self, tid: int) -> Any:
         """The array of tid; raises LookupError carrying a Failure if it failed or is unknown."""
         try:
-            return self._entries[tid].array
+            return self._entries[tid][0]
         except KeyError:
             raise LookupError(self.failure_of(tid)) from None
+
+    def get_many(self, tids: Any) -> list[Any]:
+        """`get` of each, in order (one call for an Execute's inputs); LookupError carrying the
+        Failure of the first that has no value."""
+        entries = self._entries
+        try:
+            return [entries[tid][0] for tid in tids]
+        except KeyError as e:
+            raise LookupError(self.failure_of(e.args[0])) from None
 
     def peek(self, tid: int) -> Any:
         """The array of tid, or None if it failed or is unknown (no exception: for checks on the
         per-step path, where most ids asked about are made by the batch being checked)."""
         entry = self._entries.get(tid)
-        return None if entry is None else entry.array
+        return None if entry is None else entry[0]
 
     def failure_of(self, tid: int) -> Failure:
         failure = self._failures.get(tid)
@@ -284,11 +286,11 @@ class TensorStore:
             entry = entries.pop(tid, None)
             if entry is None:
                 continue
-            array = entry.array  # the same references as in `_forget`, so _ALONE holds here too
+            array, size = entry  # the same references as in `_forget`, so _ALONE holds here too
             if sys.getrefcount(array) > _ALONE:  # a reply waiting to be sent still holds it
-                keep_charged(quota, array, entry.size + ID_BYTES)
+                keep_charged(quota, array, size + ID_BYTES)
             else:
-                freed += entry.size + ID_BYTES
+                freed += size + ID_BYTES
         if freed:
             quota.release(freed)
 
@@ -302,11 +304,11 @@ class TensorStore:
         entry = self._entries.pop(tid, None)
         if entry is None:
             return
-        array = entry.array
+        array, size = entry
         if sys.getrefcount(array) > _ALONE:  # a reply waiting to be sent still holds it
-            keep_charged(self.quota, array, entry.size + ID_BYTES)
+            keep_charged(self.quota, array, size + ID_BYTES)
         else:
-            self.quota.release(entry.size + ID_BYTES)
+            self.quota.release(size + ID_BYTES)
 
 
 __all__ = ["ID_BYTES", "Failure", "Hold", "Quota", "TensorStore", "keep_charged"]

@@ -10,6 +10,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, assert_never
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -261,6 +262,24 @@ def test_a_reply_decodes_to_exactly_what_was_encoded(reply: Reply, tail: bytes) 
     assert m.encode_reply(decoded) == data
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(replies, st.data())
+def test_a_reply_with_results_marked_inline_encodes_as_with_inline_results(reply: Reply, data: Any) -> None:
+    results = [i for i, x in enumerate(reply.messages) if type(x) is Result]
+    inline = data.draw(st.lists(st.sampled_from(results), unique=True)) if results else []
+    marked = tuple(
+        dataclasses.replace(x, inline=True) if i in inline else x for i, x in enumerate(reply.messages)
+    )
+    assert m.encode_reply_inline(reply.ack, reply.messages, sorted(inline)) == m.encode_reply(
+        Reply(reply.ack, marked)
+    )
+
+
+def test_only_a_result_can_be_marked_inline() -> None:
+    with pytest.raises(TypeError, match="not a Result"):
+        m.encode_reply_inline(1, (Done(3),), [0])
+
+
 def test_f32_marks_travel_as_float32_and_come_back_as_the_same_floats() -> None:
     batch = Batch(3, (Execute(GID, (1,), (F32.of(0.1), 0.1, 7), 2),))
     data = m.encode_batch(batch)
@@ -326,6 +345,44 @@ def test_a_mutated_batch_decodes_validly_or_raises_only_protocol_error(batch: Ba
             m.check_tail(expanded, m.inline_bytes(expanded.messages))
 
 
+def _repeat_bytes(seq: int, repeat: Repeat, received: int) -> bytes:
+    return m.encode_batch(Batch(seq, (repeat,), received))
+
+
+repeats = st.builds(Repeat, st.integers(-MAX_ID, MAX_ID), st.integers(-MAX_ID, MAX_ID))
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(repeats, st.integers(1, MAX_ID), st.integers(0, MAX_ID), edits, st.booleans())
+def test_the_expected_repeat_decodes_as_the_full_decoder_decodes_it_or_not_at_all(
+    repeat: Repeat, seq: int, received: int, change: Any, mutate: bool
+) -> None:
+    data = _repeat_bytes(seq, repeat, received)
+    if mutate:
+        data = _mutate(data, change)
+    found = m.decode_repeat(data, repeat)
+    if not mutate:
+        assert found == (seq, received)
+    if found is None:
+        return
+    decoded = m.decode_batch(data)  # what it accepts, the full decoder accepts as the same batch
+    assert decoded.messages == (repeat,) and (decoded.seq, decoded.received) == found
+    assert all(type(v) is int for v in (decoded.messages[0].id_shift, decoded.messages[0].rid_shift))
+
+
+def test_the_expected_repeat_leaves_anything_else_to_the_full_decoder() -> None:
+    repeat = Repeat(3, 1)
+    assert m.decode_repeat(_repeat_bytes(7, Repeat(3, 2), 6), repeat) is None  # other shifts
+    assert m.decode_repeat(_repeat_bytes(7, Repeat(3, 1, ((1.0,),)), 6), repeat) is None  # bindings
+    assert m.decode_repeat(m.encode_batch(Batch(7, (repeat, repeat))), repeat) is None  # refused in full
+    assert m.decode_repeat(_repeat_bytes(7, repeat, 6) + b"\x00", repeat) is None  # bytes after it
+    assert m.decode_repeat(msgpack.packb([7, [[9, True, 1]]]), repeat) is None  # a bool is no shift
+    assert m.decode_repeat(msgpack.packb([7, [[9.0, 3, 1]]]), repeat) is None  # a float is no tag
+    assert m.decode_repeat(msgpack.packb([7, [[9, 3, 1]], 6, 0]), repeat) is None  # four items
+    assert m.decode_repeat(msgpack.packb([7, [[9, 3, 1]], 0]), repeat) is None  # received 0 is sent absent
+    assert m.decode_repeat(_repeat_bytes(7, repeat, 0), repeat) == (7, 0)
+
+
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(replies, edits)
 def test_a_mutated_reply_decodes_validly_or_raises_only_protocol_error(reply: Reply, change: Any) -> None:
@@ -360,6 +417,20 @@ def test_a_repeat_that_shifts_an_id_out_of_the_id_space_is_refused(
     with pytest.raises(ProtocolError, match="leaves"):
         m.expand_batch(Batch(2, (repeat,)), template)
     assert m.repeat_of(template, template) == Repeat(0, 0)
+
+
+@pytest.mark.parametrize(
+    ("message", "repeat", "named"),
+    [
+        (Read(MAX_ID, MAX_ID), Repeat(1, 1), f"request id {MAX_ID} shifted by 1"),
+        (Execute(GID, (MAX_ID,), (), MAX_ID - 5), Repeat(6, 0), f"tensor id {MAX_ID} shifted by 6"),
+    ],
+)
+def test_a_shift_that_takes_several_ids_out_names_the_first_field_in_order(
+    message: ClientMessage, repeat: Repeat, named: str
+) -> None:
+    with pytest.raises(ProtocolError, match=named):
+        m.expand_batch(Batch(2, (repeat,)), (message,))
 
 
 def test_a_repeat_shifts_exactly_the_fields_whose_kind_is_an_id() -> None:

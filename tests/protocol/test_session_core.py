@@ -129,6 +129,37 @@ def test_steps_that_repeat_the_last_shifts_go_as_repeats_and_expand_to_their_own
         np.testing.assert_array_equal(pair.waiter.answers[1 + step][0], np.full(2, step, np.float32))
 
 
+def test_a_predicted_repeat_arrives_as_the_full_decoding_of_it_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    taken: list[tuple[int, int] | None] = []  # what the predicted path found, each time it was tried
+    decode_repeat = m.decode_repeat
+    monkeypatch.setattr(m, "decode_repeat", lambda *a: taken.append(decode_repeat(*a)) or taken[-1])
+    client = s.ClientConnection(channels()[0], CHUNK, {}, lambda r: (None, None))
+    predicting: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)
+    plain: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)  # never predicts
+    for step in range(6):
+        tid = 10 + 3 * step
+        x = np.full(4, step, np.float32)
+        messages: list[m.ClientMessage] = [upload(tid, x), m.Execute(GID, (tid,), (0.5,), tid + 1)]
+        if step >= 2:
+            messages.append(m.Drop((tid - 3, tid - 2)))
+        client.submit([*messages, m.Read(1 + step, tid + 1)], [x], x.nbytes)
+        (blob,) = pack_frames(client.next_frames() or ())
+        client.predict()
+        arrived = []
+        for conn in (predicting, plain):
+            (frame,) = split_frames(blob)
+            event = conn.receive_frame(frame)
+            assert isinstance(event, s.BatchArrived)
+            assert conn.expect([])
+            arrived.append((event.batch, bytes(event.plaintext[event.start :])))
+            list(conn.reply(event.batch.seq, [], []))
+        predicting.predict()
+        assert arrived[0] == arrived[1]
+        assert arrived[0][1] == x.tobytes()
+    assert client.counters.batches_repeated == 4  # steps 1, 3, 4 and 5
+    assert taken == [None, (5, 0), (6, 0)]  # step 2 is not the one predicted; 4 and 5 are
+
+
 def test_a_binding_equal_to_the_last_but_of_another_type_keeps_its_type_on_the_wire() -> None:
     pair = Pair()
     pair.graph_bodies[GID] = b"body"
@@ -260,6 +291,23 @@ def test_an_ack_sent_frees_the_unacknowledged_bytes() -> None:
         assert isinstance(conn.receive_frame(upload_batch(client, seq, half)), s.BatchArrived)
         conn.expect([])
         list(conn.reply(seq, [], []))
+
+
+def test_a_batch_sent_again_counts_its_upload_bytes_once_until_acked() -> None:
+    client, worker = channels()
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
+    half = MAX_UNACKED_BYTES // 2 + 8
+
+    def arrive(seq: int) -> None:
+        assert isinstance(conn.receive_frame(upload_batch(client, seq, half)), s.BatchArrived)
+        conn.expect([])
+
+    arrive(1)
+    arrive(1)  # sent again (as after a GraphUnknown): it replaces itself
+    list(conn.reply(1, [], []))  # acked: none of its bytes are unacknowledged now
+    arrive(2)
+    list(conn.reply(2, [], []))
+    arrive(3)  # refused if batch 1 still counted
 
 
 def test_one_batch_alone_may_pass_the_unacknowledged_bytes() -> None:

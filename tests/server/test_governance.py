@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -229,14 +229,20 @@ def test_an_exception_applying_a_batch_ends_the_session_with_an_error_logged_onc
 def test_an_exception_in_a_sessions_send_task_ends_it_with_an_error_logged_once(
     worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    real = m.encode_reply
+    real, real_inline = m.encode_reply, m.encode_reply_inline
 
     def broken(reply: m.Reply) -> bytes:
         if m.Done(7) in reply.messages:
             raise ValueError("a bug in the worker")
         return real(reply)
 
+    def broken_inline(ack: int, messages: tuple[m.WorkerMessage, ...], inline: Iterable[int]) -> bytes:
+        if m.Done(7) in messages:
+            raise ValueError("a bug in the worker")
+        return real_inline(ack, messages, inline)
+
     monkeypatch.setattr(m, "encode_reply", broken)
+    monkeypatch.setattr(m, "encode_reply_inline", broken_inline)  # (small replies: see _reply_layout)
     error, _ = _a_bug_ends_the_session(worker, caplog, rid=7)
     assert error.code == "remote" and "ValueError" in error.message
 

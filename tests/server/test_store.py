@@ -29,6 +29,23 @@ def test_storing_many_results_charges_their_bytes_net_of_replaced_values_and_the
     assert store.quota.used == worker.used == 0 and store.quota.peak == worker.peak == 60 + 3 * ID_BYTES
 
 
+def test_values_of_many_ids_come_in_order_or_fail_with_the_first_id_that_has_none() -> None:
+    store = TensorStore(Quota(None))
+    a, b = np.zeros(2, np.uint8), np.ones(3, np.uint8)
+    store.put(1, a, 2, charged=False)
+    store.put(2, b, 3, charged=False)
+    store.poison(3, Failure(ErrorCode.EXECUTION, "it failed"))
+    assert [x is y for x, y in zip(store.get_many([2, 1, 2]), [b, a, b], strict=True)] == [True] * 3
+    with pytest.raises(LookupError) as failed:
+        store.get_many([1, 3, 9])
+    assert failed.value.args[0] == Failure(ErrorCode.EXECUTION, "it failed")
+    with pytest.raises(LookupError) as unknown:
+        store.get_many([1, 9, 3])
+    assert (
+        unknown.value.args[0].code == ErrorCode.UNKNOWN_TENSOR and "tensor 9" in unknown.value.args[0].message
+    )
+
+
 def test_a_dropped_array_a_reply_still_holds_stays_charged_until_it_is_garbage() -> None:
     worker = Quota(None)
     store = TensorStore(Quota(None, parent=worker))
