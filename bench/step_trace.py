@@ -149,8 +149,14 @@ def install(side: str) -> None:
     atexit.register(lambda: np.save(out, np.array([(t, n) for t, n in EVENTS], dtype=object)))
 
 
-FEED_NAMES = {"host": "host batches", "loader": "resident data", "uploaded": "batches uploaded beforehand"}
-"""The rows' names for gpu_step's feeds (HOST, LOADER: DataLoader(resident=True), UPLOADED)."""
+FEED_NAMES = {
+    "host": "host batches",
+    "host loader": "host batches from a DataLoader",
+    "loader": "resident data",
+    "uploaded": "batches uploaded beforehand",
+}
+"""The rows' names for gpu_step's feeds (HOST, HOST_LOADER: DataLoader(resident=False), LOADER:
+DataLoader(resident=True), UPLOADED)."""
 
 FINE_ENV = "STEP_TRACE_FINE"
 GC_ENV = "STEP_TRACE_GC"
