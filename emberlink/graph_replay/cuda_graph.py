@@ -245,7 +245,7 @@ class _Staging:
         # What the input table's source addresses (with its sizes) and the output table's
         # destinations hold now; None: unknown (as at first, and after a capture's sizing run).
         self.sources: list[int] | None = None
-        self.targets: list[int] | None = None
+        self.targets: list[int | None] | None = None
         self.slot_views = [
             host[at : at + s.np_dtype.itemsize].view(s.np_dtype) for s, at in zip(slots, layout.slots_at)
         ]
@@ -413,8 +413,9 @@ class CapturedPlan:
 
     # -- staging -----------------------------------------------------------------------------------
 
-    def _stage(self, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> _Call:
-        """Fill the next staging buffer with this call's addresses, bindings and host inputs."""
+    def _stage(self, inputs: Sequence[Any], bindings: Sequence[Scalar], whole: bool = True) -> _Call:
+        """Fill the next staging buffer with this call's addresses, bindings and host inputs; with
+        `whole` false (a split plan's replay), its outputs up to the early ones only."""
         plan, xp = self.plan, self._c.xp
         if [(a.dtype, a.shape) for a in inputs] != self._input_specs:
             check_inputs(plan, inputs)  # says which input does not match
@@ -481,22 +482,64 @@ class CapturedPlan:
             staging.in_table[:, 0] = sources
             staging.in_table[:, 2] = sizes
             staging.sources = sources
-        empty = xp.ndarray  # what cupy.empty calls, without its Python wrapper
+        call.inputs = inputs
+        # Where the plan is split, only the early outputs are made before the first launch: the
+        # rest are made while the GPU runs the first graph (`_stage_late`).
+        self._make_outputs(call, 0, len(self._out_specs) if whole else self._n_early)
+        if whole:
+            self._results(call)
+        return call
+
+    def _make_outputs(self, call: _Call, lo: int, hi: int) -> bool:
+        """Node outputs lo..hi-1 (in `_node_outputs` order) appended to `call.made`, their rows of
+        the staging buffer's output table filled; True when those rows changed."""
+        staging = call.staging
+        empty = self._c.xp.ndarray  # what cupy.empty calls, without its Python wrapper
         templates = staging.templates
-        made = []
-        for j, (shape, dtype) in enumerate(self._out_specs):
-            if j >= len(templates):  # too large to keep: a new array from the pool
+        made = call.made
+        n_kept = len(templates)
+        for j in range(lo, hi):
+            shape, dtype = self._out_specs[j]
+            if j >= n_kept:  # too large to keep: a new array from the pool
                 made.append(empty(shape, dtype))
                 continue
+            # (No local may hold the template while its holders are counted.)
             if templates[j] is None or _holders(templates[j]) != _IDLE:
                 templates[j] = empty(shape, dtype)  # the old one (if any) lives on in its result
             made.append(templates[j].view())
-        targets = [out.data.ptr for out in made]
-        if targets != staging.targets:
-            staging.out_table[self._n_early :, 1] = targets
-            staging.targets = targets
+        targets = [out.data.ptr for out in made[lo:hi]]
+        known = staging.targets
+        if known is not None and known[lo:hi] == targets:
+            return False
+        if known is None:
+            known = staging.targets = [None] * len(self._out_specs)
+        known[lo:hi] = targets
+        n_early = self._n_early
+        staging.out_table[n_early + lo : n_early + hi, 1] = targets
+        return True
+
+    def _results(self, call: _Call) -> None:
+        made, inputs = call.made, call.inputs
         call.results = [inputs[k] if fresh is None else made[fresh] for k, fresh in self._result_of]
-        return call
+        call.inputs = ()
+
+    def _stage_late(self, call: _Call, stream_ptr: int) -> None:
+        """After the first graph's launch: the rest of the outputs; where their table rows changed,
+        those rows are copied to the device before the second launch (the staging buffer's copy,
+        queued before the first launch, may or may not have carried them; the second graph reads
+        them only after this copy)."""
+        lo, n = self._n_early, len(self._out_specs)
+        if self._make_outputs(call, lo, n):
+            runtime = self._c.xp.cuda.runtime
+            at = self._layout.outputs_at + 24 * (self._n_early + lo)
+            runtime.memcpyAsync(
+                self._dev_mem.ptr + at,
+                call.staging.mem.ptr + at,
+                24 * (n - lo),
+                runtime.memcpyHostToDevice,
+                stream_ptr,
+            )
+        self._results(call)
 
     def _send(self, call: _Call, stream_ptr: int) -> None:
         """Queue the copies of a staged call: the staging buffer, then the pinned host inputs."""
@@ -698,15 +741,21 @@ class CapturedPlan:
         xp = self._c.xp
         with xp.cuda.Device(self._c.device_id):
             try:
-                call = self._stage(inputs, bindings)
+                graphs = self._graphs
+                split = len(graphs) > 1
+                call = self._stage(inputs, bindings, not split)
                 stream = xp.cuda.get_current_stream()
                 self._send(call, stream.ptr)
-                graphs = self._graphs
                 graphs[0].launch(stream)
-                if len(graphs) > 1:
+                if split:
                     staging = call.staging
                     made = staging.made
                     made.record(stream)
+                    try:
+                        self._stage_late(call, stream.ptr)
+                    except BaseException:
+                        self._sent(call, stream)  # the first graph reads this staging buffer
+                        raise
                     mark, results, uses = self._c.backend.mark_ready, call.results, staging.uses
                     for k, j in self._early_results:
                         mark(results[k], made, _EarlyCopy(staging, j, uses).read)
@@ -762,7 +811,7 @@ class _Call:
     """One staged call: its staging buffer, how much of it to copy, the pinned host inputs to copy
     straight to their fixed buffers, arrays to hold until the launch is queued, and its results."""
 
-    __slots__ = ("copied", "direct", "keep", "results", "staging", "upto")
+    __slots__ = ("copied", "direct", "inputs", "keep", "made", "results", "staging", "upto")
 
     def __init__(self, staging: _Staging, upto: int) -> None:
         self.staging = staging
@@ -770,6 +819,8 @@ class _Call:
         self.copied: list[weakref.ref[Any] | None] = []  # what each fixed buffer holds once it has run
         self.direct: list[tuple[int, np.ndarray]] = []
         self.keep: list[Any] = []
+        self.inputs: Sequence[Any] = ()  # until the results are made from them and `made`
+        self.made: list[Any] = []  # the node outputs' arrays, in `_node_outputs` order
         self.results: list[Any] = []
 
 
