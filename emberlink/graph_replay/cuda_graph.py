@@ -744,43 +744,49 @@ class CapturedPlan:
         return alloc
 
     def replay(self, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> list[Any]:
-        """This call's outputs, computed by one launch of the graph."""
+        """This call's outputs, computed by one launch of the graph (or two, where it is split)."""
         xp = self._c.xp
+        if xp.cuda.runtime.getDevice() == self._c.device_id:  # as on a worker's threads: nothing to switch
+            return self._replay(inputs, bindings)
         with xp.cuda.Device(self._c.device_id):
-            try:
-                graphs = self._graphs
-                split = len(graphs) > 1
-                call = self._stage(inputs, bindings, not split)
-                stream = xp.cuda.get_current_stream()
-                self._send(call, stream.ptr)
-                graphs[0].launch(stream)
-                if split:
-                    staging = call.staging
-                    made = staging.made
-                    made.record(stream)
-                    try:
-                        self._stage_late(call, stream.ptr)
-                    except BaseException:
-                        self._sent(call, stream)  # the first graph reads this staging buffer
-                        raise
-                    mark, results, uses = self._c.backend.mark_ready, call.results, staging.uses
-                    for k, j in self._early_results:
-                        mark(results[k], made, _EarlyCopy(staging, j, uses).read)
-                    graphs[1].launch(stream)
-                self._sent(call, stream)
-            except cap.StagingError:
-                raise  # nothing was launched: the fixed buffers hold what they held
-            except ExecutionError:
-                self._copied = [None] * self._n_inputs
-                raise
-            except xp.cuda.memory.OutOfMemoryError as e:
-                self._copied = [None] * self._n_inputs
-                raise OutOfMemory(f"captured graph: out of memory for its outputs: {e}") from e
-            except Exception as e:
-                self._copied = [None] * self._n_inputs
-                raise ExecutionError(f"captured graph failed: {type(e).__name__}: {e}") from e
-            # The pool reuses `call.keep`'s memory only for work queued after the launch.
-            return call.results
+            return self._replay(inputs, bindings)
+
+    def _replay(self, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> list[Any]:
+        xp = self._c.xp
+        try:
+            graphs = self._graphs
+            split = len(graphs) > 1
+            call = self._stage(inputs, bindings, not split)
+            stream = xp.cuda.get_current_stream()
+            self._send(call, stream.ptr)
+            graphs[0].launch(stream)
+            if split:
+                staging = call.staging
+                made = staging.made
+                made.record(stream)
+                try:
+                    self._stage_late(call, stream.ptr)
+                except BaseException:
+                    self._sent(call, stream)  # the first graph reads this staging buffer
+                    raise
+                mark, results, uses = self._c.backend.mark_ready, call.results, staging.uses
+                for k, j in self._early_results:
+                    mark(results[k], made, _EarlyCopy(staging, j, uses).read)
+                graphs[1].launch(stream)
+            self._sent(call, stream)
+        except cap.StagingError:
+            raise  # nothing was launched: the fixed buffers hold what they held
+        except ExecutionError:
+            self._copied = [None] * self._n_inputs
+            raise
+        except xp.cuda.memory.OutOfMemoryError as e:
+            self._copied = [None] * self._n_inputs
+            raise OutOfMemory(f"captured graph: out of memory for its outputs: {e}") from e
+        except Exception as e:
+            self._copied = [None] * self._n_inputs
+            raise ExecutionError(f"captured graph failed: {type(e).__name__}: {e}") from e
+        # The pool reuses `call.keep`'s memory only for work queued after the launch.
+        return call.results
 
     def free(self) -> None:
         """Give everything back (after the last launches have read their staging buffers)."""
