@@ -3,9 +3,10 @@
 captured.py decides when to capture; this module does it. A captured plan owns:
 - staging buffers in pinned host memory (STAGING_BUFFERS of them, filled in turn), which a replay
   fills on the host (the addresses of this call's inputs and outputs, the binding slots of
-  capture.py) and copies to the device's copy of the buffer just before the launch. Two of them,
-  so that staging a call never waits for the launch just before it (a loop that reads each loss
-  one step late keeps the GPU fed); the copy is queued on the stream, after that launch;
+  capture.py) and copies to the device's copy of the buffer just before the launch. Several of
+  them, so that staging a call never waits for the launch just before it (a loop that reads each
+  loss one step late keeps the GPU fed) and a training step's outputs find their arrays free
+  again (see STAGING_BUFFERS); the copy is queued on the stream, after that launch;
 - one fixed device buffer per input. An input that arrived in host memory when the plan was
   captured (an uploaded batch) has its region in the staging buffer, whose device copy is its
   fixed buffer; the others are filled by the graph's first node (one kernel) from this call's
@@ -25,7 +26,7 @@ captured.py decides when to capture; this module does it. A captured plan owns:
   step's loss, made by the forward pass): the first runs the steps up to the cut and copies out
   the outputs made so far, the second the rest. A replay records an event between the two
   launches and tells the backend (`mark_ready`), so a read of such an output waits for that event
-  only, and the time a reader takes to act on it (a client's round trip, the next step's Python)
+  only (the second graph's output arrays are made while the GPU runs the first graph), and the time a reader takes to act on it (a client's round trip, the next step's Python)
   overlaps the backward pass and the update. Measured on the H200 (bench/gpu_step.py), see the
   README. The first graph also writes the early outputs into their regions of the staging buffer
   (page-locked host memory, which the copy kernel addresses directly), so such a read is the wait
@@ -197,10 +198,16 @@ def _idle_counts() -> tuple[int, int, int]:
 
 _IDLE = _idle_counts()
 
-STAGING_BUFFERS = 2
+STAGING_BUFFERS = 3
 """Staging buffers a captured plan fills in turn. A replay waits only until the launch that last
-used the buffer it fills has finished, i.e. the launch before the previous one: a host that runs
-one launch ahead (a loop reading each loss one step late) never waits to stage."""
+used the buffer it fills has finished, the third launch before it: a host that runs one launch ahead
+(a loop reading each loss one step late) never waits to stage. Three, not two: a training step's
+outputs (the parameters) are the next step's inputs and are dropped by the batch after that one,
+after its Execute, so with two buffers a kept array (`_Staging.templates`) was still held every
+time its buffer came round, and every call made all its outputs anew from the pool, with new
+addresses for the output table (Device.cuda jit, small MLP, batches on the device, on the H200,
+median µs a call: making the second graph's outputs, with the copy of their changed table rows,
+19-20 with two buffers, 11 with three or four, where the kept arrays are taken again every call)."""
 
 
 class _Staging:
@@ -245,7 +252,7 @@ class _Staging:
         # What the input table's source addresses (with its sizes) and the output table's
         # destinations hold now; None: unknown (as at first, and after a capture's sizing run).
         self.sources: list[int] | None = None
-        self.targets: list[int] | None = None
+        self.targets: list[int | None] | None = None
         self.slot_views = [
             host[at : at + s.np_dtype.itemsize].view(s.np_dtype) for s, at in zip(slots, layout.slots_at)
         ]
@@ -413,8 +420,9 @@ class CapturedPlan:
 
     # -- staging -----------------------------------------------------------------------------------
 
-    def _stage(self, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> _Call:
-        """Fill the next staging buffer with this call's addresses, bindings and host inputs."""
+    def _stage(self, inputs: Sequence[Any], bindings: Sequence[Scalar], whole: bool = True) -> _Call:
+        """Fill the next staging buffer with this call's addresses, bindings and host inputs; with
+        `whole` false (a split plan's replay), its outputs up to the early ones only."""
         plan, xp = self.plan, self._c.xp
         if [(a.dtype, a.shape) for a in inputs] != self._input_specs:
             check_inputs(plan, inputs)  # says which input does not match
@@ -481,22 +489,64 @@ class CapturedPlan:
             staging.in_table[:, 0] = sources
             staging.in_table[:, 2] = sizes
             staging.sources = sources
-        empty = xp.ndarray  # what cupy.empty calls, without its Python wrapper
+        call.inputs = inputs
+        # Where the plan is split, only the early outputs are made before the first launch: the
+        # rest are made while the GPU runs the first graph (`_stage_late`).
+        self._make_outputs(call, 0, len(self._out_specs) if whole else self._n_early)
+        if whole:
+            self._results(call)
+        return call
+
+    def _make_outputs(self, call: _Call, lo: int, hi: int) -> bool:
+        """Node outputs lo..hi-1 (in `_node_outputs` order) appended to `call.made`, their rows of
+        the staging buffer's output table filled; True when those rows changed."""
+        staging = call.staging
+        empty = self._c.xp.ndarray  # what cupy.empty calls, without its Python wrapper
         templates = staging.templates
-        made = []
-        for j, (shape, dtype) in enumerate(self._out_specs):
-            if j >= len(templates):  # too large to keep: a new array from the pool
+        made = call.made
+        n_kept = len(templates)
+        for j in range(lo, hi):
+            shape, dtype = self._out_specs[j]
+            if j >= n_kept:  # too large to keep: a new array from the pool
                 made.append(empty(shape, dtype))
                 continue
+            # (No local may hold the template while its holders are counted.)
             if templates[j] is None or _holders(templates[j]) != _IDLE:
                 templates[j] = empty(shape, dtype)  # the old one (if any) lives on in its result
             made.append(templates[j].view())
-        targets = [out.data.ptr for out in made]
-        if targets != staging.targets:
-            staging.out_table[self._n_early :, 1] = targets
-            staging.targets = targets
+        targets = [out.data.ptr for out in made[lo:hi]]
+        known = staging.targets
+        if known is not None and known[lo:hi] == targets:
+            return False
+        if known is None:
+            known = staging.targets = [None] * len(self._out_specs)
+        known[lo:hi] = targets
+        n_early = self._n_early
+        staging.out_table[n_early + lo : n_early + hi, 1] = targets
+        return True
+
+    def _results(self, call: _Call) -> None:
+        made, inputs = call.made, call.inputs
         call.results = [inputs[k] if fresh is None else made[fresh] for k, fresh in self._result_of]
-        return call
+        call.inputs = ()
+
+    def _stage_late(self, call: _Call, stream_ptr: int) -> None:
+        """After the first graph's launch: the rest of the outputs; where their table rows changed,
+        those rows are copied to the device before the second launch (the staging buffer's copy,
+        queued before the first launch, may or may not have carried them; the second graph reads
+        them only after this copy)."""
+        lo, n = self._n_early, len(self._out_specs)
+        if self._make_outputs(call, lo, n):
+            runtime = self._c.xp.cuda.runtime
+            at = self._layout.outputs_at + 24 * (self._n_early + lo)
+            runtime.memcpyAsync(
+                self._dev_mem.ptr + at,
+                call.staging.mem.ptr + at,
+                24 * (n - lo),
+                runtime.memcpyHostToDevice,
+                stream_ptr,
+            )
+        self._results(call)
 
     def _send(self, call: _Call, stream_ptr: int) -> None:
         """Queue the copies of a staged call: the staging buffer, then the pinned host inputs."""
@@ -694,37 +744,49 @@ class CapturedPlan:
         return alloc
 
     def replay(self, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> list[Any]:
-        """This call's outputs, computed by one launch of the graph."""
+        """This call's outputs, computed by one launch of the graph (or two, where it is split)."""
         xp = self._c.xp
+        if xp.cuda.runtime.getDevice() == self._c.device_id:  # as on a worker's threads: nothing to switch
+            return self._replay(inputs, bindings)
         with xp.cuda.Device(self._c.device_id):
-            try:
-                call = self._stage(inputs, bindings)
-                stream = xp.cuda.get_current_stream()
-                self._send(call, stream.ptr)
-                graphs = self._graphs
-                graphs[0].launch(stream)
-                if len(graphs) > 1:
-                    staging = call.staging
-                    made = staging.made
-                    made.record(stream)
-                    mark, results, uses = self._c.backend.mark_ready, call.results, staging.uses
-                    for k, j in self._early_results:
-                        mark(results[k], made, _EarlyCopy(staging, j, uses).read)
-                    graphs[1].launch(stream)
-                self._sent(call, stream)
-            except cap.StagingError:
-                raise  # nothing was launched: the fixed buffers hold what they held
-            except ExecutionError:
-                self._copied = [None] * self._n_inputs
-                raise
-            except xp.cuda.memory.OutOfMemoryError as e:
-                self._copied = [None] * self._n_inputs
-                raise OutOfMemory(f"captured graph: out of memory for its outputs: {e}") from e
-            except Exception as e:
-                self._copied = [None] * self._n_inputs
-                raise ExecutionError(f"captured graph failed: {type(e).__name__}: {e}") from e
-            # The pool reuses `call.keep`'s memory only for work queued after the launch.
-            return call.results
+            return self._replay(inputs, bindings)
+
+    def _replay(self, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> list[Any]:
+        xp = self._c.xp
+        try:
+            graphs = self._graphs
+            split = len(graphs) > 1
+            call = self._stage(inputs, bindings, not split)
+            stream = xp.cuda.get_current_stream()
+            self._send(call, stream.ptr)
+            graphs[0].launch(stream)
+            if split:
+                staging = call.staging
+                made = staging.made
+                made.record(stream)
+                try:
+                    self._stage_late(call, stream.ptr)
+                except BaseException:
+                    self._sent(call, stream)  # the first graph reads this staging buffer
+                    raise
+                mark, results, uses = self._c.backend.mark_ready, call.results, staging.uses
+                for k, j in self._early_results:
+                    mark(results[k], made, _EarlyCopy(staging, j, uses).read)
+                graphs[1].launch(stream)
+            self._sent(call, stream)
+        except cap.StagingError:
+            raise  # nothing was launched: the fixed buffers hold what they held
+        except ExecutionError:
+            self._copied = [None] * self._n_inputs
+            raise
+        except xp.cuda.memory.OutOfMemoryError as e:
+            self._copied = [None] * self._n_inputs
+            raise OutOfMemory(f"captured graph: out of memory for its outputs: {e}") from e
+        except Exception as e:
+            self._copied = [None] * self._n_inputs
+            raise ExecutionError(f"captured graph failed: {type(e).__name__}: {e}") from e
+        # The pool reuses `call.keep`'s memory only for work queued after the launch.
+        return call.results
 
     def free(self) -> None:
         """Give everything back (after the last launches have read their staging buffers)."""
@@ -762,7 +824,7 @@ class _Call:
     """One staged call: its staging buffer, how much of it to copy, the pinned host inputs to copy
     straight to their fixed buffers, arrays to hold until the launch is queued, and its results."""
 
-    __slots__ = ("copied", "direct", "keep", "results", "staging", "upto")
+    __slots__ = ("copied", "direct", "inputs", "keep", "made", "results", "staging", "upto")
 
     def __init__(self, staging: _Staging, upto: int) -> None:
         self.staging = staging
@@ -770,6 +832,8 @@ class _Call:
         self.copied: list[weakref.ref[Any] | None] = []  # what each fixed buffer holds once it has run
         self.direct: list[tuple[int, np.ndarray]] = []
         self.keep: list[Any] = []
+        self.inputs: Sequence[Any] = ()  # until the results are made from them and `made`
+        self.made: list[Any] = []  # the node outputs' arrays, in `_node_outputs` order
         self.results: list[Any] = []
 
 

@@ -100,6 +100,41 @@ def test_an_mlp_step_captured_replays_the_eager_values_step_after_step(
     assert captures.captured(plan) and captures.replays == 4
 
 
+def test_a_split_steps_later_outputs_keep_their_values_whether_held_for_steps_or_let_go_at_once(
+    backend: Any, captures: Captures
+) -> None:
+    """A training step replays as two graphs; the second one's outputs (the parameters) are made
+    while the first runs, in arrays the replay takes again once nothing holds them. Fed back step
+    after step and held for none to four more steps (or to the end), each step's outputs are the
+    eager step's, and a held one is never overwritten by a later step."""
+    graph = mlp_step(batch=128, sizes=(784, 512, 10))
+    inputs, bindings = mlp_inputs(graph)
+    plan, eager_plan = compile_plan(graph), compile_plan(graph)
+    ins_c = [backend.from_numpy(a) for a in inputs]
+    ins_e = list(ins_c)
+    held: list[tuple[int, int, list[Any]]] = []  # (step, let go after this step, its outputs)
+    kept: list[tuple[int, list[Any], list[np.ndarray]]] = []  # held to the end, with their values
+    for step in range(16):  # eager, capture, 14 replays
+        outs_c = captures.run(plan, ins_c, bindings)
+        outs_e = backend.run(eager_plan, ins_e, bindings)
+        want = _numpy(backend, outs_e)
+        for g, w in zip(_numpy(backend, outs_c), want, strict=True):
+            assert_close(g, w, f"mlp step {step}", loose=True)
+        if step % 7 == 3:
+            kept.append((step, outs_c, want))
+        else:
+            held.append((step, step + step % 5, outs_c))
+        held = [h for h in held if h[1] > step]
+        ins_c = [ins_c[0], *outs_c[1:5], ins_c[5]]
+        ins_e = [ins_e[0], *outs_e[1:5], ins_e[5]]
+        del outs_c, outs_e
+    assert captures.captured(plan) and captures.replays == 14
+    assert captures._entries[id(plan)].captured.graphs == 2, "a training step splits after its loss"
+    for step, outs, want in kept:
+        for g, w in zip(_numpy(backend, outs), want, strict=True):
+            assert_close(g, w, f"mlp step {step}, held to the end", loose=True)
+
+
 _SPIN = r"""
 extern "C" __global__ void emberlink_test_spin(volatile int* flag) {
     // Holds its stream until flag[0] is set, or gives up after 5 s and says so in flag[1] (so a
