@@ -48,6 +48,7 @@ from emberlink.protocol.channel import (
     MAX_PLAINTEXT,
     MESSAGE,
     OVERHEAD,
+    SMALL_FRAME,
     Channel,
     Kind,
     pack_frames,
@@ -220,6 +221,16 @@ class _Counters:
     graph_cache_misses: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A batch's upload bytes, already laid out back to back in `buffer` from `start` on (the
+    client copied each upload there as it was made: RemoteExecutor.host_array), with room before
+    them for the batch's head: sealed as one plaintext where it lies, with no join."""
+
+    buffer: memoryview  # writable, one byte an item
+    start: int
+
+
 @dataclass(slots=True)
 class OutBatch:
     """A batch as the client keeps it until acknowledged: its messages and the uploads' arrays."""
@@ -228,6 +239,7 @@ class OutBatch:
     messages: list[m.ClientMessage]
     bulks: list[Buffer]
     nbytes: int
+    staged: Staged | None = None
 
 
 @dataclass(slots=True)
@@ -293,9 +305,12 @@ class ClientConnection:
         """How many batches wait for an ack."""
         return len(self._unacked)
 
-    def submit(self, messages: list[m.ClientMessage], bulks: list[Buffer], nbytes: int) -> int:
-        """Queue one batch (`bulks`: one buffer per Upload with bytes, in order); its seq."""
-        batch = OutBatch(self._next_seq, messages, bulks, nbytes)
+    def submit(
+        self, messages: list[m.ClientMessage], bulks: list[Buffer], nbytes: int, staged: Staged | None = None
+    ) -> int:
+        """Queue one batch (`bulks`: one buffer per Upload with bytes, in order; `staged`: where
+        their bytes already lie back to back, if they do); its seq."""
+        batch = OutBatch(self._next_seq, messages, bulks, nbytes, staged)
         self._next_seq += 1
         if messages and type(messages[-1]) is m.Close:
             self.closing = True
@@ -370,7 +385,20 @@ class ClientConnection:
             self.counters.batches_repeated += 1
         self._template = messages
         self._repeat = repeat
-        yield channel.seal_parts([head, *tail], MESSAGE) if tail else channel.seal(head, MESSAGE)
+        if not tail:
+            yield channel.seal(head, MESSAGE)
+        else:
+            staged = batch.staged
+            size = sum(len(t) for t in tail)
+            start = 0 if staged is None or later or size < SMALL_FRAME else staged.start - len(head)
+            if start > 0:  # every upload inline, already back to back after room for the head
+                assert staged is not None
+                end = staged.start + size
+                staged.buffer[start : staged.start] = head
+                # (channel.py has no public seal of one buffer without a join: seal_parts joins)
+                yield channel._seal_new(MESSAGE, staged.buffer[start:end])
+            else:
+                yield channel.seal_parts([head, *tail], MESSAGE)
         for data in later:
             yield from channel.seal_chunks(data, self.chunk_size)
 
@@ -835,6 +863,7 @@ __all__ = [
     "ResultArrived",
     "ResultProgress",
     "SessionEnded",
+    "Staged",
     "WorkerConnection",
     "WorkerEvent",
     "chunk_size_of",
