@@ -435,3 +435,35 @@ def test_a_staged_batch_resent_after_a_drop_arrives_intact() -> None:
         (got,) = pair.waiter.answers[k + 1]
         np.testing.assert_array_equal(got, arrays[k][0])
     assert pair.worker.applied == 3
+
+
+def test_a_reply_foreseen_by_the_client_is_taken_without_decoding_and_a_different_one_is_decoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    decoded: list[m.Reply] = []
+    decode = m.decode_reply_prefix
+
+    def counted(data: m.BytesLike) -> tuple[m.Reply, int]:
+        out = decode(data)
+        decoded.append(out[0])
+        return out
+
+    monkeypatch.setattr(m, "decode_reply_prefix", counted)
+    pair = Pair()
+    sizes = [4, 4, 4, 4, 8, 8, 8]  # a step's loss, then a result of another shape
+    for k, n in enumerate(sizes):
+        array = np.arange(n, dtype=np.float32) + k
+        submit_roundtrip(pair, k + 1, k + 1, array)
+        pair.run()
+        (got,) = pair.waiter.answers[k + 1]
+        np.testing.assert_array_equal(got, array)
+    # decoded: the first reply (nothing to foresee it by) and the first of the new shape
+    assert [r.ack for r in decoded] == [1, 5]
+    pair.client.submit([m.Read(99, 12345)], [], 0)  # an unknown tensor: an Error, not the Result foreseen
+    pair.waiter.wanted.add(99)
+    pair.run()
+    assert pair.waiter.answers[99] == [("unknown_tensor", "no tensor 12345")]
+    pair.client.submit([m.Sync(100)], [], 0)
+    pair.run()
+    assert pair.waiter.answers[100] == [None]
+    assert [r.ack for r in decoded] == [1, 5, 8, 9]
