@@ -236,3 +236,16 @@ def test_host_batches_keep_the_values_they_had_when_made_whatever_follows() -> N
                 assert float(before) == i
             if big16 is not None:
                 np.testing.assert_array_equal(big16.numpy(), want_x.astype(np.float16))
+
+
+def test_host_batches_of_steps_still_in_flight_arrive_each_with_its_own_values() -> None:
+    # Reads that do not wait leave several steps' batches unsent or unacknowledged at once; the
+    # staging buffer of each is reused only after its batch is acknowledged.
+    total = el.jit(lambda x: x.sum())
+    with emberlink.testing.worker(tcp=True) as w, w.device(transport="tcp") as dev:
+        for _ in range(3):
+            xs = [np.full((128, 784), k, np.float32) for k in range(8)]
+            futures = [total(dev.tensor(x)).read_async() for x in xs]
+            assert [float(f.result()) for f in futures] == [128 * 784 * k for k in range(8)]
+            for k in range(0, 8, 2):  # and steps that wait, reusing buffers in between
+                assert float(total(dev.tensor(xs[k]))) == 128 * 784 * k
