@@ -47,6 +47,7 @@ from emberlink.protocol.session import (
     ResultArrived,
     ResultProgress,
     SessionEnded,
+    Staged,
 )
 from emberlink.transport.base import Blob, CallbackLink, Link, OwnableLink, offer_receiver
 
@@ -188,7 +189,13 @@ class ClientSession:
 
     # -- sending ---------------------------------------------------------------------------------------
 
-    def submit(self, messages: list[m.ClientMessage], bulks: list[np.ndarray], nbytes: int) -> None:
+    def submit(
+        self,
+        messages: list[m.ClientMessage],
+        bulks: list[np.ndarray],
+        nbytes: int,
+        staged: Staged | None = None,
+    ) -> None:
         """Queue one batch (called on the loop through call_soon_threadsafe)."""
         if self.dead is not None:
             return
@@ -196,12 +203,12 @@ class ClientSession:
         if (
             ownable is not None
             and not ownable.loop_has_it
-            and not ownable.take_back(functools.partial(self.submit, messages, bulks, nbytes))
+            and not ownable.take_back(functools.partial(self.submit, messages, bulks, nbytes, staged))
         ):
             return  # a user thread owns the link: once it has released it
         conn = self._conn
         now = self._idle and not conn.pending() and self._resuming is None and nbytes <= SEND_NOW_BYTES
-        conn.submit(messages, bulks, nbytes)
+        conn.submit(messages, bulks, nbytes, staged)
         nowait = self._nowait
         if now and nowait is not None:
             self._send_now(nowait)
@@ -230,16 +237,27 @@ class ClientSession:
 
     # -- a user thread's own round trip ---------------------------------------------------------------
 
-    def hand_over(self, messages: list[m.ClientMessage], bulks: list[np.ndarray], nbytes: int) -> None:
+    def hand_over(
+        self,
+        messages: list[m.ClientMessage],
+        bulks: list[np.ndarray],
+        nbytes: int,
+        staged: Staged | None = None,
+    ) -> None:
         """From a user thread: `submit` the batch on the loop (no thread claims the link before)."""
         ownable = self._ownable
         if ownable is not None:
-            ownable.call_on_loop(functools.partial(self.submit, messages, bulks, nbytes))
+            ownable.call_on_loop(functools.partial(self.submit, messages, bulks, nbytes, staged))
         else:
-            self._loop.call_soon_threadsafe(self.submit, messages, bulks, nbytes)
+            self._loop.call_soon_threadsafe(self.submit, messages, bulks, nbytes, staged)
 
     def request_direct(
-        self, messages: list[m.ClientMessage], bulks: list[np.ndarray], nbytes: int, answer: Future[Any]
+        self,
+        messages: list[m.ClientMessage],
+        bulks: list[np.ndarray],
+        nbytes: int,
+        staged: Staged | None,
+        answer: Future[Any],
     ) -> bool:
         """From a user thread that waits for `answer` at once: send the batch and read until
         `answer` is settled on this thread, if the link is parked (nothing else outstanding);
@@ -257,7 +275,7 @@ class ClientSession:
         self._owning = True
         try:
             conn = self._conn
-            conn.submit(messages, bulks, nbytes)
+            conn.submit(messages, bulks, nbytes, staged)
             seq, _, frames = conn.next_frames_of()
             blobs = pack_frames(frames)
             for blob in blobs:

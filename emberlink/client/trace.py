@@ -263,7 +263,7 @@ class Replay:
         self.in_args: list[tuple[int, int]] = []  # (input slot, tensor leaf)
         self.in_caps: list[tuple[int, Tensor, Spec]] = []  # (input slot, tensor, spec when traced)
         self.consts: list[Value] = []  # held so their buffers live as long as the trace
-        self.bind_template: list[Scalar] = []
+        self.bind_template: tuple[Scalar, ...] = ()  # one tuple, passed as it is when no binding varies
         self.bind_args: list[tuple[int, int]] = []  # (binding, scalar leaf)
         self.keep: list[bool] = []
         self.kept: list[int] = []
@@ -290,12 +290,14 @@ class Replay:
                 self.in_caps.append((slot, holder, v.spec))
             else:
                 self.consts.append(v)
+        template: list[Scalar] = []
         for j, b in enumerate(call.bindings):
             if isinstance(b, _Traced):
                 self.bind_args.append((j, b._jit_index))
-                self.bind_template.append(b.plain())
+                template.append(b.plain())
             else:
-                self.bind_template.append(b)
+                template.append(b)
+        self.bind_template = tuple(template)
 
     def constant_seed(self) -> bool:
         """Whether a random op takes its seed from a constant binding (the same numbers every replay)."""
@@ -349,11 +351,12 @@ class Replay:
                     "another shape, dtype or device needs a new jitted function"
                 )
             ins[slot] = v.buf
-        binds: list[Any] = self.bind_template
+        binds = self.bind_template  # the same tuple each call: the executor may reuse what it made of it
         if self.bind_args:
-            binds = binds.copy()
+            bound: list[Any] = list(binds)
             for j, k in self.bind_args:
-                binds[j] = scalar(leaves[k])
+                bound[j] = scalar(leaves[k])
+            binds = tuple(bound)
         # Values that come from arguments or captured state are read before anything is rebound.
         early = [_read_source(s, leaves) for s in self.returns] if self.early else None
         other = [_read_source(s, leaves) for _, s in self.sinks_other] if self.sinks_other else None
@@ -363,9 +366,7 @@ class Replay:
             n = self.n_out
             base = dev._next_buf
             dev._next_buf = base + n
-            dev._executor.execute(
-                graph, self.gid, Call(tuple(ins), tuple(binds), tuple(range(base, base + n)))
-            )
+            dev._executor.execute(graph, self.gid, Call(tuple(ins), binds, tuple(range(base, base + n))))
             specs = self.out_specs
             vals = [None] * n
             for j in self.kept:

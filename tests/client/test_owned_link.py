@@ -211,3 +211,41 @@ def test_a_graph_the_worker_lacks_is_sent_again_when_the_reading_thread_hears_of
         assert mlp_losses(dev, 6) == expected
         assert dev.stats()["graph_cache_misses"] > 0
     assert direct.true > 0
+
+
+def test_host_batches_keep_the_values_they_had_when_made_whatever_follows() -> None:
+    # A host batch large enough to be staged for sealing in place (RemoteExecutor.host_array),
+    # with a small upload after it, one before it, and one of another dtype: each tensor keeps
+    # its source's values at dev.tensor, however the source changes before the batch is sent.
+    step = el.jit(lambda x, y: (x * 2).sum() + y.sum())
+    with emberlink.testing.worker(tcp=True) as w, w.device(transport="tcp") as dev:
+        for i in range(6):
+            x = np.arange(128 * 784, dtype=np.float32).reshape(128, 784) % 97 + i
+            y = np.arange(128, dtype=np.int64) + i
+            before = dev.tensor(np.float32(i)) if i % 2 else None
+            tx, ty = dev.tensor(x), dev.tensor(y.astype(np.float32))
+            big16 = dev.tensor(x.astype(np.float16)) if i == 3 else None
+            want_x, want_y = x.copy(), y.astype(np.float32)
+            x += 1000  # the sources change before anything is sent
+            y += 1000
+            got = float(step(tx, ty))
+            assert got == float((want_x * 2).sum(dtype=np.float32) + want_y.sum(dtype=np.float32))
+            np.testing.assert_array_equal(tx.numpy(), want_x)
+            np.testing.assert_array_equal(ty.numpy(), want_y)
+            if before is not None:
+                assert float(before) == i
+            if big16 is not None:
+                np.testing.assert_array_equal(big16.numpy(), want_x.astype(np.float16))
+
+
+def test_host_batches_of_steps_still_in_flight_arrive_each_with_its_own_values() -> None:
+    # Reads that do not wait leave several steps' batches unsent or unacknowledged at once; the
+    # staging buffer of each is reused only after its batch is acknowledged.
+    total = el.jit(lambda x: x.sum())
+    with emberlink.testing.worker(tcp=True) as w, w.device(transport="tcp") as dev:
+        for _ in range(3):
+            xs = [np.full((128, 784), k, np.float32) for k in range(8)]
+            futures = [total(dev.tensor(x)).read_async() for x in xs]
+            assert [float(f.result()) for f in futures] == [128 * 784 * k for k in range(8)]
+            for k in range(0, 8, 2):  # and steps that wait, reusing buffers in between
+                assert float(total(dev.tensor(xs[k]))) == 128 * 784 * k

@@ -426,3 +426,92 @@ def test_frames_of_a_batch_pack_into_blobs_in_order() -> None:
     pair.client.submit([upload(1, a)], [a], a.nbytes)
     blobs = list(pack_frames(pair.client.next_frames() or ()))
     assert sum(len(split_frames(b)) for b in blobs) == 6  # the MESSAGE frame and five chunks
+
+
+def staged_batch(arrays: list[np.ndarray], room: int) -> tuple[list[np.ndarray], s.Staged]:
+    """Copies of `arrays` laid out back to back after `room` free bytes of one buffer (as
+    RemoteExecutor.host_array lays out a step's host batch)."""
+    buffer = np.zeros(room + sum(a.nbytes for a in arrays) + 64, np.uint8)
+    at, views = room, []
+    for a in arrays:
+        view = buffer[at : at + a.nbytes].view(a.dtype).reshape(a.shape)
+        view[...] = a
+        views.append(view)
+        at += a.nbytes
+    return views, s.Staged(buffer.data, room)
+
+
+def step_batch(k: int, arrays: list[np.ndarray]) -> list[m.ClientMessage]:
+    """A step's batch: its uploads, then a read of the first (ids shift by 10 a step)."""
+    return [*(upload(10 * k + i + 1, a) for i, a in enumerate(arrays)), m.Read(k + 1, 10 * k + 1)]
+
+
+@pytest.mark.parametrize("room", [4096, 8])
+def test_staged_uploads_go_on_the_wire_exactly_as_the_same_batch_unstaged(room: int) -> None:
+    # (room 8: the head does not fit before the uploads, so they are joined as before)
+    plain, staged = Pair(chunk_size=1 << 20), Pair(chunk_size=1 << 20)
+    for k in range(4):  # the first batch in full, the others as Repeats
+        arrays = [np.arange(20_000, dtype=np.float32) + k, np.arange(128, dtype=np.int64) * k]
+        views, where = staged_batch(arrays, room)
+        for pair in (plain, staged):
+            pair.waiter.wanted.add(k + 1)
+        plain.client.submit(step_batch(k, arrays), arrays, sum(a.nbytes for a in arrays))
+        staged.client.submit(step_batch(k, arrays), views, sum(a.nbytes for a in arrays), where)
+        plain.send_all()
+        staged.send_all()
+        assert [bytes(b) for b in staged.wire_up] == [bytes(b) for b in plain.wire_up]
+        plain.run()
+        staged.run()
+        (got,) = staged.waiter.answers[k + 1]
+        np.testing.assert_array_equal(got, arrays[0])
+    assert staged.client.counters.batches_repeated == 3
+
+
+def test_a_staged_batch_resent_after_a_drop_arrives_intact() -> None:
+    pair = Pair(chunk_size=1 << 20)
+    arrays = {k: [np.full(20_000, k, np.float32), np.arange(3, dtype=np.int64) + k] for k in range(3)}
+    for k in range(3):
+        views, where = staged_batch(arrays[k], 4096)
+        pair.waiter.wanted.add(k + 1)
+        pair.client.submit(step_batch(k, arrays[k]), views, 80_024, where)
+        if k == 0:
+            pair.run()
+    pair.send_all()  # batches 2 and 3 lost before the worker saw them: resent in full
+    pair.resume()
+    pair.run()
+    for k in range(3):
+        (got,) = pair.waiter.answers[k + 1]
+        np.testing.assert_array_equal(got, arrays[k][0])
+    assert pair.worker.applied == 3
+
+
+def test_a_reply_foreseen_by_the_client_is_taken_without_decoding_and_a_different_one_is_decoded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    decoded: list[m.Reply] = []
+    decode = m.decode_reply_prefix
+
+    def counted(data: m.BytesLike) -> tuple[m.Reply, int]:
+        out = decode(data)
+        decoded.append(out[0])
+        return out
+
+    monkeypatch.setattr(m, "decode_reply_prefix", counted)
+    pair = Pair()
+    sizes = [4, 4, 4, 4, 8, 8, 8]  # a step's loss, then a result of another shape
+    for k, n in enumerate(sizes):
+        array = np.arange(n, dtype=np.float32) + k
+        submit_roundtrip(pair, k + 1, k + 1, array)
+        pair.run()
+        (got,) = pair.waiter.answers[k + 1]
+        np.testing.assert_array_equal(got, array)
+    # decoded: the first reply (nothing to foresee it by) and the first of the new shape
+    assert [r.ack for r in decoded] == [1, 5]
+    pair.client.submit([m.Read(99, 12345)], [], 0)  # an unknown tensor: an Error, not the Result foreseen
+    pair.waiter.wanted.add(99)
+    pair.run()
+    assert pair.waiter.answers[99] == [("unknown_tensor", "no tensor 12345")]
+    pair.client.submit([m.Sync(100)], [], 0)
+    pair.run()
+    assert pair.waiter.answers[100] == [None]
+    assert [r.ack for r in decoded] == [1, 5, 8, 9]
