@@ -17,6 +17,7 @@ import pytest
 import emberlink as el
 from emberlink.graph_replay.capture import HOST_CHECKED_OPS
 from emberlink.graph_replay.captured import CAPTURE_ENV, Captures, open_captures
+from emberlink.graph_replay.cuda_graph import CapturedPlan
 from emberlink.graph_replay.ir import AttrValue, Graph, Node, TensorSpec
 from emberlink.graph_replay.nvmath_matmul import WORKSPACE_BYTES
 from emberlink.graph_replay.ops import check_attrs
@@ -129,7 +130,10 @@ def test_a_split_steps_later_outputs_keep_their_values_whether_held_for_steps_or
         ins_e = [ins_e[0], *outs_e[1:5], ins_e[5]]
         del outs_c, outs_e
     assert captures.captured(plan) and captures.replays == 14
-    assert captures._entries[id(plan)].captured.graphs == 2, "a training step splits after its loss"
+    captured = captures._entries[id(plan)].captured
+    assert isinstance(captured, CapturedPlan) and captured.graphs == 2, (
+        "a training step splits after its loss"
+    )
     for step, outs, want in kept:
         for g, w in zip(_numpy(backend, outs), want, strict=True):
             assert_close(g, w, f"mlp step {step}, held to the end", loose=True)

@@ -8,7 +8,7 @@ import struct
 import tracemalloc
 import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, assert_never
+from typing import Any, ClassVar, assert_never, cast
 
 import msgpack
 import pytest
@@ -268,7 +268,8 @@ def test_a_reply_with_results_marked_inline_encodes_as_with_inline_results(reply
     results = [i for i, x in enumerate(reply.messages) if type(x) is Result]
     inline = data.draw(st.lists(st.sampled_from(results), unique=True)) if results else []
     marked = tuple(
-        dataclasses.replace(x, inline=True) if i in inline else x for i, x in enumerate(reply.messages)
+        dataclasses.replace(cast(Result, x), inline=True) if i in inline else x
+        for i, x in enumerate(reply.messages)
     )
     assert m.encode_reply_inline(reply.ack, reply.messages, sorted(inline)) == m.encode_reply(
         Reply(reply.ack, marked)

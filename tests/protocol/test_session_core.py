@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -132,7 +134,12 @@ def test_steps_that_repeat_the_last_shifts_go_as_repeats_and_expand_to_their_own
 def test_a_predicted_repeat_arrives_as_the_full_decoding_of_it_would(monkeypatch: pytest.MonkeyPatch) -> None:
     taken: list[tuple[int, int] | None] = []  # what the predicted path found, each time it was tried
     decode_repeat = m.decode_repeat
-    monkeypatch.setattr(m, "decode_repeat", lambda *a: taken.append(decode_repeat(*a)) or taken[-1])
+
+    def recording(*a: Any) -> tuple[int, int] | None:
+        taken.append(decode_repeat(*a))
+        return taken[-1]
+
+    monkeypatch.setattr(m, "decode_repeat", recording)
     client = s.ClientConnection(channels()[0], CHUNK, {}, lambda r: (None, None))
     predicting: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)
     plain: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)  # never predicts
@@ -451,7 +458,10 @@ def test_staged_uploads_go_on_the_wire_exactly_as_the_same_batch_unstaged(room: 
     # (room 8: the head does not fit before the uploads, so they are joined as before)
     plain, staged = Pair(chunk_size=1 << 20), Pair(chunk_size=1 << 20)
     for k in range(4):  # the first batch in full, the others as Repeats
-        arrays = [np.arange(20_000, dtype=np.float32) + k, np.arange(128, dtype=np.int64) * k]
+        arrays: list[np.ndarray] = [
+            np.arange(20_000, dtype=np.float32) + k,
+            np.arange(128, dtype=np.int64) * k,
+        ]
         views, where = staged_batch(arrays, room)
         for pair in (plain, staged):
             pair.waiter.wanted.add(k + 1)
@@ -469,7 +479,9 @@ def test_staged_uploads_go_on_the_wire_exactly_as_the_same_batch_unstaged(room: 
 
 def test_a_staged_batch_resent_after_a_drop_arrives_intact() -> None:
     pair = Pair(chunk_size=1 << 20)
-    arrays = {k: [np.full(20_000, k, np.float32), np.arange(3, dtype=np.int64) + k] for k in range(3)}
+    arrays: dict[int, list[np.ndarray]] = {
+        k: [np.full(20_000, k, np.float32), np.arange(3, dtype=np.int64) + k] for k in range(3)
+    }
     for k in range(3):
         views, where = staged_batch(arrays[k], 4096)
         pair.waiter.wanted.add(k + 1)
