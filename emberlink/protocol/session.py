@@ -414,7 +414,8 @@ class ClientConnection:
             if predicted is not None and predicted[0] is template and m.same_messages(predicted[2], messages):
                 repeat = predicted[1]  # the shifts of the batch before again: checked, not searched
             else:
-                repeat = m.repeat_of(template, messages)
+                like = predicted[1] if predicted is not None and predicted[0] is template else None
+                repeat = m.repeat_of(template, messages, like)
             if repeat is not None:
                 wire = (repeat,)
         head = m.encode_batch(m.Batch(batch.seq, wire, self._received))

@@ -544,6 +544,11 @@ def test_repeat_of_finds_a_patched_shift_that_expand_batch_undoes(
     if found is not None:
         assert m.expand_batch(Batch(2, (found,)), template).messages == shifted
         assert found.patches is None or 1 <= len(found.patches) <= m.MAX_PATCHES
+    if patches:  # the same positions expected with other ids (a cycle): found as well, or refused
+        like = m.repeat_of(template, shifted, Repeat(d, dr, None, tuple((at, 0) for at, _ in patches)))
+        assert like is not None or found is None
+        if like is not None:
+            assert m.same_messages(m.expand(like, template), shifted)
 
 
 def test_repeat_of_keeps_a_data_sets_ids_and_cycles_uploaded_batches_with_patches() -> None:
@@ -571,11 +576,14 @@ def test_repeat_of_keeps_a_data_sets_ids_and_cycles_uploaded_batches_with_patche
         )
         for k in range(5)
     ]
+    last = None
     for k in range(4):
         found = m.repeat_of(uploaded[k], uploaded[k + 1])
         assert found is not None and found.id_shift == 5 and found.patches is not None
         assert [at for at, _ in found.patches] == [0, 5]
         assert m.expand(found, uploaded[k]) == uploaded[k + 1]
+        assert m.repeat_of(uploaded[k], uploaded[k + 1], last) == found  # the last one's positions
+        last = found
 
 
 def test_more_ids_than_max_patches_off_the_shift_make_no_repeat() -> None:
