@@ -186,6 +186,8 @@ def test_repeat_without_a_template_ends_only_that_session(worker: InProcessWorke
         m.Repeat(-10, 1),  # takes ids below 0
         m.Repeat(1, -5),  # takes a rid to 0 or below
         m.Repeat(1, 1, ((1.0,), (2.0,))),  # bindings for two Executes, the batch has none
+        m.Repeat(1, 1, None, ((2, 7),)),  # patches a third tensor id, the batch names two
+        m.Repeat(1, 1, None, ((0, 1), (5, 1))),  # one patch fits, the next one does not
     ],
 )
 def test_repeat_that_does_not_fit_its_template_is_refused(worker: InProcessWorker, repeat: m.Repeat) -> None:
