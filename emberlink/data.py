@@ -118,8 +118,14 @@ class DataLoader(Generic[Batch]):
         for start, stop in bounds:
             rows = np.arange(start, stop) if order is None else order[start:stop]
             device.flush()
-            idx = device.tensor(rows.astype(self._index_dtype))
-            yield self._pack(tuple(t.take(idx, axis=0) for t in self._data))
+            yield self._gather(rows)
+
+    def _gather(self, rows: np.ndarray) -> Batch:
+        """The batch of these rows, gathered on the device. Its index tensor is dropped on return,
+        not when the loop's next turn or an epoch's end rebinds it, so that every step's batch is
+        the one before with ids shifted, an epoch's first too (it goes as a Repeat)."""
+        idx = self.device.tensor(rows.astype(self._index_dtype))
+        return self._pack(tuple(t.take(idx, axis=0) for t in self._data))
 
     def _uploaded(self, order: np.ndarray | None, bounds: list[tuple[int, int]]) -> Iterator[Batch]:
         if not bounds:

@@ -84,10 +84,14 @@ def _prediction(
 ) -> Prediction:
     """The batch that repeats `repeat`'s shifts (no new bindings) on `template`, expanded; the
     prediction made already if it is for this template, or none to make (an id would leave its
-    range: no such batch can come, or it will be refused as it comes)."""
+    range: no such batch can come, or it will be refused as it comes; or `repeat` patches other
+    ids than the last Repeat predicted, as batches uploaded beforehand and cycled do every step:
+    the same patches again would not come, and expanding them costs both ends ~5 µs a step)."""
     if template is None or repeat is None or repeat.bindings is not None:
         return predicted
-    if predicted is not None and predicted[0] is template:
+    if predicted is not None and (
+        predicted[0] is template or repeat.patches not in (None, predicted[1].patches)
+    ):
         return predicted
     try:
         expanded = m.expand(repeat, template)
@@ -414,7 +418,7 @@ class ClientConnection:
             if predicted is not None and predicted[0] is template and m.same_messages(predicted[2], messages):
                 repeat = predicted[1]  # the shifts of the batch before again: checked, not searched
             else:
-                repeat = m.repeat_of(template, messages)
+                repeat = m.repeat_of(template, messages, self._repeat)
             if repeat is not None:
                 wire = (repeat,)
         head = m.encode_batch(m.Batch(batch.seq, wire, self._received))

@@ -156,10 +156,11 @@ def test_repeat_of_refuses_what_a_shift_cannot_make() -> None:
     b = (Upload(5, "float32", (2,), 8), Execute(GID, (5, 4), (0.5, 3), 6), Read(3, 6), Drop((5,)))
     assert repeat_of(a, b) == Repeat(4, 2)
     assert repeat_of(a, (b[0], Execute(GID, (5, 4), (0.25, 3), 6), *b[2:])) == Repeat(4, 2, ((0.25, 3),))
+    # an input not shifted alike: the one shift, and a patch for the id at position 2 (after 1 and 1)
+    assert repeat_of(a, (b[0], Execute(GID, (5, 3), (0.5, 3), 6), *b[2:])) == Repeat(4, 2, None, ((2, 3),))
     for other in (
         (Upload(5, "float32", (3,), 12), *b[1:]),  # another shape
         (Upload(5, "float32", (2,), 8, True), *b[1:]),  # inline where it was not
-        (b[0], Execute(GID, (5, 3), (0.5, 3), 6), *b[2:]),  # an input not shifted alike
         (b[0], Execute(GID, (5, 4), (0.5, 3.0), 6), *b[2:]),  # 3.0 == 3, but another type
         (*b[:3], Drop((5, 6))),
         b[:3],

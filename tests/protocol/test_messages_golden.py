@@ -136,6 +136,11 @@ BATCHES: dict[str, Batch] = {
         ),
     ),
     "repeat f32 rows with ints": Batch(29, (Repeat(-5, 7, ((F32.of(2.0), 127, 128, -1), (), (True,))),), 3),
+    # Repeat's patches (added with them; printed by that codec, checked by hand against the rule
+    # "bindings nil when only patches follow, patches flat [position, id, ...]").
+    "repeat patches": Batch(30, (Repeat(8, 1, None, ((5, 5), (7, 6))),)),
+    "repeat bindings and patches": Batch(31, (Repeat(5, 1, ((0.5, 3),), ((0, 9), (5, MAX_ID))),), 30),
+    "repeat f32 bindings and patches": Batch(32, (Repeat(-2, 0, ((F32.of(0.25), True),), ((200, 0),)),)),
     "mixed step": Batch(
         27,
         (
@@ -219,6 +224,9 @@ BATCH_HEX: dict[str, str] = {
     "sixteen messages": "921adc001092060192060292060392060492060592060692060792060892060992060a92060b92060c92060d92060e92060f920610",
     "f32 with int edges": "921c929502c410000102030405060708090a0b0c0d0e0f920101dc0010ca3f000000d0dfe0ff007fcc80ccffcd0100ce00010000d38000000000000000cf7fffffffffffffffc3c2cb3fb999999999999acb7ff800000000000002920603",
     "repeat f32 rows with ints": "931d919409fb079394ca400000007fcc80ff9091c303",
+    "repeat patches": "921e9195090801c09405050706",
+    "repeat bindings and patches": "931f91950905019192cb3fe00000000000000394000905cf7fffffffffffffff1e",
+    "repeat f32 bindings and patches": "9220919509fe009192ca3e800000c392ccc800",
     "mixed step": "931b969301c410000102030405060708090a0b0c0d0e0fc40b6772617068206279746573950a2805920810cd02009502c410000102030405060708090a0b0c0d0e0f942801141294ca3a83126fca3f666666cb3feff7ced916872b072992059214129304092992070a1a",
 }
 

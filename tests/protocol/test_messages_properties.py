@@ -140,6 +140,7 @@ def _sample_args(cls: type) -> list[Any]:
         m.NBYTES: 4,
         m.BINDINGS: (),
         m.BINDING_ROWS: None,
+        m.PATCHES: None,
         m.TEXT: "",
         m.CODE: "c",
         m.STAT_MAP: {},
@@ -191,11 +192,18 @@ client_messages = st.one_of(
     st.builds(Stats, rids),
     st.builds(Close, st.text(max_size=40)),
 )
+patch_lists = st.lists(
+    st.tuples(st.integers(0, m.MAX_IDS - 1), ids),
+    min_size=1,
+    max_size=m.MAX_PATCHES,
+    unique_by=lambda p: p[0],
+).map(lambda ps: tuple(sorted(ps)))
 repeats = st.builds(
     Repeat,
     st.integers(-MAX_ID, MAX_ID),
     st.integers(-MAX_ID, MAX_ID),
     st.one_of(st.none(), st.lists(bindings, max_size=18).map(tuple)),
+    st.one_of(st.none(), patch_lists),
 )
 batches = st.one_of(
     st.builds(Batch, rids, st.lists(client_messages, max_size=20).map(tuple), st.one_of(st.just(0), rids)),
@@ -350,7 +358,13 @@ def _repeat_bytes(seq: int, repeat: Repeat, received: int) -> bytes:
     return m.encode_batch(Batch(seq, (repeat,), received))
 
 
-repeats = st.builds(Repeat, st.integers(-MAX_ID, MAX_ID), st.integers(-MAX_ID, MAX_ID))
+repeats = st.builds(
+    Repeat,
+    st.integers(-MAX_ID, MAX_ID),
+    st.integers(-MAX_ID, MAX_ID),
+    st.none(),
+    st.one_of(st.none(), patch_lists),
+)
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -382,6 +396,12 @@ def test_the_expected_repeat_leaves_anything_else_to_the_full_decoder() -> None:
     assert m.decode_repeat(msgpack.packb([7, [[9, 3, 1]], 6, 0]), repeat) is None  # four items
     assert m.decode_repeat(msgpack.packb([7, [[9, 3, 1]], 0]), repeat) is None  # received 0 is sent absent
     assert m.decode_repeat(_repeat_bytes(7, repeat, 0), repeat) == (7, 0)
+    patched = Repeat(3, 1, None, ((0, 5), (2, 6)))
+    assert m.decode_repeat(_repeat_bytes(7, patched, 6), repeat) is None  # patches not expected
+    assert m.decode_repeat(_repeat_bytes(7, repeat, 6), patched) is None  # patches expected
+    assert m.decode_repeat(_repeat_bytes(7, Repeat(3, 1, None, ((0, 5), (2, 7))), 6), patched) is None
+    assert m.decode_repeat(msgpack.packb([7, [[9, 3, 1, None, [0, 5, 2, True]]]]), patched) is None
+    assert m.decode_repeat(_repeat_bytes(7, patched, 6), patched) == (7, 6)
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -498,3 +518,111 @@ def test_encoding_a_large_batch_keeps_no_large_buffer_alive() -> None:
     finally:
         tracemalloc.stop()
     assert held < 1 << 20, held  # a reused packer would keep a buffer of twice the batch
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(client_messages, min_size=1, max_size=10).map(tuple),
+    st.integers(-3000, 3000),
+    st.integers(-50, 50),
+    st.lists(st.tuples(st.integers(0, 400), ids), max_size=m.MAX_PATCHES + 2),
+)
+def test_repeat_of_finds_a_patched_shift_that_expand_batch_undoes(
+    template: tuple[ClientMessage, ...], d: int, dr: int, changes: list[tuple[int, int]]
+) -> None:
+    try:
+        shifted = m.expand_batch(Batch(2, (Repeat(d, dr),)), template).messages
+    except ProtocolError:
+        return  # the shift leaves the id space
+    count = len(m._tensor_ids(template))
+    patches = tuple(sorted({at % count: tid for at, tid in changes}.items())) if count else ()
+    if patches:
+        shifted = m.expand(Repeat(d, dr, None, patches), template)
+    found = m.repeat_of(template, shifted)
+    if len(patches) <= m.MAX_PATCHES:
+        assert found is not None  # at most MAX_PATCHES ids differ from one shift
+    if found is not None:
+        assert m.expand_batch(Batch(2, (found,)), template).messages == shifted
+        assert found.patches is None or 1 <= len(found.patches) <= m.MAX_PATCHES
+    if patches:  # the same positions expected with other ids (a cycle): found as well, or refused
+        like = m.repeat_of(template, shifted, Repeat(d, dr, None, tuple((at, 0) for at, _ in patches)))
+        assert like is not None or found is None
+        if like is not None:
+            assert m.same_messages(m.expand(like, template), shifted)
+
+
+def test_repeat_of_keeps_a_data_sets_ids_and_cycles_uploaded_batches_with_patches() -> None:
+    take, step = GID, bytes(range(1, 17))
+    loader = [
+        (
+            Drop((70 + k, 72 + k, 73 + k, 74 + k)),
+            Upload(79 + k, "int32", (16,), 64, True),
+            Execute(take, (5, 79 + k, 6), (), 80 + k),
+            Drop((71 + k,)),
+            Execute(step, (80 + k, 75 + k, 76 + k, 77 + k, 78 + k, 81 + k), (0.5,), 82 + k),
+            Drop((75 + k, 76 + k, 77 + k)),
+            Read(1 + k // 8, 82 + k),
+        )
+        for k in (0, 8, 16)
+    ]
+    assert m.repeat_of(loader[0], loader[1]) == Repeat(8, 1, None, ((5, 5), (7, 6)))
+    assert m.repeat_of(loader[1], loader[2]) == Repeat(8, 1, None, ((5, 5), (7, 6)))
+    x = (7, 9, 11, 13)
+    uploaded = [
+        (
+            Execute(step, (x[k % 4], *range(54 + 5 * k, 58 + 5 * k), x[k % 4] + 1), (), 58 + 5 * k),
+            Drop(tuple(range(52 + 5 * k, 57 + 5 * k))),
+            Read(1 + k, 58 + 5 * k),
+        )
+        for k in range(5)
+    ]
+    last = None
+    for k in range(4):
+        found = m.repeat_of(uploaded[k], uploaded[k + 1])
+        assert found is not None and found.id_shift == 5 and found.patches is not None
+        assert [at for at, _ in found.patches] == [0, 5]
+        assert m.expand(found, uploaded[k]) == uploaded[k + 1]
+        assert m.repeat_of(uploaded[k], uploaded[k + 1], last) == found  # the last one's positions
+        last = found
+
+
+def test_more_ids_than_max_patches_off_the_shift_make_no_repeat() -> None:
+    template = (Drop(tuple(range(0, 40, 2))),)
+    near = (Drop(tuple(i + 1 if k >= m.MAX_PATCHES else 1000 + k for k, i in enumerate(range(0, 40, 2)))),)
+    far = (Drop(tuple(i + 1 if k > m.MAX_PATCHES else 1000 + k for k, i in enumerate(range(0, 40, 2)))),)
+    assert m.repeat_of(template, near) is not None
+    assert m.repeat_of(template, far) is None
+
+
+@pytest.mark.parametrize(
+    ("wire", "error"),
+    [
+        ([9, 1, 1, None, []], "patches must be 1"),
+        ([9, 1, 1, None, [0]], "patches must be 1"),
+        ([9, 1, 1, None, list(range(2 * m.MAX_PATCHES + 2))], "patches must be an array of at most"),
+        ([9, 1, 1, None, [3, 1, 3, 2]], "position must be an int in 4"),
+        ([9, 1, 1, None, [3, 1, 2, 2]], "position must be an int in 4"),
+        ([9, 1, 1, None, [-1, 1]], "position must be an int in 0"),
+        ([9, 1, 1, None, [m.MAX_IDS, 1]], "position must be an int in 0"),
+        ([9, 1, 1, None, [True, 1]], "position must be an int"),
+        ([9, 1, 1, None, [0, -1]], "tensor id must be an int in 0"),
+        ([9, 1, 1, None, [0, MAX_ID + 1]], "tensor id must be an int in 0"),
+        ([9, 1, 1, None, [0, 1.0]], "tensor id must be an int in 0"),
+        ([9, 1, 1, None, [0, False]], "tensor id must be an int in 0"),
+        ([9, 1, 1, None, None], "patches must be an array"),  # a nil last field is left off instead
+        ([9, 1, 1, None], "bindings of each Execute must be an array"),
+        ([9, 1, 1, None, [0, 1], 5], "has 2 to 4 fields, got 5"),
+        ([9, 1, 1, [[1]], {}], "patches must be an array"),
+    ],
+)
+def test_malformed_patches_are_refused_with_a_protocol_error(wire: list[Any], error: str) -> None:
+    with pytest.raises(ProtocolError, match=error):
+        m.decode_batch(msgpack.packb([3, [wire]]))
+
+
+def test_a_patch_past_the_batchs_ids_is_refused_when_expanded() -> None:
+    template = (Execute(GID, (1, 2), (), 3), Read(1, 3))  # four tensor ids: positions 0..3
+    assert m.expand(Repeat(1, 1, None, ((3, 9),)), template) == (Execute(GID, (2, 3), (), 4), Read(2, 9))
+    batch = m.decode_batch(msgpack.packb([3, [[9, 1, 1, None, [1, 7, 4, 9]]]]))
+    with pytest.raises(ProtocolError, match="patches tensor id 4, the batch names 4"):
+        m.expand_batch(batch, template)

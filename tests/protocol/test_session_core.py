@@ -167,6 +167,54 @@ def test_a_predicted_repeat_arrives_as_the_full_decoding_of_it_would(monkeypatch
     assert taken == [None, (5, 0), (6, 0)]  # step 2 is not the one predicted; 4 and 5 are
 
 
+@pytest.mark.parametrize(
+    ("data", "predicted"),
+    [
+        ((5, 5, 5), [None, (5, 0), (6, 0)]),  # a data set's id kept: the same patch every step
+        # batches cycled: other patched ids every step, predicted only where a step patches as the
+        # last one predicted did (step 4, as step 1): steps 2 and 5 tried, neither the one foreseen
+        ((1, 2, 3), [None, None]),
+    ],
+)
+def test_a_patched_repeat_arrives_as_the_full_decoding_of_it_would(
+    monkeypatch: pytest.MonkeyPatch, data: tuple[int, ...], predicted: list[tuple[int, int] | None]
+) -> None:
+    taken: list[tuple[int, int] | None] = []  # what the predicted path found, each time it was tried
+    decode_repeat = m.decode_repeat
+
+    def recording(*a: Any) -> tuple[int, int] | None:
+        taken.append(decode_repeat(*a))
+        return taken[-1]
+
+    monkeypatch.setattr(m, "decode_repeat", recording)
+    client = s.ClientConnection(channels()[0], CHUNK, {}, lambda r: (None, None))
+    predicting: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)
+    plain: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)  # never predicts
+    for step in range(6):
+        tid, kept = 10 + 3 * step, data[step % len(data)]
+        x = np.full(4, step, np.float32)
+        messages: list[m.ClientMessage] = [upload(tid, x), m.Execute(GID, (kept, tid), (0.5,), tid + 1)]
+        if step >= 2:
+            messages.append(m.Drop((tid - 3, tid - 2)))
+        client.submit([*messages, m.Read(1 + step, tid + 1)], [x], x.nbytes)
+        (blob,) = pack_frames(client.next_frames() or ())
+        client.predict()
+        arrived = []
+        for conn in (predicting, plain):
+            (frame,) = split_frames(blob)
+            event = conn.receive_frame(frame)
+            assert isinstance(event, s.BatchArrived)
+            assert conn.expect([])
+            arrived.append((event.batch, bytes(event.plaintext[event.start :])))
+            list(conn.reply(event.batch.seq, [], []))
+        predicting.predict()
+        assert arrived[0] == arrived[1]
+        assert arrived[0][1] == x.tobytes()
+        assert arrived[0][0].messages[1] == m.Execute(GID, (kept, tid), (0.5,), tid + 1)
+    assert client.counters.batches_repeated == 4  # steps 1, 3, 4 and 5
+    assert taken == predicted
+
+
 def test_a_binding_equal_to_the_last_but_of_another_type_keeps_its_type_on_the_wire() -> None:
     pair = Pair()
     pair.graph_bodies[GID] = b"body"

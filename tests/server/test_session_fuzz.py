@@ -232,11 +232,23 @@ class SessionMachine(RuleBasedStateMachine):
         self._send([m.Sync(self._rid()), m.Stats(self._rid())], [])
 
     @precondition(lambda self: self.previous is not None)
-    @rule(id_shift=st.integers(-5, 5) | st.just(m.MAX_ID), rid_shift=st.integers(-3, 3))
-    def repeat(self, id_shift: int, rid_shift: int) -> None:
+    @rule(
+        id_shift=st.integers(-5, 5) | st.just(m.MAX_ID),
+        rid_shift=st.integers(-3, 3),
+        patches=st.none()
+        | st.dictionaries(st.integers(0, 12), st.integers(0, 20) | st.just(m.MAX_ID), min_size=1, max_size=3),
+    )
+    def repeat(self, id_shift: int, rid_shift: int, patches: dict[int, int] | None) -> None:
         # The model does not follow a Repeat's effects: forget what it may have overwritten.
         self.values.clear()
-        self._send([m.Repeat(id_shift, rid_shift)], [])
+        self._send(
+            [
+                m.Repeat(
+                    id_shift, rid_shift, None, None if patches is None else tuple(sorted(patches.items()))
+                )
+            ],
+            [],
+        )
 
     # -- hostile traffic ---------------------------------------------------------------------------------
 

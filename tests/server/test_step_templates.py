@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
+import itertools
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -185,6 +186,8 @@ def test_repeat_without_a_template_ends_only_that_session(worker: InProcessWorke
         m.Repeat(-10, 1),  # takes ids below 0
         m.Repeat(1, -5),  # takes a rid to 0 or below
         m.Repeat(1, 1, ((1.0,), (2.0,))),  # bindings for two Executes, the batch has none
+        m.Repeat(1, 1, None, ((2, 7),)),  # patches a third tensor id, the batch names two
+        m.Repeat(1, 1, None, ((0, 1), (5, 1))),  # one patch fits, the next one does not
     ],
 )
 def test_repeat_that_does_not_fit_its_template_is_refused(worker: InProcessWorker, repeat: m.Repeat) -> None:
@@ -225,3 +228,48 @@ def test_no_repeats_when_replay_is_off(worker: InProcessWorker, monkeypatch: pyt
         sgd_step_bytes(dev, 4)
         assert executor_of(dev).replay is False
         assert dev.stats()["batches_repeated"] == 0
+
+
+def jit_losses(dev: el.Device, feed: str, steps: int, measured: int) -> tuple[list[float], int]:
+    """A jitted small-MLP SGD step over four batches cycled: gathered by a resident DataLoader
+    (an epoch every four steps; the data set's ids stay while the others shift) or uploaded once
+    beforehand (the batch's ids cycle while the parameters' shift). Every step's loss, and how
+    many of the last `measured` steps' batches went as Repeats (remote devices only)."""
+    nn = el.nn
+    rng = np.random.default_rng(4)
+    xs = rng.standard_normal((64, 20), dtype=np.float32)
+    ys = rng.integers(0, 5, 64)
+    model = nn.Sequential(nn.Linear(20, 32, seed=0), nn.ReLU(), nn.Linear(32, 5, seed=1)).to(dev)
+    opt = el.optim.SGD(model.parameters(), lr=0.1)
+
+    @el.jit
+    def step(x: el.Tensor, y: el.Tensor) -> el.Tensor:
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    batches: Iterator[Any]
+    if feed == "loader":
+        loader = el.data.DataLoader((xs, ys), batch_size=16, device=dev, resident=True)
+        batches = itertools.chain.from_iterable(itertools.repeat(loader))
+    else:
+        uploaded = [(dev.tensor(xs[k : k + 16]), dev.tensor(ys[k : k + 16])) for k in range(0, 64, 16)]
+        batches = itertools.cycle(uploaded)
+    losses = [float(step(*next(batches))) for _ in range(steps - measured)]
+    before = dev.stats().get("batches_repeated", 0)
+    losses += [float(step(*next(batches))) for _ in range(measured)]
+    return losses, int(dev.stats().get("batches_repeated", 0)) - int(before)
+
+
+@pytest.mark.parametrize("feed", ["loader", "uploaded"])
+def test_steps_whose_batches_keep_or_cycle_ids_go_as_repeats_and_match_the_local_cpu(
+    worker: InProcessWorker, feed: str
+) -> None:
+    with el.Device.cpu() as cpu:
+        expected, _ = jit_losses(cpu, feed, 16, 8)
+    with memory_device(worker) as dev:
+        got, repeated = jit_losses(dev, feed, 16, 8)
+    assert got == expected
+    assert repeated == 8  # two epochs of four steps: every batch a Repeat, an epoch's first too
