@@ -171,8 +171,8 @@ import sys, numpy as np, emberlink as el
 dev = el.Device.remote(sys.argv[1], timeout=10)
 big = np.ones(64 << 20, np.float32)  # 256 MiB
 print("uploading", flush=True)
-dev.tensor(big).sum().numpy()
-print("finished", flush=True)
+while True:  # upload after upload until killed: one that finished cannot close the window
+    dev.tensor(big).sum().numpy()
 """
 
 
