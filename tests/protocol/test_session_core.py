@@ -131,6 +131,30 @@ def test_steps_that_repeat_the_last_shifts_go_as_repeats_and_expand_to_their_own
         np.testing.assert_array_equal(pair.waiter.answers[1 + step][0], np.full(2, step, np.float32))
 
 
+def arrives_alike(
+    client: s.ClientConnection,
+    predicting: s.WorkerConnection[Reply],
+    plain: s.WorkerConnection[Reply],
+    x: np.ndarray,
+) -> m.Batch:
+    """Send the batch just submitted to a worker end that predicts and one that never does; both
+    must take it in as the same batch with `x` inline. The batch."""
+    (blob,) = pack_frames(client.next_frames() or ())
+    client.predict()
+    arrived = []
+    for conn in (predicting, plain):
+        (frame,) = split_frames(blob)
+        event = conn.receive_frame(frame)
+        assert isinstance(event, s.BatchArrived)
+        assert conn.expect([])
+        arrived.append((event.batch, bytes(event.plaintext[event.start :])))
+        list(conn.reply(event.batch.seq, [], []))
+    predicting.predict()
+    assert arrived[0] == arrived[1]
+    assert arrived[0][1] == x.tobytes()
+    return arrived[0][0]
+
+
 def test_a_predicted_repeat_arrives_as_the_full_decoding_of_it_would(monkeypatch: pytest.MonkeyPatch) -> None:
     taken: list[tuple[int, int] | None] = []  # what the predicted path found, each time it was tried
     decode_repeat = m.decode_repeat
@@ -150,19 +174,7 @@ def test_a_predicted_repeat_arrives_as_the_full_decoding_of_it_would(monkeypatch
         if step >= 2:
             messages.append(m.Drop((tid - 3, tid - 2)))
         client.submit([*messages, m.Read(1 + step, tid + 1)], [x], x.nbytes)
-        (blob,) = pack_frames(client.next_frames() or ())
-        client.predict()
-        arrived = []
-        for conn in (predicting, plain):
-            (frame,) = split_frames(blob)
-            event = conn.receive_frame(frame)
-            assert isinstance(event, s.BatchArrived)
-            assert conn.expect([])
-            arrived.append((event.batch, bytes(event.plaintext[event.start :])))
-            list(conn.reply(event.batch.seq, [], []))
-        predicting.predict()
-        assert arrived[0] == arrived[1]
-        assert arrived[0][1] == x.tobytes()
+        arrives_alike(client, predicting, plain, x)
     assert client.counters.batches_repeated == 4  # steps 1, 3, 4 and 5
     assert taken == [None, (5, 0), (6, 0)]  # step 2 is not the one predicted; 4 and 5 are
 
@@ -197,20 +209,8 @@ def test_a_patched_repeat_arrives_as_the_full_decoding_of_it_would(
         if step >= 2:
             messages.append(m.Drop((tid - 3, tid - 2)))
         client.submit([*messages, m.Read(1 + step, tid + 1)], [x], x.nbytes)
-        (blob,) = pack_frames(client.next_frames() or ())
-        client.predict()
-        arrived = []
-        for conn in (predicting, plain):
-            (frame,) = split_frames(blob)
-            event = conn.receive_frame(frame)
-            assert isinstance(event, s.BatchArrived)
-            assert conn.expect([])
-            arrived.append((event.batch, bytes(event.plaintext[event.start :])))
-            list(conn.reply(event.batch.seq, [], []))
-        predicting.predict()
-        assert arrived[0] == arrived[1]
-        assert arrived[0][1] == x.tobytes()
-        assert arrived[0][0].messages[1] == m.Execute(GID, (kept, tid), (0.5,), tid + 1)
+        batch = arrives_alike(client, predicting, plain, x)
+        assert batch.messages[1] == m.Execute(GID, (kept, tid), (0.5,), tid + 1)
     assert client.counters.batches_repeated == 4  # steps 1, 3, 4 and 5
     assert taken == predicted
 
