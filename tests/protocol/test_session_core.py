@@ -155,40 +155,17 @@ def arrives_alike(
     return arrived[0][0]
 
 
-def test_a_predicted_repeat_arrives_as_the_full_decoding_of_it_would(monkeypatch: pytest.MonkeyPatch) -> None:
-    taken: list[tuple[int, int] | None] = []  # what the predicted path found, each time it was tried
-    decode_repeat = m.decode_repeat
-
-    def recording(*a: Any) -> tuple[int, int] | None:
-        taken.append(decode_repeat(*a))
-        return taken[-1]
-
-    monkeypatch.setattr(m, "decode_repeat", recording)
-    client = s.ClientConnection(channels()[0], CHUNK, {}, lambda r: (None, None))
-    predicting: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)
-    plain: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)  # never predicts
-    for step in range(6):
-        tid = 10 + 3 * step
-        x = np.full(4, step, np.float32)
-        messages: list[m.ClientMessage] = [upload(tid, x), m.Execute(GID, (tid,), (0.5,), tid + 1)]
-        if step >= 2:
-            messages.append(m.Drop((tid - 3, tid - 2)))
-        client.submit([*messages, m.Read(1 + step, tid + 1)], [x], x.nbytes)
-        arrives_alike(client, predicting, plain, x)
-    assert client.counters.batches_repeated == 4  # steps 1, 3, 4 and 5
-    assert taken == [None, (5, 0), (6, 0)]  # step 2 is not the one predicted; 4 and 5 are
-
-
 @pytest.mark.parametrize(
     ("data", "predicted"),
     [
+        ((), [None, (5, 0), (6, 0)]),  # every id shifted: step 2 is not the one predicted; 4 and 5 are
         ((5, 5, 5), [None, (5, 0), (6, 0)]),  # a data set's id kept: the same patch every step
         # batches cycled: other patched ids every step, predicted only where a step patches as the
         # last one predicted did (step 4, as step 1): steps 2 and 5 tried, neither the one foreseen
         ((1, 2, 3), [None, None]),
     ],
 )
-def test_a_patched_repeat_arrives_as_the_full_decoding_of_it_would(
+def test_a_predicted_or_patched_repeat_arrives_as_the_full_decoding_of_it_would(
     monkeypatch: pytest.MonkeyPatch, data: tuple[int, ...], predicted: list[tuple[int, int] | None]
 ) -> None:
     taken: list[tuple[int, int] | None] = []  # what the predicted path found, each time it was tried
@@ -203,14 +180,15 @@ def test_a_patched_repeat_arrives_as_the_full_decoding_of_it_would(
     predicting: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)
     plain: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)  # never predicts
     for step in range(6):
-        tid, kept = 10 + 3 * step, data[step % len(data)]
+        tid = 10 + 3 * step
+        inputs = (data[step % len(data)], tid) if data else (tid,)
         x = np.full(4, step, np.float32)
-        messages: list[m.ClientMessage] = [upload(tid, x), m.Execute(GID, (kept, tid), (0.5,), tid + 1)]
+        messages: list[m.ClientMessage] = [upload(tid, x), m.Execute(GID, inputs, (0.5,), tid + 1)]
         if step >= 2:
             messages.append(m.Drop((tid - 3, tid - 2)))
         client.submit([*messages, m.Read(1 + step, tid + 1)], [x], x.nbytes)
         batch = arrives_alike(client, predicting, plain, x)
-        assert batch.messages[1] == m.Execute(GID, (kept, tid), (0.5,), tid + 1)
+        assert batch.messages[1] == m.Execute(GID, inputs, (0.5,), tid + 1)
     assert client.counters.batches_repeated == 4  # steps 1, 3, 4 and 5
     assert taken == predicted
 
