@@ -1298,14 +1298,19 @@ def _patches_of(
 ) -> Repeat | None:
     """The Repeat with patches that expands `previous` to `messages`, when one shift (`tried`,
     from the first ids) does not: the shift among those of the first MAX_PATCHES + 1 ids (with at
-    most MAX_PATCHES ids that differ, one of them has it) that leaves the fewest ids to patch."""
+    most MAX_PATCHES ids that differ, one of them has it) that leaves the fewest ids to patch; or,
+    for a batch of at most MAX_PATCHES ids, shift 0 with every changed id patched (when each id
+    differs from the true shift, no id shows it, and another shift may leave the id space)."""
     a, b = _tensor_ids(previous), _tensor_ids(messages)
     if len(a) != len(b) or not a:
         return None
     diffs = list(map(sub, b, a))
     counts = Counter(diffs)
     least = len(diffs) - MAX_PATCHES
-    for d in sorted(set(diffs[: MAX_PATCHES + 1]), key=counts.__getitem__, reverse=True):
+    shifts = set(diffs[: MAX_PATCHES + 1])
+    if len(diffs) <= MAX_PATCHES:
+        shifts.add(0)
+    for d in sorted(shifts, key=counts.__getitem__, reverse=True):
         if not least <= counts[d] < len(diffs):
             continue  # too many ids to patch, or none (then the batches differ elsewhere)
         patches = tuple((i, y) for i, (y, e) in enumerate(zip(b, diffs, strict=True)) if e != d)

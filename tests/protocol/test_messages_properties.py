@@ -12,7 +12,7 @@ from typing import Any, ClassVar, assert_never, cast
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from emberlink.errors import ProtocolError
@@ -526,6 +526,14 @@ def test_encoding_a_large_batch_keeps_no_large_buffer_alive() -> None:
     st.integers(-3000, 3000),
     st.integers(-50, 50),
     st.lists(st.tuples(st.integers(0, 400), ids), max_size=m.MAX_PATCHES + 2),
+)
+# Every id patched and no shift but 0 in range (hypothesis found it: repeat_of tried only shifts
+# some id showed).
+@example(
+    (m.Upload(m.MAX_ID - 1, "bool", (), 1, False), m.Execute(bytes(range(16)), (), (), 0)),
+    0,
+    0,
+    [(0, 0), (1, 2)],
 )
 def test_repeat_of_finds_a_patched_shift_that_expand_batch_undoes(
     template: tuple[ClientMessage, ...], d: int, dr: int, changes: list[tuple[int, int]]
