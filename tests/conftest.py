@@ -13,6 +13,12 @@ from pathlib import Path
 from typing import Self
 
 import pytest
+from hypothesis import settings
+
+# `.ci/run` sets HYPOTHESIS_PROFILE=ci: the property tests draw the same examples on every CI run
+# (a landing never hangs on a lucky draw); `make test` alone draws new ones each run, to find bugs.
+settings.register_profile("ci", derandomize=True, database=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 _READY = "Server is ready"
 _LISTENING = "Listening for client connections on "
