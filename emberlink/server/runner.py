@@ -307,13 +307,15 @@ class BatchRunner:
             return
         quota = self._store.quota
         self._store.drop(msg.tid)  # an upload replaces its id: the old value's bytes are free first
+        self._host_read_once.discard(msg.tid)  # and the new value has been read by no replay
         need = msg.nbytes + ID_BYTES
         if not quota.reserve(need):
             self._fail((msg.tid,), quota.refusal(need, f"upload {msg.tid}"))
             return
         try:
             # With captures, an upload stays in host memory until a plan uses it: a captured graph
-            # copies it to the device itself (one node of the graph); `_on_device` uploads the rest.
+            # copies it to the device itself (one node of the graph); `_on_device` uploads the rest,
+            # and `_host_inputs` an upload a second replay reads.
             value = array if self._captures is not None else self._backend.from_numpy(array)
         except EmberlinkError as e:
             quota.release(need)
@@ -389,33 +391,34 @@ class BatchRunner:
             raise error
 
     def _on_device(self, tids: Sequence[int], inputs: list[Any]) -> list[Any]:
-        """An eager run's inputs, with uploads still in host memory moved to the device for good."""
-        out = []
-        for tid, a in zip(tids, inputs, strict=True):
+        """An eager run's inputs (this Execute's own list, changed in place), with uploads still in
+        host memory moved to the device for good."""
+        for k, (tid, a) in enumerate(zip(tids, inputs, strict=True)):
             if isinstance(a, np.ndarray):
-                a = self._backend.from_numpy(a)
-                self._store.put(tid, a, self._backend.nbytes(a), charged=False)
-            out.append(a)
-        return out
+                inputs[k] = self._to_device(tid, a)
+        return inputs
 
     def _host_inputs(self, tids: Sequence[int], inputs: list[Any]) -> list[Any]:
-        """A captured replay's inputs: an upload stays in (pinned) host memory for its first replay,
-        which copies it in as a node of the graph; one that a second replay reads is moved to the
-        device for good, so data uploaded once and used on many steps (batches a client uploaded
-        beforehand, as PyTorch keeps resident data) is not copied over again on every step."""
+        """A captured replay's inputs (changed in place): an upload stays in (pinned) host memory for
+        its first replay, which copies it in as a node of the graph; one that a second replay reads
+        is moved to the device for good, so data uploaded once and used on many steps (batches a
+        client uploaded beforehand, as PyTorch keeps resident data) is not copied over again on
+        every step."""
         seen = self._host_read_once
-        out = inputs
         for k, (tid, a) in enumerate(zip(tids, inputs, strict=True)):
             if type(a) is np.ndarray:
                 if tid not in seen:
                     seen.add(tid)
                     continue
                 seen.discard(tid)
-                if out is inputs:
-                    out = list(inputs)
-                out[k] = self._backend.from_numpy(a)
-                self._store.put(tid, out[k], self._backend.nbytes(out[k]), charged=False)
-        return out
+                inputs[k] = self._to_device(tid, a)
+        return inputs
+
+    def _to_device(self, tid: int, a: np.ndarray) -> Any:
+        """Upload tid's host array to the device; the store keeps the device copy from now on."""
+        moved = self._backend.from_numpy(a)
+        self._store.put(tid, moved, self._backend.nbytes(moved), charged=False)
+        return moved
 
     def _read(self, msg: m.Read, out: Outgoing) -> None:
         self.counters.reads += 1
