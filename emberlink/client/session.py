@@ -221,19 +221,27 @@ class ClientSession:
         three interleaved runs each on a loaded machine). What
         the link cannot take at once is left to the task."""
         try:
-            seq, _, frames = self._conn.next_frames_of()
-            blobs = pack_frames(frames)
-            for blob in blobs:
-                if not nowait(blob):
-                    self._unsent = (seq, itertools.chain([blob], blobs))
-                    self._wake.set()
-                    return
-                self._counters.bytes_sent += len(blob)
+            if not self._write_next(nowait, retry_refused=True):
+                self._wake.set()
         except EmberlinkError as e:
             self.fail(e)
-            return
+
+    def _write_next(self, write: Callable[[bytes | bytearray], bool], *, retry_refused: bool) -> bool:
+        """Seal the next queued batch and `write` its blobs until one is refused. True when all
+        went: the next batch is predicted then, while the worker works on this one. False leaves
+        the rest in `_unsent` for the send task, the refused blob too with `retry_refused` (the
+        link's `send_nowait` writes nothing when it refuses; an owner's `write_direct` leaves what
+        it could not write to the link itself)."""
+        seq, _, frames = self._conn.next_frames_of()
+        blobs = pack_frames(frames)
+        for blob in blobs:
+            if not write(blob):
+                self._unsent = (seq, itertools.chain([blob], blobs) if retry_refused else blobs)
+                return False
+            self._counters.bytes_sent += len(blob)
         self._finished_upto = max(self._finished_upto, seq)
-        self._conn.predict()  # while the worker works on this one
+        self._conn.predict()
+        return True
 
     # -- a user thread's own round trip ---------------------------------------------------------------
 
@@ -274,18 +282,10 @@ class ClientSession:
         then = self._owner_then
         self._owning = True
         try:
-            conn = self._conn
-            conn.submit(messages, bulks, nbytes, staged)
-            seq, _, frames = conn.next_frames_of()
-            blobs = pack_frames(frames)
-            for blob in blobs:
-                if not link.write_direct(blob):  # what is left goes from the loop, in order
-                    self._unsent = (seq, blobs)
-                    then.append(self._wake.set)
-                    return True
-                self._counters.bytes_sent += len(blob)
-            self._finished_upto = max(self._finished_upto, seq)
-            conn.predict()  # while the worker works on this one
+            self._conn.submit(messages, bulks, nbytes, staged)
+            if not self._write_next(link.write_direct, retry_refused=False):
+                then.append(self._wake.set)  # what is left goes from the loop, in order
+                return True
             while not answer.done() and not then:
                 if not link.read_direct(self._take_direct):
                     return True
