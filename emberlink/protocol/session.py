@@ -439,12 +439,11 @@ class ClientConnection:
             start = 0 if staged is None or later or size < SMALL_FRAME else staged.start - len(head)
             if start > 0:  # every upload inline, already back to back after room for the head
                 assert staged is not None
-                end = staged.start + size
                 staged.buffer[start : staged.start] = head
-                # (channel.py has no public seal of one buffer without a join: seal_parts joins)
-                yield channel._seal_new(MESSAGE, staged.buffer[start:end])
+                parts: list[m.BytesLike] = [staged.buffer[start : staged.start + size]]
             else:
-                yield channel.seal_parts([head, *tail], MESSAGE)
+                parts = [head, *tail]
+            yield channel.seal_parts(parts, MESSAGE)
         for data in later:
             yield from channel.seal_chunks(data, self.chunk_size)
 
