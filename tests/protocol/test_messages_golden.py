@@ -43,6 +43,8 @@ from emberlink.protocol.messages import (
     encode_reply,
 )
 
+from .canon import same
+
 GID = bytes(range(16))
 GID2 = bytes(range(100, 116))
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -253,35 +255,14 @@ def test_reply_encodes_to_the_known_bytes(name: str) -> None:
     assert encode_reply(REPLIES[name]).hex() == REPLY_HEX[name]
 
 
-def _canon(x: object) -> object:
-    """x as nested tuples where 1, 1.0 and True differ, and floats compare bit for bit."""
-    if isinstance(x, float):
-        return ("float", x.hex())
-    if isinstance(x, bool | int | bytes):
-        return (type(x).__name__, x)
-    if isinstance(x, str):
-        return ("str", str(x))  # a StrEnum code travels, and comes back, as its plain string
-    if isinstance(x, tuple | list):
-        return tuple(_canon(v) for v in x)
-    if isinstance(x, dict):
-        return tuple((k, _canon(v)) for k, v in x.items())
-    if x is None:
-        return None
-    return (type(x).__name__, *(_canon(getattr(x, f)) for f in x.__dataclass_fields__))  # type: ignore[attr-defined]
-
-
-def _same(a: object, b: object) -> bool:
-    return _canon(a) == _canon(b)  # not ==: a NaN binding is never equal to itself
-
-
 @pytest.mark.parametrize("name", list(BATCHES))
 def test_known_batch_bytes_decode_to_the_batch(name: str) -> None:
     data = bytes.fromhex(BATCH_HEX[name])
     decoded = decode_batch(data)
-    assert _same(decoded, BATCHES[name])
+    assert same(decoded, BATCHES[name])
     inline = sum(x.nbytes for x in decoded.messages if type(x) is Upload and x.inline)
     prefixed, start = decode_batch_prefix(data + bytes(inline))
-    assert _same(prefixed, decoded) and start == len(data)
+    assert same(prefixed, decoded) and start == len(data)
     check_tail(prefixed, inline)
 
 
@@ -289,10 +270,10 @@ def test_known_batch_bytes_decode_to_the_batch(name: str) -> None:
 def test_known_reply_bytes_decode_to_the_reply(name: str) -> None:
     data = bytes.fromhex(REPLY_HEX[name])
     decoded = decode_reply(data)
-    assert _same(decoded, REPLIES[name])
+    assert same(decoded, REPLIES[name])
     inline = sum(x.nbytes for x in decoded.messages if type(x) is Result and x.inline)
     prefixed, start = decode_reply_prefix(data + bytes(inline))
-    assert _same(prefixed, decoded) and start == len(data)
+    assert same(prefixed, decoded) and start == len(data)
     check_reply_tail(prefixed, inline)
 
 

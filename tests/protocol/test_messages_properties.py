@@ -42,6 +42,8 @@ from emberlink.protocol.messages import (
     WorkerMessage,
 )
 
+from .canon import canon
+
 # -- the declarations ---------------------------------------------------------------------------
 
 
@@ -225,28 +227,13 @@ worker_messages = st.one_of(
 replies = st.builds(Reply, st.integers(0, MAX_ID), st.lists(worker_messages, max_size=20).map(tuple))
 
 
-def _canon(x: object) -> object:
-    """x as nested tuples in which 1, 1.0 and True differ and floats compare bit for bit."""
-    if isinstance(x, float):
-        return ("float", x.hex())
-    if isinstance(x, bool | int | bytes | str):
-        return (type(x).__name__, x)
-    if isinstance(x, tuple | list):
-        return tuple(_canon(v) for v in x)
-    if isinstance(x, dict):
-        return tuple((k, _canon(v)) for k, v in x.items())
-    if x is None:
-        return None
-    return (type(x).__name__, *(_canon(getattr(x, f.name)) for f in dataclasses.fields(x)))  # type: ignore[arg-type]
-
-
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches, st.binary(max_size=20))
 def test_a_batch_decodes_to_exactly_what_was_encoded(batch: Batch, tail: bytes) -> None:
     data = m.encode_batch(batch)
-    assert _canon(m.decode_batch(data)) == _canon(batch)
+    assert canon(m.decode_batch(data)) == canon(batch)
     decoded, start = m.decode_batch_prefix(data + tail)
-    assert _canon(decoded) == _canon(batch) and start == len(data)
+    assert canon(decoded) == canon(batch) and start == len(data)
     assert m.encode_batch(decoded) == data or any(  # only F32 marks are lost: they travel as floats
         type(b) is F32 for x in batch.messages for b in _scalars_of(x)
     )
@@ -264,9 +251,9 @@ def _scalars_of(x: ClientMessage) -> list[Any]:
 @given(replies, st.binary(max_size=20))
 def test_a_reply_decodes_to_exactly_what_was_encoded(reply: Reply, tail: bytes) -> None:
     data = m.encode_reply(reply)
-    assert _canon(m.decode_reply(data)) == _canon(reply)
+    assert canon(m.decode_reply(data)) == canon(reply)
     decoded, start = m.decode_reply_prefix(data + tail)
-    assert _canon(decoded) == _canon(reply) and start == len(data)
+    assert canon(decoded) == canon(reply) and start == len(data)
     assert m.encode_reply(decoded) == data
 
 
@@ -341,7 +328,7 @@ def test_a_mutated_batch_decodes_validly_or_raises_only_protocol_error(batch: Ba
         except ProtocolError:
             continue
         # Whatever decodes is a valid batch: it encodes again and decodes to the same.
-        assert _canon(m.decode_batch(m.encode_batch(decoded))) == _canon(decoded)
+        assert canon(m.decode_batch(m.encode_batch(decoded))) == canon(decoded)
         for t in (
             None,
             template,
@@ -413,7 +400,7 @@ def test_a_mutated_reply_decodes_validly_or_raises_only_protocol_error(reply: Re
             decoded = decode(data)
         except ProtocolError:
             continue
-        assert _canon(m.decode_reply(m.encode_reply(decoded))) == _canon(decoded)
+        assert canon(m.decode_reply(m.encode_reply(decoded))) == canon(decoded)
 
 
 # -- the id shift -------------------------------------------------------------------------------
