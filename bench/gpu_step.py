@@ -380,14 +380,11 @@ def local_rows(
     model: Model, data: list[tuple[np.ndarray, np.ndarray]], profile: bool, device: str
 ) -> list[Row]:
     rows: list[Row] = []
+    # The remote rows' cases on Device.cuda, but for reading late from batches uploaded beforehand.
     cases = [
-        ("Device.cuda eager (recorded each step), host batches", False, HOST, False),
-        ("Device.cuda jit, host batches", True, HOST, False),
-        ("Device.cuda jit, host batches, read_async", True, HOST, True),
-        ("Device.cuda jit, host batches from a DataLoader", True, HOST_LOADER, False),
-        ("Device.cuda jit, resident", True, LOADER, False),
-        ("Device.cuda jit, resident, read_async", True, LOADER, True),
-        ("Device.cuda jit, batches uploaded beforehand", True, UPLOADED, False),
+        (f"Device.cuda {n}", jit, feed, lazy)
+        for n, jit, feed, lazy in REMOTE_CASES
+        if not (feed == UPLOADED and lazy)
     ]
     for name, jit, feed, lazy in cases:
         with (
