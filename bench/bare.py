@@ -45,6 +45,38 @@ MiB = 1024 * 1024
 NODE = "benchnode"
 
 
+# --- where the two processes of a round trip run ---------------------------------------------------
+
+SERVER_CPUS: set[int] | None = None
+"""CPUs for the server processes started from here and from bench/remote_step.py (None: the kernel
+picks); set by `place`."""
+
+
+def place(placement: str) -> str:
+    """Pin this process and the servers it starts: "split" puts this process on CPU 0 and each
+    server on CPU 1 (two machines' worth of a client and a worker); "same" puts all of them on CPU
+    0; "any" leaves the kernel to choose. Left to the kernel on this 2-core machine, a bare grpc.aio
+    ping-pong alternates between ~100-140 and ~190-230 µs from run to run as its threads migrate;
+    pinned, each placement is steady. Returns a line saying what was done."""
+    global SERVER_CPUS
+    if placement == "any" or not hasattr(os, "sched_setaffinity"):
+        return "placement: left to the kernel"
+    cpus = sorted(os.sched_getaffinity(0))
+    if placement == "split" and len(cpus) < 2:
+        return f"placement: left to the kernel (only {len(cpus)} CPU here)"
+    client, server = cpus[0], cpus[1] if placement == "split" else cpus[0]
+    os.sched_setaffinity(0, {client})
+    SERVER_CPUS = {server}
+    return f"placement: {placement} (this process on CPU {client}, servers on CPU {server})"
+
+
+def place_server(pid: int) -> None:
+    """Pin a just-started server process as `place` decided (its threads inherit it: set before
+    Python has started any). Not through preexec_fn, which forks a process with gRPC threads."""
+    if SERVER_CPUS is not None:
+        os.sched_setaffinity(pid, SERVER_CPUS)
+
+
 # --- a nats-server for the NATS rows -------------------------------------------------------------
 
 
@@ -342,6 +374,7 @@ async def _server_process(flag: str) -> AsyncIterator[int]:
     proc = subprocess.Popen(  # noqa: ASYNC220 (see the docstring)
         [sys.executable, str(Path(__file__).resolve()), flag], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
+    place_server(proc.pid)
     try:
         assert proc.stdout is not None and proc.stdin is not None
         line = await loop.run_in_executor(None, proc.stdout.readline)

@@ -1,6 +1,6 @@
 """A remote device on loopback against the bare transport and against local execution.
 
-    .venv/bin/python bench/remote_step.py [--quick] [--worker process|thread]
+    .venv/bin/python bench/remote_step.py [--quick] [--worker process|thread] [--tiny N] [--cpus split|same|any]
     EMBERLINK_UVLOOP=0 .venv/bin/python bench/remote_step.py   # asyncio's loop even where uvloop is installed
 
 Rows, each a median over interleaved repeats so machine noise hits both sides alike:
@@ -28,6 +28,12 @@ EMBERLINK_UVLOOP=0); the bare servers in other processes too. The worker runs as
 process on the client's I/O loop (`--worker thread`). The first bare gRPC ping-pong row is one
 process, one event loop, no encryption and no thread hand-offs: a floor, not a peer; the second
 (server in another process) is the honest peer of `--worker process`.
+
+Placement (`--cpus`): by default this process runs on CPU 0 and every server it starts (the worker,
+the bare servers) on CPU 1, as a client and a worker on two machines would; `--cpus same` puts them
+all on CPU 0 and `--cpus any` leaves it to the kernel. Left to the kernel on a 2-core machine the
+bare gRPC ping-pong is bimodal (~100-140 or ~190-230 µs from run to run, as its threads migrate),
+so a ratio against it said more about the scheduler than about emberlink.
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ def worker_process(client: Identity) -> Any:
             stderr=subprocess.DEVNULL,
             text=True,
         )
+        bare.place_server(proc.pid)
         try:
             assert proc.stdout is not None
             yield proc.stdout.readline().strip()
@@ -223,7 +230,15 @@ def main() -> None:
         metavar="REPEATS",
         help="only the jitted tiny step against the bare ping-pongs, interleaved",
     )
+    parser.add_argument(
+        "--cpus",
+        choices=("split", "same", "any"),
+        default="split",
+        help="split (default): this process on CPU 0, the worker and bare servers on CPU 1; "
+        "same: all on CPU 0; any: left to the kernel (see bench/bare.py's `place`)",
+    )
     args = parser.parse_args()
+    print(bare.place(args.cpus))
     if args.tiny:
         tiny_only(args.tiny, 500 if args.quick else 1000, args.worker)
         return

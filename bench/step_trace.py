@@ -375,6 +375,9 @@ def traced_worker(key: Path, device: str, out: Path) -> Iterator[tuple[str, int]
             text=True,
             env={**os.environ, OUT_ENV: str(out)},
         )
+        import bare
+
+        bare.place_server(proc.pid)
         try:
             assert proc.stdout is not None
             ticket = proc.stdout.readline().strip()
@@ -397,9 +400,15 @@ def main() -> None:
     parser.add_argument("--transport", choices=("grpc", "tcp"), default="grpc")
     parser.add_argument("--step", choices=("mlp", "tiny"), default="mlp")
     parser.add_argument("--local", action="store_true", help="also trace Device.cuda's replays in-process")
+    parser.add_argument(
+        "--cpus", choices=("split", "same", "any"), default="any", help="as bench/remote_step.py's --cpus"
+    )
     args = parser.parse_args()
     os.environ[TRANSPORT_ENV] = args.transport  # the worker process inherits it
     sys.path.insert(0, str(HERE))
+    import bare
+
+    print(bare.place(args.cpus))
     import gpu_step
 
     import emberlink as el
