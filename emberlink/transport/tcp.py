@@ -16,7 +16,9 @@ heard, so silence is not counted against it.
 
 Flow: blobs larger than `SLICE` are written a slice at a time with a drain between (one huge
 write() is several times slower in asyncio), so a peer that stops reading blocks `send` instead of
-growing a buffer. Uses whatever event loop runs it; `event_loop_factory` (transport/loop.py) picks
+growing a buffer; a large blob's length prefix goes in one write with its first slice. Received
+bodies are read straight into the buffer they are delivered in (`TcpLink.get_buffer`). Uses
+whatever event loop runs it; `event_loop_factory` (transport/loop.py) picks
 uvloop where installed.
 
 Owned by a user thread (Linux): a client's synchronous round trip (send a batch, wait for its
