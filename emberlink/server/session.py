@@ -1115,14 +1115,15 @@ def _call_now(fn: Callable[..., None], arg: object) -> None:
     fn(arg)
 
 
-def _pinned(host_buffer: Callable[[int], Any]) -> Callable[[int], memoryview | None]:
+def _pinned(host_buffer: Callable[[int], Any]) -> Callable[[int], memoryview]:
     """Where a large frame (a batch with an inline upload) is decrypted: the backend's host buffer
     (pinned memory on a GPU), from which a captured graph's upload copies it where it lies, with
-    no copy on the host."""
+    no copy on the host; else fresh memory that is not zero-filled (`Channel.open`'s plaintext
+    is: measured, a 401 KB batch's memset was ~2.5% of a cpu worker's CPU)."""
 
-    def plaintext_buffer(n: int) -> memoryview | None:
+    def plaintext_buffer(n: int) -> memoryview:
         buffer = host_buffer(n)
-        return None if buffer is None else memoryview(buffer)
+        return np.empty(n, np.uint8).data if buffer is None else memoryview(buffer)
 
     return plaintext_buffer
 

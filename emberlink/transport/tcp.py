@@ -16,7 +16,9 @@ heard, so silence is not counted against it.
 
 Flow: blobs larger than `SLICE` are written a slice at a time with a drain between (one huge
 write() is several times slower in asyncio), so a peer that stops reading blocks `send` instead of
-growing a buffer. Uses whatever event loop runs it; `event_loop_factory` (transport/loop.py) picks
+growing a buffer; a large blob's length prefix goes in one write with its first slice. Received
+bodies are read straight into the buffer they are delivered in (`TcpLink.get_buffer`). Uses
+whatever event loop runs it; `event_loop_factory` (transport/loop.py) picks
 uvloop where installed.
 
 Owned by a user thread (Linux): a client's synchronous round trip (send a batch, wait for its
@@ -43,12 +45,15 @@ import asyncio
 import os
 import select
 import socket
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from enum import Enum
 from typing import cast
+
+import numpy as np
 
 from emberlink.errors import TransportError, TransportTimeout
 from emberlink.transport.base import MAX_BLOB, Blob, Handler, OnBlob, check_size
@@ -62,6 +67,10 @@ _HEARTBEAT_BYTES = _HEARTBEAT.to_bytes(_PREFIX, "big")
 SMALL = 64 * 1024
 #: Larger blobs are written in slices of this size with a drain between.
 SLICE = 1024 * 1024
+#: The loop reads up to this much at a time between blobs' bodies: many small blobs (a step's
+#: frames) at once, and at most this much of a large blob is copied into its body from here; the
+#: rest of the body the kernel copies straight into it.
+_READ_BUFFER = 64 * 1024
 #: Received blobs queued beyond this many bytes (unread by the session) pause reading the socket.
 RECV_BUFFER_BYTES = 2 * MAX_BLOB
 
@@ -89,8 +98,12 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class TcpLink(asyncio.Protocol):
-    """One end of a session, either side: the connection's protocol and the session's Link."""
+class TcpLink(asyncio.BufferedProtocol):
+    """One end of a session, either side: the connection's protocol and the session's Link.
+
+    The loop reads into buffers of the link's own (`get_buffer`): a blob's body once its length
+    is known, so a large blob (a batch's upload) is copied once, by the kernel, into the buffer
+    that is delivered, and small blobs into one reused buffer from which each is copied out."""
 
     def __init__(self, peer: str = "tcp:?", on_made: Callable[[TcpLink], None] | None = None) -> None:
         self.peer = peer
@@ -101,8 +114,10 @@ class TcpLink(asyncio.Protocol):
         self._queued = 0
         self._recv_waiter: asyncio.Future[None] | None = None
         self._head = bytearray()
-        self._body: bytearray | None = None
+        self._body: memoryview | None = None  # the blob being received, once its length is known
         self._filled = 0
+        self._inbuf = memoryview(bytearray(_READ_BUFFER))  # where the loop reads between bodies
+        self._vectored = False  # whether the transport's writelines writes without joining first
         self._ended: str | None = None  # why recv/send fail from now on (after queued blobs, for recv)
         self._closed = False
         self._lost: asyncio.Future[None] = self._loop.create_future()
@@ -133,6 +148,8 @@ class TcpLink(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
+        # uvloop's writelines is one writev; asyncio's joins the buffers first before Python 3.12.
+        self._vectored = type(transport).__module__.startswith("uvloop") or sys.version_info >= (3, 12)
         sock = self._transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -146,20 +163,37 @@ class TcpLink(asyncio.Protocol):
         if self._on_made is not None:
             self._on_made(self)
 
-    def data_received(self, data: bytes) -> None:
-        self._take_in(data)
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """Where the loop reads next: the rest of the body being received (it lands where it is
+        delivered from), else the reused read buffer."""
+        body = self._body
+        if body is not None:
+            return body[self._filled :]
+        return self._inbuf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        body = self._body
+        if body is not None:
+            self._last_in = time.monotonic()
+            self._filled += nbytes
+            if self._filled == len(body):
+                self._body = None
+                self._deliver(body)
+        else:
+            self._take_in(self._inbuf[:nbytes])
         parkable = self._parkable
         if parkable is not None and parkable():
             self._park()
 
-    def _take_in(self, data: bytes) -> None:
-        """Parse `data`, handing each whole blob to `_deliver` (on the loop, or on an owner's thread)."""
+    def _take_in(self, data: bytes | memoryview) -> None:
+        """Parse `data` (a buffer that is reused once this returns, unless it is `bytes`), handing
+        each whole blob to `_deliver` (on the loop, or on an owner's thread)."""
         self._last_in = time.monotonic()
         end = len(data)
         if end > _PREFIX and self._body is None and not self._head and self._ended is None:
             n = int.from_bytes(data[:_PREFIX], "big")
             if n == end - _PREFIX:  # exactly one whole blob (a step's frame): no parsing loop
-                self._deliver(data[_PREFIX:])
+                self._deliver(data[_PREFIX:] if type(data) is bytes else bytes(data[_PREFIX:]))
                 return
         view = memoryview(data)
         pos, end = 0, len(data)
@@ -193,7 +227,8 @@ class TcpLink(asyncio.Protocol):
                     self._deliver(bytes(view[pos : pos + n]))
                     pos += n
                     continue
-                self._body, self._filled = bytearray(n), 0
+                # Not zero-filled: every byte is written before it is delivered.
+                self._body, self._filled = np.empty(n, np.uint8).data, 0
             else:
                 take = min(len(body) - self._filled, end - pos)
                 body[self._filled : self._filled + take] = view[pos : pos + take]
@@ -201,7 +236,7 @@ class TcpLink(asyncio.Protocol):
                 pos += take
                 if self._filled == len(body):
                     self._body = None
-                    self._deliver(memoryview(body))
+                    self._deliver(body)
 
     def eof_received(self) -> bool:
         self._end(self._eof_why())
@@ -285,9 +320,15 @@ class TcpLink(asyncio.Protocol):
                 return
             view = memoryview(blob).cast("B")
             try:
-                transport.write(head)
                 for start in range(0, n, SLICE):
-                    transport.write(view[start : start + SLICE])
+                    piece = view[start : start + SLICE]
+                    if start:
+                        transport.write(piece)
+                    elif self._vectored:  # the prefix in the same syscall and segment as the body
+                        transport.writelines((head, piece))
+                    else:
+                        transport.write(head)
+                        transport.write(piece)
                     self._last_out = time.monotonic()
                     if self._write_paused:
                         await self._drain()

@@ -4,9 +4,12 @@ framing, die, freeze or stop reading."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -157,6 +160,94 @@ async def test_memoryview_and_bytearray_blobs_are_sent_whole() -> None:
     for blob in (memoryview(data), data, memoryview(big)):
         await link.send(blob)
     assert [bytes(await link.recv()) for _ in range(3)] == [bytes(data), bytes(data), bytes(big)]
+    await link.close()
+    await listener.stop(1)
+
+
+LOOPS = ["asyncio", "uvloop"]
+
+
+def run_on(loop: str, main: Callable[[], Any]) -> None:
+    """`main()` on asyncio's event loop or uvloop's (what emberlink runs on, transport/loop.py)."""
+    factory = asyncio.new_event_loop if loop == "asyncio" else pytest.importorskip("uvloop").new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_stream_cut_anywhere_delivers_every_blob_whole_and_unchanged_by_later_reads(loop: str) -> None:
+    run_on(loop, _stream_cut_anywhere)
+
+
+async def _stream_cut_anywhere() -> None:
+    # Cuts inside prefixes, inside small and large bodies, and several blobs in one piece; the
+    # blobs wait unread until the last one is in, so the loop's later reads, which reuse one
+    # buffer, must not have changed those delivered before.
+    sizes = [0, 3, 70_000, 5, tcp._READ_BUFFER - 4, tcp._READ_BUFFER + 1, 12, 401_000, 1, 2 * tcp.SLICE + 7]
+    sent = blobs(sizes)
+    stream = b"".join(len(b).to_bytes(4, "big") + b for b in sent)
+    starts = list(itertools.accumulate((4 + len(b) for b in sent), initial=0))
+    whole = {starts[i] for i in (1, 2, 3, 4, 6, 7)}  # pieces that are exactly one small blob, too
+    inside = {2, starts[2] + 2, 40_001, *range(70_020, 70_100, 7), 200_000, 600_000, len(stream) - 3}
+    cuts = sorted(whole | inside)
+    received: asyncio.Future[list[bytes | memoryview]] = asyncio.get_running_loop().create_future()
+    written = asyncio.Event()
+
+    async def collect(link: Link) -> None:
+        await written.wait()
+        received.set_result([await link.recv() for _ in sent])
+
+    listener, port = await started(collect)
+    _, writer = await raw_socket(port)
+    for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True):
+        writer.write(stream[start:end])
+        await writer.drain()
+        await asyncio.sleep(0.002)  # each piece read on its own
+    await asyncio.sleep(0.05)
+    written.set()
+    got = await within(5, received)
+    assert [bytes(b) for b in got] == sent
+    writer.close()
+    await listener.stop(1)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_large_blob_leaves_in_one_write_with_its_length_prefix_where_the_loop_can(loop: str) -> None:
+    # One syscall and one segment: a prefix written alone wakes the peer for four bytes. asyncio's
+    # writelines joins its buffers (a copy) before Python 3.12: there the prefix goes alone.
+    run_on(
+        loop, functools.partial(_large_blob_write, vectored=loop == "uvloop" or sys.version_info >= (3, 12))
+    )
+
+
+async def _large_blob_write(vectored: bool) -> None:
+    listener, port = await started(echo)
+    link = await tcp.connect("127.0.0.1", port)
+    assert link._transport is not None
+    calls: list[list[int]] = []
+    transport = link._transport
+    write, writelines = transport.write, transport.writelines
+
+    class Recording:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(transport, name)
+
+        def write(self, data: Any) -> None:
+            calls.append([len(data)])
+            write(data)
+
+        def writelines(self, parts: Any) -> None:
+            parts = list(parts)
+            calls.append([len(p) for p in parts])
+            writelines(parts)
+
+    link._transport = Recording()  # type: ignore[assignment]
+    big = os.urandom(tcp.SLICE + 10)
+    await link.send(big)
+    assert bytes(await within(5, link.recv())) == big
+    assert link._vectored is vectored
+    assert calls == ([[4, tcp.SLICE], [10]] if vectored else [[4], [tcp.SLICE], [10]])
+    link._transport = transport
     await link.close()
     await listener.stop(1)
 
