@@ -362,7 +362,7 @@ def test_a_large_batch_on_a_cuda_device_is_staged_in_page_locked_memory() -> Non
     w = rng.standard_normal((128, 4)).astype(np.float32)
     with el.Device.cuda(0) as dev:
         weight = dev.tensor(w)
-        for k in range(4):  # eager, capture, replays: each batch copied by the graph's DMA
+        for k in range(4):  # eager, capture, replays: each batch read by the graph where it lies
             batch = data * np.float32(k + 1)
             x = dev.tensor(batch)
             stored = dev._executor._store[x._v.buf]  # type: ignore[attr-defined]
@@ -401,7 +401,7 @@ def test_pinned_host_inputs_and_back_to_back_replays_give_the_eager_values(
     backend: Any, captures: Captures
 ) -> None:
     """Calls staged while earlier launches still run (no read in between), with the batch in
-    pinned memory (copied by the DMA engine where it lies) or in ordinary memory."""
+    pinned memory (read by the graph where it lies) or in ordinary memory."""
     cupyx = pytest.importorskip("cupyx")
 
     graph = Graph(
@@ -427,6 +427,54 @@ def test_pinned_host_inputs_and_back_to_back_replays_give_the_eager_values(
     for k, (out, want) in enumerate(zip(_numpy(backend, outs), wants, strict=True)):
         np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6, err_msg=f"call {k}")  # float32 rounding
     assert captures.captured(plan) and captures.replays == 6
+
+
+def test_host_inputs_of_every_kind_and_size_reach_a_replay_and_stay_alive_until_it_has_run(
+    backend: Any, captures: Captures
+) -> None:
+    """A host input in page-locked memory is read where it lies by the graph (aligned, up to
+    ZERO_COPY_BYTES) or copied by the DMA engine (unaligned, as an inline upload may be, or
+    larger); one in ordinary memory goes through its staging region, the same two ways. Calls are
+    staged back to back, their inputs let go at once: each keeps its values until its launch has
+    read them. For plans captured with host inputs and with device inputs alike."""
+    import cupy
+
+    from emberlink.graph_replay.cuda_graph import ZERO_COPY_BYTES
+
+    big_n, small_n = ZERO_COPY_BYTES // 4 + 1000, 300
+    nodes = (Node("multiply", (0, 2)), Node("multiply", (1, 2)))
+    graph = Graph(
+        (TensorSpec("float32", (big_n,)), TensorSpec("float32", (small_n,))), ("float",), nodes, (3, 4)
+    )
+    rng = np.random.default_rng(21)
+
+    def given(a: np.ndarray, kind: str) -> Any:
+        if kind == "device":
+            return backend.from_numpy(a)
+        if kind == "pageable":
+            return a.copy()
+        offset = 4 if kind == "unaligned" else 0
+        memory = cupy.cuda.alloc_pinned_memory(a.nbytes + 16)
+        pinned = np.frombuffer(memory, np.uint8, a.nbytes + 16)[offset : offset + a.nbytes].view(a.dtype)
+        pinned[...] = a
+        return pinned
+
+    kinds = ["pinned", "unaligned", "pageable", "device"]
+    for first in ("pageable", "device"):
+        plan = compile_plan(graph)
+        outs, wants = [], []
+        for k in range(14):  # eager, capture, 12 replays with every pair of kinds
+            big = rng.standard_normal(big_n).astype(np.float32)
+            small = rng.standard_normal(small_n).astype(np.float32)
+            kind_big, kind_small = (first, first) if k < 2 else (kinds[k % 4], kinds[(k // 4) % 4])
+            factor = 0.5 + k
+            outs.append(captures.run(plan, [given(big, kind_big), given(small, kind_small)], [factor]))
+            wants.append([big * np.float32(factor), small * np.float32(factor)])
+        for k, (out, want) in enumerate(zip(outs, wants, strict=True)):
+            for g, w in zip(_numpy(backend, out), want, strict=True):
+                np.testing.assert_array_equal(g, w, err_msg=f"captured from {first}, call {k}")
+        assert captures.captured(plan)
+    assert captures.replays == 24
 
 
 def test_random_ops_give_the_eager_values_for_each_new_seed(backend: Any, captures: Captures) -> None:
