@@ -16,7 +16,7 @@ captured.py decides when to capture; this module does it. A captured plan owns:
   memory (a worker decrypts large frames into pinned memory; read where it lies, with no copy on
   the host) or the input's region in the staging buffer (a host array elsewhere is copied there;
   an input that arrived in host memory when the plan was captured has one). A host source larger
-  than ZERO_COPY_BYTES, or not 16-byte aligned, is copied by the DMA engine instead (`_send`);
+  than ZERO_COPY_BYTES is copied by the DMA engine instead (`_send`);
 - an arena for every intermediate, laid out by liveness (capture.ArenaLayout), so a replay
   allocates nothing but its outputs;
 - the graph: the plan's steps (CuPy's kernels and fused kernels, matmuls through cuBLAS from
@@ -84,6 +84,40 @@ extern "C" __global__ void emberlink_copy_table(const unsigned long long* table)
         const uint4* s = (const uint4*)src;
         uint4* d = (uint4*)dst;
         for (unsigned long long i = start; i < n / 16; i += stride) d[i] = s[i];
+    } else if ((dst & 15) == 0 && (src & 15) != 0) {
+        // A source anywhere (a host input where a message's bytes end): each 16-byte word of dst
+        // is put together from the two aligned words of src that hold it, the second one taken
+        // from the next lane (so each word crosses the bus once), or loaded where that lane has
+        // none. (That word holds bytes of the source: it never reaches past its last page.)
+        const unsigned int lane = threadIdx.x & 31;
+        const unsigned int r = (unsigned int)(src & 15), q = r >> 2, shift = (r & 3) * 8;
+        const uint4* s = (const uint4*)(src - r);
+        uint4* d = (uint4*)dst;
+        const unsigned long long words = n / 16;
+        for (unsigned long long first = start - lane; first < words; first += stride) {  // warp-uniform
+            const unsigned long long i = first + lane;
+            const bool active = i < words;
+            uint4 a = make_uint4(0u, 0u, 0u, 0u);
+            if (active) a = s[i];
+            uint4 b;
+            b.x = __shfl_down_sync(0xffffffffu, a.x, 1);
+            b.y = __shfl_down_sync(0xffffffffu, a.y, 1);
+            b.z = __shfl_down_sync(0xffffffffu, a.z, 1);
+            b.w = __shfl_down_sync(0xffffffffu, a.w, 1);
+            if (active && (lane == 31 || i + 1 >= words)) b = s[i + 1];
+            if (active) {
+                const unsigned int w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+                uint4 o;
+                o.x = __funnelshift_r(w[q], w[q + 1], shift);
+                o.y = __funnelshift_r(w[q + 1], w[q + 2], shift);
+                o.z = __funnelshift_r(w[q + 2], w[q + 3], shift);
+                o.w = __funnelshift_r(w[q + 3], w[q + 4], shift);
+                d[i] = o;
+            }
+        }
+        const unsigned char* sb = (const unsigned char*)src;
+        unsigned char* db = (unsigned char*)dst;
+        for (unsigned long long i = 16 * words + start; i < n; i += stride) db[i] = sb[i];
     } else if (((src | dst | n) & 3) == 0) {
         const unsigned int* s = (const unsigned int*)src;
         unsigned int* d = (unsigned int*)dst;
@@ -199,22 +233,17 @@ class _Probe:
     mem: Any
 
 
-def _holders(t: Any) -> tuple[int, int, int]:
-    """`sys.getrefcount` of a template, its memory pointer and its memory."""
-    return sys.getrefcount(t), sys.getrefcount(t.data), sys.getrefcount(getattr(t.data, "mem", None))
-
-
 def _idle_counts() -> tuple[int, int, int]:
-    """What `_holders(t)` gives, with `t = templates[j]` a local, for a template nothing else
-    holds: measured, not assumed, so the interpreter's counting conventions cancel out. (Called
-    as `_make_outputs` calls it.)"""
+    """`sys.getrefcount` of a template nothing else holds, of its memory pointer and of its
+    memory, counted as `CapturedPlan._make_outputs` counts them (`t = templates[j]` a local):
+    measured, not assumed, so the interpreter's counting conventions cancel out."""
     probe = _Probe()
     probe.data = _Probe()
     probe.data.mem = _Probe()
     templates = [probe]
     del probe
     t = templates[0]
-    return _holders(t)
+    return sys.getrefcount(t), sys.getrefcount(t.data), sys.getrefcount(t.data.mem)
 
 
 _IDLE = _idle_counts()
@@ -232,9 +261,11 @@ median µs a call: making the second graph's outputs, with the copy of their cha
 
 ZERO_COPY_BYTES = 1 << 20
 """Host inputs up to this size are read by the graph's copy kernel where they lie (page-locked
-memory, addressable from the device, 16-byte aligned): nothing to queue on the host. Larger (or
-unaligned) ones are copied by the DMA engine (`cudaMemcpyAsync`, ~10 µs of a worker's CPU on the
-H200), faster than a kernel's reads across the bus for that much."""
+memory, addressable from the device; an inline upload starts where its message's bytes end,
+anywhere, which the kernel allows for): nothing to queue on the host. Larger ones are copied by
+the DMA engine (`cudaMemcpyAsync`, ~10 µs of a worker's CPU on the H200), faster than a kernel's
+reads across the bus for that much (the small MLP's 401 KB batch: ~9 µs more GPU time read in
+place than copied, on the H200)."""
 
 PAGEABLE, MAPPED, LOCKED = 0, 1, 2
 """What `_pinned` says of a host array's memory: ordinary; CuPy's page-locked memory (the device
@@ -386,6 +417,8 @@ class CapturedPlan:
         self._memcpy = runtime.memcpyAsync
         self._h2d = runtime.memcpyHostToDevice
         self._new_array = xp.ndarray  # what cupy.empty calls, without its Python wrapper
+        self._xp = xp
+        self._mark_ready = capturer.backend.mark_ready
         self._n_inputs = len(graph.inputs)
         self._input_specs = [(np.dtype(s.dtype), s.shape) for s in graph.inputs]  # (dtype, shape) each
         self._in_nbytes = [s.nbytes for s in graph.inputs]
@@ -549,13 +582,12 @@ class CapturedPlan:
             a: Any = given
             if isinstance(a, np.ndarray):
                 nbytes = a.nbytes
-                kind = _pinned(self._c.xp, a) if nbytes and a.flags.c_contiguous else PAGEABLE
+                kind = _pinned(self._xp, a) if nbytes and a.flags.c_contiguous else PAGEABLE
                 if kind:
                     held.append(a)
                     address = _address(a)
-                    # The copy kernel reads it where it is, in 16-byte words (an inline upload
-                    # starts where the message's bytes end, anywhere), else the DMA engine copies it.
-                    if kind == MAPPED and nbytes <= ZERO_COPY_BYTES and not address & 15:
+                    # The copy kernel reads it where it is, else the DMA engine copies it.
+                    if kind == MAPPED and nbytes <= ZERO_COPY_BYTES:
                         sources.append(address)
                         sizes.append(nbytes)
                     else:
@@ -573,10 +605,10 @@ class CapturedPlan:
                         sources.append(0)
                         sizes.append(0)
                     continue
-                a = self._c.xp.asarray(a)
+                a = self._xp.asarray(a)
                 call.keep.append(a)
             elif not a._c_contiguous:  # what a.flags says, without making a Flags object
-                a = self._c.xp.ascontiguousarray(a)
+                a = self._xp.ascontiguousarray(a)
                 call.keep.append(a)
             else:
                 # A device array never changes once made (results are new arrays; only a dying
@@ -612,11 +644,19 @@ class CapturedPlan:
         made = call.made
         n_kept = len(templates)
         n_early = self._n_early
+        count = sys.getrefcount
+        idle, idle_data, idle_mem = _IDLE
         for j in range(lo, hi):
             if j < n_kept:
-                # (No other local may hold the template while its holders are counted.)
+                # Taken again if nothing else holds it, its memory pointer or its memory. (No other
+                # local may hold the template while they are counted.)
                 t = templates[j]
-                if t is None or _holders(t) != _IDLE:
+                if (
+                    t is None
+                    or count(t) != idle
+                    or count(t.data) != idle_data
+                    or count(t.data.mem) != idle_mem
+                ):
                     shape, dtype = self._out_specs[j]
                     t = self._new_array(shape, dtype)  # the old one (if any) lives on in its result
                     staging.out_table[n_early + j, 1] = t.data.ptr
@@ -847,7 +887,7 @@ class CapturedPlan:
             return self._replay(inputs, bindings)
 
     def _replay(self, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> list[Any]:
-        xp = self._c.xp
+        xp = self._xp
         try:
             execs = self._execs[self._turn]
             split = len(execs) > 1
@@ -866,7 +906,7 @@ class CapturedPlan:
                     self._sent(call, stream_ptr)  # the first graph reads this staging buffer
                     raise
                 mark, results, uses, made = (
-                    self._c.backend.mark_ready,
+                    self._mark_ready,
                     call.results,
                     staging.uses,
                     staging.made,

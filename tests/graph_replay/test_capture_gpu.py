@@ -432,16 +432,17 @@ def test_pinned_host_inputs_and_back_to_back_replays_give_the_eager_values(
 def test_host_inputs_of_every_kind_and_size_reach_a_replay_and_stay_alive_until_it_has_run(
     backend: Any, captures: Captures
 ) -> None:
-    """A host input in page-locked memory is read where it lies by the graph (aligned, up to
-    ZERO_COPY_BYTES) or copied by the DMA engine (unaligned, as an inline upload may be, or
-    larger); one in ordinary memory goes through its staging region, the same two ways. Calls are
-    staged back to back, their inputs let go at once: each keeps its values until its launch has
-    read them. For plans captured with host inputs and with device inputs alike."""
+    """A host input in page-locked memory is read where it lies by the graph (up to
+    ZERO_COPY_BYTES, at any address, as an inline upload starts where its message's bytes end) or
+    copied by the DMA engine (larger); one in ordinary memory goes through its staging region, the
+    same two ways. Calls are staged back to back, their inputs let go at once: each keeps its
+    values until its launch has read them. For plans captured with host inputs and with device
+    inputs alike."""
     import cupy
 
     from emberlink.graph_replay.cuda_graph import ZERO_COPY_BYTES
 
-    big_n, small_n = ZERO_COPY_BYTES // 4 + 1000, 300
+    big_n, small_n = ZERO_COPY_BYTES // 4 + 1000, 301  # 1204 bytes: 75 16-byte words and 4 more
     nodes = (Node("multiply", (0, 2)), Node("multiply", (1, 2)))
     graph = Graph(
         (TensorSpec("float32", (big_n,)), TensorSpec("float32", (small_n,))), ("float",), nodes, (3, 4)
@@ -453,20 +454,20 @@ def test_host_inputs_of_every_kind_and_size_reach_a_replay_and_stay_alive_until_
             return backend.from_numpy(a)
         if kind == "pageable":
             return a.copy()
-        offset = 4 if kind == "unaligned" else 0
+        offset = {"pinned": 0, "odd": 3, "unaligned": 8}[kind]
         memory = cupy.cuda.alloc_pinned_memory(a.nbytes + 16)
         pinned = np.frombuffer(memory, np.uint8, a.nbytes + 16)[offset : offset + a.nbytes].view(a.dtype)
         pinned[...] = a
         return pinned
 
-    kinds = ["pinned", "unaligned", "pageable", "device"]
+    kinds = ["pinned", "odd", "unaligned", "pageable", "device"]
     for first in ("pageable", "device"):
         plan = compile_plan(graph)
         outs, wants = [], []
-        for k in range(14):  # eager, capture, 12 replays with every pair of kinds
+        for k in range(14):  # eager, capture, 12 replays with pairs of kinds
             big = rng.standard_normal(big_n).astype(np.float32)
             small = rng.standard_normal(small_n).astype(np.float32)
-            kind_big, kind_small = (first, first) if k < 2 else (kinds[k % 4], kinds[(k // 4) % 4])
+            kind_big, kind_small = (first, first) if k < 2 else (kinds[k % 5], kinds[(k + k // 5) % 5])
             factor = 0.5 + k
             outs.append(captures.run(plan, [given(big, kind_big), given(small, kind_small)], [factor]))
             wants.append([big * np.float32(factor), small * np.float32(factor)])
