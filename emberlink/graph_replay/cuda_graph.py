@@ -6,7 +6,7 @@ captured.py decides when to capture; this module does it. A captured plan owns:
   capture.py). Several of them, so that staging a call never waits for the launch just before it
   (a loop that reads each loss one step late keeps the GPU fed) and a training step's outputs find
   their arrays free again (see STAGING_BUFFERS);
-- one graph (or pair, see below) per staging buffer, all captured from the same body: each begins
+- one graph per staging buffer (or pair, see below), all captured from the same body: each begins
   with a node that copies its own staging buffer's tables and slots to the device (page-locked
   memory is addressable from the device at its host address), so a replay queues nothing but its
   launch: no host-to-device copy to call for (a `cudaMemcpyAsync` cost ~10 µs of a worker's CPU on
@@ -25,15 +25,18 @@ captured.py decides when to capture; this module does it. A captured plan owns:
   call's results are its own arrays, as on the eager path (outputs up to KEPT_OUTPUT_BYTES are
   new views of arrays the staging buffer keeps and takes again once nothing holds them or their
   memory: a view costs far less than an array from the pool);
-- or two graphs, where capture.early_split cuts the plan after its first small output (a training
-  step's loss, made by the forward pass): the first runs the steps up to the cut and copies out
-  the outputs made so far, the second the rest. A replay records an event between the two
-  launches and tells the backend (`mark_ready`), so a read of such an output waits for that event
-  only (the second graph's output arrays are made while the GPU runs the first graph), and the time a reader takes to act on it (a client's round trip, the next step's Python)
-  overlaps the backward pass and the update. Measured on the H200 (bench/gpu_step.py), see the
-  README. The first graph also writes the early outputs into their regions of the staging buffer
-  (page-locked host memory, which the copy kernel addresses directly), so such a read is the wait
-  and a copy on the host, with no device-to-host copy to queue and wait for (`_EarlyCopy`).
+- where capture.early_split cuts the plan after its first small output (a training step's loss,
+  made by the forward pass), an event between the two parts: the graph runs the steps up to the
+  cut, copies out the outputs made so far, records its staging buffer's `made` event (an event
+  record node), then runs the rest. A replay tells the backend (`mark_ready`), so a read of such
+  an output waits for that event only, and the time a reader takes to act on it (a client's round
+  trip, the next step's Python) overlaps the backward pass and the update. Measured on the H200
+  (bench/gpu_step.py), see the README. Where the driver cannot record an event inside a graph,
+  two graphs, with the event recorded by the host between their launches (the second graph's
+  output arrays made while the GPU runs the first). The first part also writes the early outputs
+  into their regions of the staging buffer (page-locked host memory, which the copy kernel
+  addresses directly), so such a read is the wait and a copy on the host, with no device-to-host
+  copy to queue and wait for (`_EarlyCopy`).
 
 A replay checks only what can differ from the last call: an input's dtype and shape, and the
 bindings, which are validated again only when they differ from the last call's (a jitted step
@@ -56,6 +59,8 @@ that thread is idle; a local device's caller).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 import math
 import sys
 import weakref
@@ -97,7 +102,8 @@ extern "C" __global__ void emberlink_copy_table(const unsigned long long* table)
         for (unsigned long long first = start - lane; first < words; first += stride) {  // warp-uniform
             const unsigned long long i = first + lane;
             const bool active = i < words;
-            uint4 a = make_uint4(0u, 0u, 0u, 0u);
+            uint4 a;
+            a.x = a.y = a.z = a.w = 0u;
             if (active) a = s[i];
             uint4 b;
             b.x = __shfl_down_sync(0xffffffffu, a.x, 1);
@@ -107,11 +113,11 @@ extern "C" __global__ void emberlink_copy_table(const unsigned long long* table)
             if (active && (lane == 31 || i + 1 >= words)) b = s[i + 1];
             if (active) {
                 const unsigned int w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                uint4 o;
-                o.x = __funnelshift_r(w[q], w[q + 1], shift);
-                o.y = __funnelshift_r(w[q + 1], w[q + 2], shift);
-                o.z = __funnelshift_r(w[q + 2], w[q + 3], shift);
-                o.w = __funnelshift_r(w[q + 3], w[q + 4], shift);
+                uint4 o;  // (little-endian: byte r of the pair is the low byte of each word)
+                o.x = (unsigned int)((((unsigned long long)w[q + 1] << 32) | w[q]) >> shift);
+                o.y = (unsigned int)((((unsigned long long)w[q + 2] << 32) | w[q + 1]) >> shift);
+                o.z = (unsigned int)((((unsigned long long)w[q + 3] << 32) | w[q + 2]) >> shift);
+                o.w = (unsigned int)((((unsigned long long)w[q + 4] << 32) | w[q + 3]) >> shift);
                 d[i] = o;
             }
         }
@@ -141,6 +147,28 @@ extern "C" __global__ void emberlink_copy_words(
 _THREADS = 256
 _MAX_BLOCKS = 1024
 
+log = logging.getLogger("emberlink.capture")
+_LOGGED: set[str] = set()
+
+
+def _event_node_recorder() -> Callable[[int, int], None] | None:
+    """`record(event, stream)`: while `stream` captures, an event record node in its graph
+    (`cuEventRecordWithFlags` with CU_EVENT_RECORD_EXTERNAL, which CuPy does not wrap), so a
+    launch of that graph records `event` where the node stands; None where the driver has none."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuEventRecordWithFlags
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+
+    def record(event: int, stream: int) -> None:
+        status = fn(event, stream, 1)  # CU_EVENT_RECORD_EXTERNAL
+        if status:
+            raise RuntimeError(f"cuEventRecordWithFlags failed: CUresult {status}")
+
+    return record
+
 
 def _grid(nbytes: Sequence[int]) -> int:
     """Blocks along x for a copy table whose largest row is max(nbytes) (16 bytes a thread a pass)."""
@@ -163,6 +191,7 @@ class Capturer:
             self.gemm = nvmath_matmul.Gemm(self.xp, cublas, strided=getattr(backend, "fast", True))
             self.copy_kernel = self.xp.RawKernel(_COPY_KERNEL, "emberlink_copy_table")
             self.copy_words = self.xp.RawKernel(_COPY_KERNEL, "emberlink_copy_words")
+        self.record_node = _event_node_recorder()
 
     @property
     def backend(self) -> Any:
@@ -623,10 +652,18 @@ class CapturedPlan:
             sizes.append(self._in_nbytes[k])
         # A training loop's inputs (the last call's results, views of the other buffer's kept
         # arrays) and outputs are where they were the last time this buffer was used.
-        if sources != staging.sources:
+        known = staging.sources
+        if sources != known:
             staging.sources = None
-            staging.in_table[:, 0] = sources
-            staging.in_table[:, 2] = sizes
+            table = staging.in_table
+            if known is None:
+                table[:, 0] = sources
+                table[:, 2] = sizes
+            else:  # a batch's new address: one row, not the columns
+                for k, (source, was) in enumerate(zip(sources, known)):
+                    if source != was:
+                        table[k, 0] = source
+                        table[k, 2] = sizes[k]
             staging.sources = sources
         call.inputs = inputs
         # Where the plan is split, only the early outputs are made before the first launch: the
@@ -724,19 +761,20 @@ class CapturedPlan:
             return xp.take(args[0], wide_indices(args[1]), axis=step.attrs["axis"])
         return self._c.backend.op_table[op](xp, args, step)
 
-    def _body(self, stream_ptr: int, staging: _Staging, part: int, sizing: bool) -> None:
-        """Graph `part`'s work (see `_parts`), reading `staging`'s tables: run for real (`sizing`,
-        the sizing run) or captured. The values live on from one part to the next; the last part
+    def _body(self, stream_ptr: int, staging: _Staging, part: int, sizing: bool, head: bool = True) -> None:
+        """Part `part`'s work (see `_parts`), reading `staging`'s tables: run for real (`sizing`,
+        the sizing run) or captured; without its head (`head` false: the part before it, in the
+        same graph, copied its rows). The values live on from one part to the next; the last part
         drops them."""
         xp, layout = self._c.xp, self._layout
         runtime = xp.cuda.runtime
         first, end, lo, hi = self._parts[part]
-        head, head_end = self._heads[part]
-        if head_end > head:  # this staging buffer's tables and slots, as they are at launch
+        head_at, head_end = self._heads[part] if head else (0, 0)
+        if head_end > head_at:  # this staging buffer's tables and slots, as they are at launch
             words = (
-                np.uint64(staging.ptr + head),
-                np.uint64(self._dev_ptr + head),
-                np.uint64((head_end - head) // 8),
+                np.uint64(staging.ptr + head_at),
+                np.uint64(self._dev_ptr + head_at),
+                np.uint64((head_end - head_at) // 8),
             )
             self._c.copy_words((1,), (_THREADS,), words)
         if part == 0:
@@ -799,8 +837,14 @@ class CapturedPlan:
 
     @property
     def graphs(self) -> int:
-        """How many graphs a replay launches (2 where an early output splits the plan)."""
+        """How many graphs a replay launches: 1, or 2 where an early output splits the plan and
+        the driver cannot record its event inside one graph."""
         return len(self._graphs[0]) if self._graphs else 0
+
+    @property
+    def split(self) -> bool:
+        """Whether its early outputs are readable before the rest of a replay has run."""
+        return self._split is not None
 
     # -- capture and replay ------------------------------------------------------------------------
 
@@ -830,25 +874,23 @@ class CapturedPlan:
         except xp.cuda.memory.OutOfMemoryError as e:
             raise cap.CaptureRefused(f"no device memory for a {sizing.high_water}-byte arena", results) from e
         stream = c.stream
-        variants: list[list[Any]] = []
+        # A split plan as one graph that records its buffer's `made` event after the early
+        # outputs (one launch and no event to record a replay), else as two graphs.
+        record = c.record_node if self._split is not None else None
         try:
             with stream:
                 c.gemm.bind(stream.ptr)
-                for staging in self._staging:  # one graph (or pair) per staging buffer
-                    arena = cap.ArenaLayout(limit=sizing.high_water)
-                    graphs = []
-                    with xp.cuda.using_allocator(self._allocator(arena, self._arena)):
-                        for part in range(len(self._parts)):
-                            stream.begin_capture()
-                            try:
-                                self._body(stream.ptr, staging, part, False)
-                            except BaseException:
-                                # An invalidated capture ends in an error too; the first one is the one that matters.
-                                with contextlib.suppress(Exception):
-                                    stream.end_capture()
-                                raise
-                            graphs.append(stream.end_capture())
-                    variants.append(graphs)
+                try:
+                    variants = [self._capture(stream, s, sizing.high_water, record) for s in self._staging]
+                except Exception as e:
+                    if record is None:
+                        raise
+                    reason = f"{type(e).__name__}: {e}"
+                    if reason not in _LOGGED:
+                        _LOGGED.add(reason)
+                        log.info("a split plan is captured as two graphs: %s", reason)
+                    self._values = []
+                    variants = [self._capture(stream, s, sizing.high_water, None) for s in self._staging]
         except BaseException as e:
             self._values = []
             self._arena = None
@@ -859,6 +901,29 @@ class CapturedPlan:
         self._graphs = variants
         self._execs = [tuple(int(g.graphExec) for g in graphs) for graphs in variants]
         return results
+
+    def _capture(
+        self, stream: Any, staging: _Staging, arena_bytes: int, record: Callable[[int, int], None] | None
+    ) -> list[Any]:
+        """The graphs of `staging`'s replays, captured on `stream`: one per part, or (a split plan,
+        given `record`: Capturer.record_node) one for both, recording `staging.made` between them."""
+        arena = cap.ArenaLayout(limit=arena_bytes)
+        graphs = []
+        with self._xp.cuda.using_allocator(self._allocator(arena, self._arena)):
+            for part in range(1 if record is not None else len(self._parts)):
+                stream.begin_capture()
+                try:
+                    self._body(stream.ptr, staging, part, False)
+                    if record is not None:
+                        record(staging.made_ptr, stream.ptr)
+                        self._body(stream.ptr, staging, 1, False, head=False)
+                except BaseException:
+                    # An invalidated capture ends in an error too; the first one is the one that matters.
+                    with contextlib.suppress(Exception):
+                        stream.end_capture()
+                    raise
+                graphs.append(stream.end_capture())
+        return graphs
 
     def _allocator(self, layout: cap.ArenaLayout, arena: Any) -> Callable[[int], Any]:
         """A CuPy allocator placing blocks by `layout`: in `arena`, or (arena None: the sizing run)
@@ -890,21 +955,22 @@ class CapturedPlan:
         xp = self._xp
         try:
             execs = self._execs[self._turn]
-            split = len(execs) > 1
-            call = self._stage(inputs, bindings, not split)
+            two = len(execs) > 1
+            call = self._stage(inputs, bindings, not two)
             stream_ptr: int = self._current_stream().ptr
             self._send(call, stream_ptr)
             self._graph_launch(execs[0], stream_ptr)
-            if split:
+            if self._early_results:  # a split plan: the graph (or the host) records `made`
                 staging = call.staging
-                self._record(staging.made_ptr, stream_ptr)
-                try:
-                    # The rest of the outputs; the second graph's head copies their rows.
-                    self._make_outputs(call, self._n_early, len(self._out_specs))
-                    self._results(call)
-                except BaseException:
-                    self._sent(call, stream_ptr)  # the first graph reads this staging buffer
-                    raise
+                if two:
+                    self._record(staging.made_ptr, stream_ptr)
+                    try:
+                        # The rest of the outputs; the second graph's head copies their rows.
+                        self._make_outputs(call, self._n_early, len(self._out_specs))
+                        self._results(call)
+                    except BaseException:
+                        self._sent(call, stream_ptr)  # the first graph reads this staging buffer
+                        raise
                 mark, results, uses, made = (
                     self._mark_ready,
                     call.results,
@@ -913,7 +979,8 @@ class CapturedPlan:
                 )
                 for k, j in self._early_results:
                     mark(results[k], made, _EarlyCopy(staging, j, uses).read)
-                self._graph_launch(execs[1], stream_ptr)
+                if two:
+                    self._graph_launch(execs[1], stream_ptr)
             self._sent(call, stream_ptr)
         except cap.StagingError:
             raise  # nothing was launched: the fixed buffers hold what they held

@@ -101,13 +101,19 @@ def test_an_mlp_step_captured_replays_the_eager_values_step_after_step(
     assert captures.captured(plan) and captures.replays == 4
 
 
+@pytest.mark.parametrize("one_graph", [True, False], ids=["event-inside-one-graph", "two-graphs"])
 def test_a_split_steps_later_outputs_keep_their_values_whether_held_for_steps_or_let_go_at_once(
-    backend: Any, captures: Captures
+    backend: Any, captures: Captures, one_graph: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A training step replays as two graphs; the second one's outputs (the parameters) are made
-    while the first runs, in arrays the replay takes again once nothing holds them. Fed back step
-    after step and held for none to four more steps (or to the end), each step's outputs are the
-    eager step's, and a held one is never overwritten by a later step."""
+    """A training step is cut after its loss: one graph records the loss's event between its two
+    parts (or, where the driver cannot, two graphs, the second one's outputs made while the first
+    runs). Its outputs (the parameters) are in arrays the replay takes again once nothing holds
+    them. Fed back step after step and held for none to four more steps (or to the end), each
+    step's outputs are the eager step's, and a held one is never overwritten by a later step."""
+    from emberlink.graph_replay.cuda_graph import capturer_for
+
+    if not one_graph:
+        monkeypatch.setattr(capturer_for(backend), "record_node", None)
     graph = mlp_step(batch=128, sizes=(784, 512, 10))
     inputs, bindings = mlp_inputs(graph)
     plan, eager_plan = compile_plan(graph), compile_plan(graph)
@@ -131,9 +137,8 @@ def test_a_split_steps_later_outputs_keep_their_values_whether_held_for_steps_or
         del outs_c, outs_e
     assert captures.captured(plan) and captures.replays == 14
     captured = captures._entries[id(plan)].captured
-    assert isinstance(captured, CapturedPlan) and captured.graphs == 2, (
-        "a training step splits after its loss"
-    )
+    assert isinstance(captured, CapturedPlan) and captured.split, "a training step splits after its loss"
+    assert captured.graphs == (1 if one_graph else 2)
     for step, outs, want in kept:
         for g, w in zip(_numpy(backend, outs), want, strict=True):
             assert_close(g, w, f"mlp step {step}, held to the end", loose=True)
