@@ -415,14 +415,14 @@ def _same_values(values: list[Scalar], bound: list[Scalar] | None) -> bool:
     return True
 
 
-def _same_bindings(given: list[Scalar], last: list[Scalar], types: list[type], floats: Sequence[int]) -> bool:
-    """Whether bindings as a call gives them are the last call's (`last`, of `types`): equal, of
-    the same types (1, 1.0 and True are equal), and a float zero of the same sign."""
+def _same_bindings(given: list[Scalar], last: list[Scalar], types: list[type], zeros: Sequence[int]) -> bool:
+    """Whether bindings as a call gives them are the last call's (`last`, of `types`, with a float
+    binding zero at `zeros`): equal, of the same types (1, 1.0 and True are equal), and each float
+    zero of the same sign (0.0 == -0.0)."""
     if given != last or list(map(type, given)) != types:
         return False
-    for j in floats:
-        v = given[j]
-        if v == 0 and math.copysign(1.0, v) != math.copysign(1.0, last[j]):
+    for j in zeros:
+        if math.copysign(1.0, given[j]) != math.copysign(1.0, last[j]):
             return False
     return True
 
@@ -455,6 +455,7 @@ class CapturedPlan:
         # The last call's bindings as given, their types, and as check_bindings gave them.
         self._given: list[Scalar] | None = None
         self._given_types: list[type] = []
+        self._given_zeros: list[int] = []
         self._checked: list[Scalar] = []
         self._float_bindings = tuple(j for j, kind in enumerate(graph.bindings) if kind == "float")
         # Outputs: node values get a copy-table row each (once, however often listed); inputs are
@@ -569,11 +570,12 @@ class CapturedPlan:
             check_inputs(self.plan, inputs)  # says which input does not match
         given = list(bindings)
         if self._given is not None and _same_bindings(
-            given, self._given, self._given_types, self._float_bindings
+            given, self._given, self._given_types, self._given_zeros
         ):
             return self._checked
         self._given = None
         values = check_bindings(self.plan, given)
+        self._given_zeros = [j for j in self._float_bindings if given[j] == 0]
         self._checked, self._given_types, self._given = values, list(map(type, given)), given
         return values
 

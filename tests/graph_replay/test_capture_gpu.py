@@ -267,6 +267,28 @@ def test_a_binding_equal_to_the_last_but_of_another_sign_or_object_reaches_a_rep
     assert captures.replays == 6
 
 
+def test_a_binding_equal_to_the_last_but_of_a_type_the_graph_refuses_fails_as_on_the_eager_path(
+    backend: Any, captures: Captures
+) -> None:
+    """A replay checks its bindings again unless they are the last call's, type included: True
+    equals 1, but an int binding given as a bool fails as the eager path fails it."""
+    graph = Graph((TensorSpec("float32", (8,)),), ("int",), (Node("add", (0, 1)),), (2,))
+    plan, eager = compile_plan(graph), compile_plan(graph)
+    x = backend.from_numpy(np.linspace(1, 2, 8, dtype=np.float32))
+    for _ in range(3):  # eager, capture, replay
+        captures.run(plan, [x], [1])
+    with pytest.raises(el.errors.ExecutionError, match="binding 0 must be a Python int") as eager_error:
+        backend.run(eager, [x], [True])
+    with pytest.raises(el.errors.ExecutionError) as replay_error:
+        captures.run(plan, [x], [True])
+    assert str(replay_error.value) == str(eager_error.value)
+    for value in (1, 2, 2):
+        (got,) = _numpy(backend, captures.run(plan, [x], [value]))
+        (want,) = _numpy(backend, backend.run(eager, [x], [value]))
+        np.testing.assert_array_equal(got, want, err_msg=f"binding {value}")
+    assert captures.captured(plan) and captures.replays == 4
+
+
 def test_host_and_device_inputs_reach_a_replay_whichever_kind_it_was_captured_with(
     backend: Any, captures: Captures
 ) -> None:
