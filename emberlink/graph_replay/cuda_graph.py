@@ -447,7 +447,6 @@ class CapturedPlan:
         self._h2d = runtime.memcpyHostToDevice
         self._new_array = xp.ndarray  # what cupy.empty calls, without its Python wrapper
         self._xp = xp
-        self._mark_ready = capturer.backend.mark_ready
         self._n_inputs = len(graph.inputs)
         self._input_specs = [(np.dtype(s.dtype), s.shape) for s in graph.inputs]  # (dtype, shape) each
         self._in_nbytes = [s.nbytes for s in graph.inputs]
@@ -974,7 +973,7 @@ class CapturedPlan:
                         self._sent(call, stream_ptr)  # the first graph reads this staging buffer
                         raise
                 mark, results, uses, made = (
-                    self._mark_ready,
+                    self._c.backend.mark_ready,
                     call.results,
                     staging.uses,
                     staging.made,

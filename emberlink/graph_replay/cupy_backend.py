@@ -272,8 +272,14 @@ class CupyBackend:
         # id(array) -> a weak reference to it with the event after which its value is final and
         # its host copy or None: arrays a captured replay made before the rest of its work
         # (`mark_ready`), each forgotten when it goes (by one bound method, made once).
-        self._ready: dict[int, _Marked] = {}
-        self._forget_ready: Callable[[_Marked], None] = self._forget
+        ready: dict[int, _Marked] = {}
+
+        def forget(ref: _Marked) -> None:  # (not a bound method: the backend would be in a cycle)
+            if ready.get(ref.key) is ref:
+                ready.pop(ref.key, None)
+
+        self._ready = ready
+        self._forget_ready: Callable[[_Marked], None] = forget
         self._side: Any = None
 
     # -- fusion -------------------------------------------------------------------------------------
@@ -354,11 +360,6 @@ class CupyBackend:
         ref = _Marked(a, self._forget_ready)
         ref.event, ref.host, ref.key = event, host, id(a)
         self._ready[ref.key] = ref
-
-    def _forget(self, ref: _Marked) -> None:
-        ready = self._ready
-        if ready.get(ref.key) is ref:
-            ready.pop(ref.key, None)
 
     def _ready_entry(self, a: Array) -> tuple[Any, HostRead | None] | None:
         """(the event after which `a` is final, its host copy or None), if a replay marked it."""
