@@ -249,7 +249,10 @@ def wrap_capture_stages() -> None:
         mark("w.checked")
         return out
 
-    setattr(cuda_graph, "check_bindings", check_bindings)  # noqa: B010
+    if hasattr(cuda_graph.CapturedPlan, "_check"):  # a call's checks of its inputs and bindings
+        wrap(cuda_graph.CapturedPlan, "_check", None, "w.checked")
+    else:
+        setattr(cuda_graph, "check_bindings", check_bindings)  # noqa: B010
     wrap(CupyBackend, "_side_stream", "w.made")
     early = getattr(cuda_graph, "_EarlyCopy", None)  # the early output's host copy, where there is one
     if early is not None:
@@ -534,6 +537,7 @@ def trace_local(gpu_step: Any, model: Any, data: Any, steps: int, nap: float) ->
             (cuda_graph.CapturedPlan, "replay"),
             (cuda_graph.CapturedPlan, "_stage"),
             (cuda_graph.CapturedPlan, "_send"),
+            *([(cuda_graph.CapturedPlan, "_check")] if hasattr(cuda_graph.CapturedPlan, "_check") else []),
             (CupyBackend, "_side_stream"),
             (CupyBackend, "to_numpy"),
             *([(cuda_graph._EarlyCopy, "read")] if hasattr(cuda_graph, "_EarlyCopy") else []),

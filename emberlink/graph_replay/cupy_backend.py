@@ -226,6 +226,16 @@ class _EarlyRead:
         return self._host is not None or bool(self._made.done)
 
 
+class _Marked(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to an array a replay made early (`mark_ready`), with its id, the event
+    after which its value is final and its host copy: one object a mark, no closure."""
+
+    __slots__ = ("event", "host", "key")
+    event: Any
+    host: HostRead | None
+    key: int
+
+
 class CupyBackend:
     """Runs plans on one CUDA GPU. Memory figures come from CuPy's default memory pool."""
 
@@ -259,9 +269,17 @@ class CupyBackend:
         self._oom: tuple[type[BaseException], ...] = (MemoryError, cupy.cuda.memory.OutOfMemoryError)
         self._variants: weakref.WeakKeyDictionary[Plan, Plan] = weakref.WeakKeyDictionary()
         self._kernels: dict[tuple[str, str, str], Any] = {}
-        # id(array) -> (weak reference to it, the event after which its value is final, its host
-        # copy or None): arrays a captured replay made before the rest of its work (`mark_ready`).
-        self._ready: dict[int, tuple[weakref.ref[Any], Any, HostRead | None]] = {}
+        # id(array) -> a weak reference to it with the event after which its value is final and
+        # its host copy or None: arrays a captured replay made before the rest of its work
+        # (`mark_ready`), each forgotten when it goes (by one bound method, made once).
+        ready: dict[int, _Marked] = {}
+
+        def forget(ref: _Marked) -> None:  # (not a bound method: the backend would be in a cycle)
+            if ready.get(ref.key) is ref:
+                ready.pop(ref.key, None)
+
+        self._ready = ready
+        self._forget_ready: Callable[[_Marked], None] = forget
         self._side: Any = None
 
     # -- fusion -------------------------------------------------------------------------------------
@@ -339,21 +357,16 @@ class CupyBackend:
         more work is queued after it: reads of `a` wait for that event only (cuda_graph.py's
         early outputs), then take `host()`, a copy its maker wrote to host memory, where given
         and still there. Forgotten when `a` goes."""
-        key, ready = id(a), self._ready
-
-        def forget(ref: weakref.ref[Any]) -> None:
-            entry = ready.get(key)
-            if entry is not None and entry[0] is ref:
-                del ready[key]
-
-        ready[key] = (weakref.ref(a, forget), event, host)
+        ref = _Marked(a, self._forget_ready)
+        ref.event, ref.host, ref.key = event, host, id(a)
+        self._ready[ref.key] = ref
 
     def _ready_entry(self, a: Array) -> tuple[Any, HostRead | None] | None:
         """(the event after which `a` is final, its host copy or None), if a replay marked it."""
         entry = self._ready.get(id(a))
-        if entry is None or entry[0]() is not a:
+        if entry is None or entry() is not a:
             return None
-        return entry[1], entry[2]
+        return entry.event, entry.host
 
     def _side_stream(self) -> Any:
         """The stream early reads copy on, beside the work still queued on the current one."""

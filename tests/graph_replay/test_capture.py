@@ -481,38 +481,38 @@ def _fake_xp(answer: int) -> Any:
 
 
 def test_pinned_input_is_known_from_its_owner_without_asking_the_driver() -> None:
-    from emberlink.graph_replay.cuda_graph import _pinned
+    from emberlink.graph_replay.cuda_graph import MAPPED, _pinned
 
     xp = _fake_xp(answer=0)  # the driver would say "not pinned": it must not be asked
     buffer = np.frombuffer(_FakePinned(4096), np.uint8, 4000)  # CupyBackend.host_buffer's shape
     upload = buffer.view(np.float32).reshape(10, 100)  # session._upload_array
     inline = np.frombuffer(buffer.data[64:464], np.float32)  # a view of a pinned plaintext
-    assert _pinned(xp, upload)
-    assert _pinned(xp, inline)
-    assert _pinned(xp, inline[::2])
+    assert _pinned(xp, upload) == MAPPED
+    assert _pinned(xp, inline) == MAPPED
+    assert _pinned(xp, inline[::2]) == MAPPED
     assert xp.cuda.runtime.asked == 0
 
 
 def test_numpy_or_python_memory_is_pageable_without_asking_the_driver() -> None:
-    from emberlink.graph_replay.cuda_graph import _pinned
+    from emberlink.graph_replay.cuda_graph import PAGEABLE, _pinned
 
     xp = _fake_xp(answer=1)  # the driver would say "pinned": it must not be asked
-    assert not _pinned(xp, np.zeros((4, 4), np.float32))
-    assert not _pinned(xp, np.zeros((4, 4), np.float32)[1:])
-    assert not _pinned(xp, np.frombuffer(bytes(64), np.float32))
-    assert not _pinned(xp, np.frombuffer(memoryview(bytearray(64))[8:], np.float32))
+    assert _pinned(xp, np.zeros((4, 4), np.float32)) == PAGEABLE
+    assert _pinned(xp, np.zeros((4, 4), np.float32)[1:]) == PAGEABLE
+    assert _pinned(xp, np.frombuffer(bytes(64), np.float32)) == PAGEABLE
+    assert _pinned(xp, np.frombuffer(memoryview(bytearray(64))[8:], np.float32)) == PAGEABLE
     assert xp.cuda.runtime.asked == 0
 
 
-def test_memory_of_an_unknown_owner_is_what_the_driver_says() -> None:
+def test_memory_of_an_unknown_owner_is_what_the_driver_says_and_is_copied_by_the_dma_engine() -> None:
     import mmap
 
-    from emberlink.graph_replay.cuda_graph import _pinned
+    from emberlink.graph_replay.cuda_graph import LOCKED, PAGEABLE, _pinned
 
-    for answer, pinned in ((1, True), (0, False)):
+    for answer, kind in ((1, LOCKED), (0, PAGEABLE)):  # cudaMemoryTypeHost, cudaMemoryTypeUnregistered
         xp = _fake_xp(answer)
         with mmap.mmap(-1, 64) as region:
             a = np.frombuffer(region, np.float32)
-            assert _pinned(xp, a) is pinned
+            assert _pinned(xp, a) == kind
             del a
         assert xp.cuda.runtime.asked == 1

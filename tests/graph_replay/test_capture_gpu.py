@@ -101,13 +101,19 @@ def test_an_mlp_step_captured_replays_the_eager_values_step_after_step(
     assert captures.captured(plan) and captures.replays == 4
 
 
+@pytest.mark.parametrize("one_graph", [True, False], ids=["event-inside-one-graph", "two-graphs"])
 def test_a_split_steps_later_outputs_keep_their_values_whether_held_for_steps_or_let_go_at_once(
-    backend: Any, captures: Captures
+    backend: Any, captures: Captures, one_graph: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A training step replays as two graphs; the second one's outputs (the parameters) are made
-    while the first runs, in arrays the replay takes again once nothing holds them. Fed back step
-    after step and held for none to four more steps (or to the end), each step's outputs are the
-    eager step's, and a held one is never overwritten by a later step."""
+    """A training step is cut after its loss: one graph records the loss's event between its two
+    parts (or, where the driver cannot, two graphs, the second one's outputs made while the first
+    runs). Its outputs (the parameters) are in arrays the replay takes again once nothing holds
+    them. Fed back step after step and held for none to four more steps (or to the end), each
+    step's outputs are the eager step's, and a held one is never overwritten by a later step."""
+    from emberlink.graph_replay.cuda_graph import capturer_for
+
+    if not one_graph:
+        monkeypatch.setattr(capturer_for(backend), "record_node", None)
     graph = mlp_step(batch=128, sizes=(784, 512, 10))
     inputs, bindings = mlp_inputs(graph)
     plan, eager_plan = compile_plan(graph), compile_plan(graph)
@@ -131,9 +137,8 @@ def test_a_split_steps_later_outputs_keep_their_values_whether_held_for_steps_or
         del outs_c, outs_e
     assert captures.captured(plan) and captures.replays == 14
     captured = captures._entries[id(plan)].captured
-    assert isinstance(captured, CapturedPlan) and captured.graphs == 2, (
-        "a training step splits after its loss"
-    )
+    assert isinstance(captured, CapturedPlan) and captured.split, "a training step splits after its loss"
+    assert captured.graphs == (1 if one_graph else 2)
     for step, outs, want in kept:
         for g, w in zip(_numpy(backend, outs), want, strict=True):
             assert_close(g, w, f"mlp step {step}, held to the end", loose=True)
@@ -262,6 +267,28 @@ def test_a_binding_equal_to_the_last_but_of_another_sign_or_object_reaches_a_rep
     assert captures.replays == 6
 
 
+def test_a_binding_equal_to_the_last_but_of_a_type_the_graph_refuses_fails_as_on_the_eager_path(
+    backend: Any, captures: Captures
+) -> None:
+    """A replay checks its bindings again unless they are the last call's, type included: True
+    equals 1, but an int binding given as a bool fails as the eager path fails it."""
+    graph = Graph((TensorSpec("float32", (8,)),), ("int",), (Node("add", (0, 1)),), (2,))
+    plan, eager = compile_plan(graph), compile_plan(graph)
+    x = backend.from_numpy(np.linspace(1, 2, 8, dtype=np.float32))
+    for _ in range(3):  # eager, capture, replay
+        captures.run(plan, [x], [1])
+    with pytest.raises(el.errors.ExecutionError, match="binding 0 must be a Python int") as eager_error:
+        backend.run(eager, [x], [True])
+    with pytest.raises(el.errors.ExecutionError) as replay_error:
+        captures.run(plan, [x], [True])
+    assert str(replay_error.value) == str(eager_error.value)
+    for value in (1, 2, 2):
+        (got,) = _numpy(backend, captures.run(plan, [x], [value]))
+        (want,) = _numpy(backend, backend.run(eager, [x], [value]))
+        np.testing.assert_array_equal(got, want, err_msg=f"binding {value}")
+    assert captures.captured(plan) and captures.replays == 4
+
+
 def test_host_and_device_inputs_reach_a_replay_whichever_kind_it_was_captured_with(
     backend: Any, captures: Captures
 ) -> None:
@@ -362,7 +389,7 @@ def test_a_large_batch_on_a_cuda_device_is_staged_in_page_locked_memory() -> Non
     w = rng.standard_normal((128, 4)).astype(np.float32)
     with el.Device.cuda(0) as dev:
         weight = dev.tensor(w)
-        for k in range(4):  # eager, capture, replays: each batch copied by the graph's DMA
+        for k in range(4):  # eager, capture, replays: each batch read by the graph where it lies
             batch = data * np.float32(k + 1)
             x = dev.tensor(batch)
             stored = dev._executor._store[x._v.buf]  # type: ignore[attr-defined]
@@ -401,7 +428,7 @@ def test_pinned_host_inputs_and_back_to_back_replays_give_the_eager_values(
     backend: Any, captures: Captures
 ) -> None:
     """Calls staged while earlier launches still run (no read in between), with the batch in
-    pinned memory (copied by the DMA engine where it lies) or in ordinary memory."""
+    pinned memory (read by the graph where it lies) or in ordinary memory."""
     cupyx = pytest.importorskip("cupyx")
 
     graph = Graph(
@@ -427,6 +454,55 @@ def test_pinned_host_inputs_and_back_to_back_replays_give_the_eager_values(
     for k, (out, want) in enumerate(zip(_numpy(backend, outs), wants, strict=True)):
         np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6, err_msg=f"call {k}")  # float32 rounding
     assert captures.captured(plan) and captures.replays == 6
+
+
+def test_host_inputs_of_every_kind_and_size_reach_a_replay_and_stay_alive_until_it_has_run(
+    backend: Any, captures: Captures
+) -> None:
+    """A host input in page-locked memory is read where it lies by the graph (up to
+    ZERO_COPY_BYTES, at any address, as an inline upload starts where its message's bytes end) or
+    copied by the DMA engine (larger); one in ordinary memory goes through its staging region, the
+    same two ways. Calls are staged back to back, their inputs let go at once: each keeps its
+    values until its launch has read them. For plans captured with host inputs and with device
+    inputs alike."""
+    import cupy
+
+    from emberlink.graph_replay.cuda_graph import ZERO_COPY_BYTES
+
+    big_n, small_n = ZERO_COPY_BYTES // 4 + 1000, 301  # 1204 bytes: 75 16-byte words and 4 more
+    nodes = (Node("multiply", (0, 2)), Node("multiply", (1, 2)))
+    graph = Graph(
+        (TensorSpec("float32", (big_n,)), TensorSpec("float32", (small_n,))), ("float",), nodes, (3, 4)
+    )
+    rng = np.random.default_rng(21)
+
+    def given(a: np.ndarray, kind: str) -> Any:
+        if kind == "device":
+            return backend.from_numpy(a)
+        if kind == "pageable":
+            return a.copy()
+        offset = {"pinned": 0, "odd": 3, "unaligned": 8}[kind]
+        memory = cupy.cuda.alloc_pinned_memory(a.nbytes + 16)
+        pinned = np.frombuffer(memory, np.uint8, a.nbytes + 16)[offset : offset + a.nbytes].view(a.dtype)
+        pinned[...] = a
+        return pinned
+
+    kinds = ["pinned", "odd", "unaligned", "pageable", "device"]
+    for first in ("pageable", "device"):
+        plan = compile_plan(graph)
+        outs, wants = [], []
+        for k in range(14):  # eager, capture, 12 replays with pairs of kinds
+            big = rng.standard_normal(big_n).astype(np.float32)
+            small = rng.standard_normal(small_n).astype(np.float32)
+            kind_big, kind_small = (first, first) if k < 2 else (kinds[k % 5], kinds[(k + k // 5) % 5])
+            factor = 0.5 + k
+            outs.append(captures.run(plan, [given(big, kind_big), given(small, kind_small)], [factor]))
+            wants.append([big * np.float32(factor), small * np.float32(factor)])
+        for k, (out, want) in enumerate(zip(outs, wants, strict=True)):
+            for g, w in zip(_numpy(backend, out), want, strict=True):
+                np.testing.assert_array_equal(g, w, err_msg=f"captured from {first}, call {k}")
+        assert captures.captured(plan)
+    assert captures.replays == 24
 
 
 def test_random_ops_give_the_eager_values_for_each_new_seed(backend: Any, captures: Captures) -> None:
