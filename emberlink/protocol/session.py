@@ -841,6 +841,11 @@ class WorkerConnection(Generic[K]):
         if predicted is not None and (last is None or last.messages is not predicted[2]):
             self._expected = _Expected.of(predicted, last)
 
+    @property
+    def unacked_bytes(self) -> int:
+        """Upload bytes of batches received and not yet acked in a reply sealed."""
+        return self._held
+
     def discard_partial(self) -> None:
         """Forget a batch whose bulk bytes were still arriving (the client sends it again)."""
         self._targets.clear()

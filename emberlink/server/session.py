@@ -63,6 +63,7 @@ from emberlink.protocol.channel import BULK, Channel, split_frames
 from emberlink.protocol.dtypes import ITEMSIZE
 from emberlink.protocol.handshake import WorkerHandshake
 from emberlink.protocol.identity import AllowPolicy, Identity
+from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 from emberlink.protocol.resume import is_token
 from emberlink.protocol.session import MAX_KEPT_REPLIES, BatchArrived, BulkComplete, WorkerConnection
 from emberlink.server.detached import Attach, Resumable, ResumeRegistry
@@ -92,6 +93,9 @@ MAX_HOST_BUFFER_BYTES = 64 << 20
 HANDSHAKE_TIMEOUT = 10.0
 FINAL_SEND_TIMEOUT = 5.0
 YIELD_SECONDS = 0.001
+
+ACK_DELAY = 0.001
+"""Longest an ack alone waits for a reply to ride on (`Session._defer_ack`), in seconds."""
 """The loop yields to other sessions once a session's receiving or sending has run this long
 without yielding (checked between frames and between blobs)."""
 
@@ -182,6 +186,8 @@ class Session:
         self._backlog = 0  # batches received whole and not yet applied (compiling, queued, running)
         self._sending_since: float | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._deferred_ack = 0  # the last ack `_defer_ack` held back (sent once a reply covers it)
+        self._ack_timer: asyncio.TimerHandle | None = None
         # The protocol's state (protocol/session.py), from the handshake on.
         self._conn: WorkerConnection[Outgoing] | None = None
         # The batch whose bulk is still arriving, and where each of its uploads' bytes go.
@@ -535,6 +541,9 @@ class Session:
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+        if self._ack_timer is not None:
+            self._ack_timer.cancel()
+            self._ack_timer = None
         if self._receiver is not None:
             self._receiver.cancel()
         self._receiver = None
@@ -959,7 +968,9 @@ class Session:
             pass  # the loop is gone: the whole worker is stopping
 
     def _finished(self, out: Outgoing | None) -> None:
-        """On the loop: a batch is applied (or discarded); its reply, if any, goes out."""
+        """On the loop: a batch is applied (or discarded); its reply, if any, goes out, or, when it
+        would say nothing but its ack and the client's window is far from full, rides on the next
+        reply (`_defer_ack`)."""
         self._backlog -= 1
         if self._reader_waits:
             self._readable.set()
@@ -968,6 +979,40 @@ class Session:
         if self.state is State.CLOSED or self._conn is None:
             out.release()
             return
+        if not out.messages and out.close is None and self._defer_ack(out.ack):
+            return
+        self._post(out)
+
+    def _defer_ack(self, ack: int) -> bool:
+        """Whether the reply to batch `ack`, an ack alone, may wait for the next reply (acks are
+        cumulative) or ACK_DELAY, whichever comes first. A batch of uploads only (a DataLoader's
+        next batch, sent while the step before runs) was answered at once: a sealed frame the
+        worker wrote and the client's I/O thread woke for, every step, between one step's reply and
+        the next step's batch. Not while the client's window is a quarter used (so an honest
+        client never waits on a deferred ack), nor on a link that is not open."""
+        conn = self._conn
+        assert conn is not None
+        if (
+            self.state is not State.OPEN
+            or ack - conn.acked > MAX_UNACKED_BATCHES // 4
+            or conn.unacked_bytes > MAX_UNACKED_BYTES // 4
+        ):
+            return False
+        self._deferred_ack = ack
+        if self._ack_timer is None:
+            self._ack_timer = self._loop.call_later(ACK_DELAY, self._send_deferred_ack)
+        return True
+
+    def _send_deferred_ack(self) -> None:
+        """ACK_DELAY after an ack was deferred: send it if no reply has carried it meanwhile."""
+        self._ack_timer = None
+        conn = self._conn
+        if self.state is State.OPEN and conn is not None and self._deferred_ack > conn.acked:
+            self._post(Outgoing(self._deferred_ack))
+
+    def _post(self, out: Outgoing) -> None:
+        """Queue a reply (or write it at once when the sender is idle and it is small)."""
+        assert self._conn is not None
         self._conn.replies.keep(out)
         if self.state is not State.DETACHED:  # detached: it goes out from the reply log on the next link
             self._outbox.append(out)

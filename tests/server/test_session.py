@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -387,3 +388,66 @@ def test_an_empty_result_before_another_in_one_reply_leaves_each_its_own_bytes(
     got_empty, got_x = run(worker, go())
     assert got_empty.shape == (0, 3)
     np.testing.assert_array_equal(got_x, X)
+
+
+def test_an_ack_alone_rides_on_the_next_reply(
+    worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of uploads only (a DataLoader's next batch) is not answered by a reply of its own
+    when the next batch's reply follows: one frame less each way a step."""
+    from emberlink.server import session as worker_session
+
+    monkeypatch.setattr(worker_session, "ACK_DELAY", 60.0)  # only the next reply can carry it
+
+    async def go() -> list[m.Reply]:
+        c = await WireClient.connect(worker)
+        await c.send(1, [upload(1, X)], [X])
+        (session,) = worker.worker.sessions
+        while session.applied < 1:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)  # time enough for a reply of its own to go out (none should)
+        await c.send(2, [m.Read(1, 1)])
+        reply, arrays = await c.reply()
+        await c.close()
+        np.testing.assert_array_equal(arrays[0], X)
+        return [reply]
+
+    (reply,) = run(worker, go())
+    assert reply.ack == 2 and [type(x) for x in reply.messages] == [m.Result]
+
+
+def test_an_ack_alone_is_sent_when_no_reply_follows(worker: InProcessWorker) -> None:
+    """A client that uploads and then waits for its acks (for window space, or to let go of what
+    it keeps for a resume) gets them without sending anything else."""
+
+    async def go() -> int:
+        c = await WireClient.connect(worker)
+        await c.send(1, [upload(1, X)], [X])
+        reply, _ = await c.reply()
+        await c.close()
+        return reply.ack
+
+    assert run(worker, go()) == 1
+
+
+def test_acks_are_not_held_back_once_a_quarter_of_the_window_is_used(
+    worker: InProcessWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An honest client never stalls on a deferred ack: past a quarter of its window of unacked
+    batches the worker acks at once, whatever the delay."""
+    from emberlink.protocol.limits import MAX_UNACKED_BATCHES
+    from emberlink.server import session as worker_session
+
+    monkeypatch.setattr(worker_session, "ACK_DELAY", 60.0)
+    n = MAX_UNACKED_BATCHES // 4 + 2
+
+    async def go() -> int:
+        c = await WireClient.connect(worker)
+        for seq in range(1, n + 1):
+            await c.send(seq, [upload(seq, X)], [X])
+        reply, _ = await c.reply()
+        await c.close()
+        return reply.ack
+
+    ack = run(worker, go())
+    assert 1 <= ack <= n
