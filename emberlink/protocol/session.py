@@ -105,6 +105,18 @@ _PREDICTABLE = (m.Result, m.Done)
 _ANSWERED = {m.Read: m.Result, m.Sync: m.Done}
 
 
+@dataclass(frozen=True, slots=True)
+class _ExpectedReply:
+    """A reply foreseen (`ClientConnection.predict`): its msgpack bytes, the Reply they decode to,
+    the inline bytes that follow them, and, when it holds only inline Results, where each
+    Result's bytes go (`(rid, value, view)` from the target, asked ahead), else None."""
+
+    data: bytes
+    reply: m.Reply
+    tail: int
+    targets: tuple[tuple[int, Any, memoryview | None], ...] | None
+
+
 def _expected_reply(
     last: m.Reply | None, seq: int, sent: tuple[m.ClientMessage, ...] | None, unacked: int
 ) -> tuple[bytes, m.Reply] | None:
@@ -369,7 +381,7 @@ class ClientConnection:
         # next one is likely to be (that one with the last batch's ack and request ids) with its
         # msgpack bytes (`predict`).
         self._last_reply: m.Reply | None = None
-        self._expected: tuple[bytes, m.Reply] | None = None
+        self._expected: _ExpectedReply | None = None
         self._results: deque[_Arriving] = deque()
         self._received = 0  # the last Reply ack taken in whole
         self._receiving = 0  # the ack of the reply whose result bytes are still arriving
@@ -528,7 +540,23 @@ class ClientConnection:
             self._foreseen = _foresee(
                 predicted, self._template, self._next_seq, self._sent_seq, self.chunk_size
             )
-        self._expected = _expected_reply(self._last_reply, self._sent_seq, self._template, len(self._unacked))
+        expected = _expected_reply(self._last_reply, self._sent_seq, self._template, len(self._unacked))
+        self._expected = None if expected is None else self._expecting(*expected)
+
+    def _expecting(self, data: bytes, reply: m.Reply) -> _ExpectedReply:
+        """The foreseen `reply`, with its Results' targets asked for now when all are inline: the
+        jitted tiny step's loss then costs the thread that takes it a copy (its target, its
+        decoding and its checks are done here, while the worker works)."""
+        tail = 0
+        targets: list[tuple[int, Any, memoryview | None]] | None = []
+        for msg in reply.messages:
+            if type(msg) is m.Result and msg.inline:
+                tail += msg.nbytes
+                if targets is not None:
+                    targets.append((msg.rid, *self._target(msg)))
+            else:
+                targets = None
+        return _ExpectedReply(data, reply, tail, None if targets is None else tuple(targets))
 
     def receive(self, blob: m.BytesLike) -> list[ClientEvent]:
         """Take in one blob of the worker's frames; what happened, in order."""
@@ -547,19 +575,34 @@ class ClientConnection:
         if kind is not MESSAGE:
             raise ProtocolError(f"expected a MESSAGE frame, got {kind.name}")
         expected = self._expected
-        if expected is not None and plaintext.startswith(expected[0]):
+        if expected is not None and plaintext.startswith(expected.data):
             # msgpack is self-delimiting: these bytes decode to exactly that reply
-            reply, start = expected[1], len(expected[0])
+            reply, start = expected.reply, len(expected.data)
+            if len(plaintext) - start != expected.tail:
+                m.check_reply_tail(reply, len(plaintext) - start)  # (raises, saying why)
         else:
             reply, start = m.decode_reply_prefix(plaintext)
-        m.check_reply_tail(reply, len(plaintext) - start)
+            m.check_reply_tail(reply, len(plaintext) - start)
         return reply, plaintext, start
 
     def _on_reply(self, frame: memoryview, events: list[ClientEvent]) -> None:
         if self._results:
             raise ProtocolError("worker sent a reply before the bytes of its previous result")
         reply, plaintext, start = self.open_reply(frame)
-        self._expected = None
+        expected, self._expected = self._expected, None
+        if expected is not None and reply is expected.reply and expected.targets is not None:
+            # the reply foreseen, all inline Results (so predictable again): their bytes copied
+            self._last_reply = reply
+            self._acknowledge(reply.ack, events)
+            data = memoryview(plaintext)
+            for (rid, value, view), msg in zip(expected.targets, reply.messages, strict=True):
+                nbytes = msg.nbytes  # type: ignore[union-attr]
+                if view is not None:
+                    view[:] = data[start : start + nbytes]
+                    events.append(ResultArrived(rid, value))
+                start += nbytes
+            self._received = max(self._received, reply.ack)
+            return
         self._last_reply = reply if all(type(x) in _PREDICTABLE for x in reply.messages) else None
         self._acknowledge(reply.ack, events)
         for msg in reply.messages:

@@ -604,3 +604,19 @@ def test_a_batch_foreseen_by_the_client_goes_on_the_wire_as_the_one_worked_out_a
     # follows a batch that was no Repeat; seqs 9 and 10 go before the replies to 8 and 9 are in
     # (another `received` than foreseen)
     assert used == [4, 7, 8, 11]
+
+
+@pytest.mark.parametrize("extra", [b"", b"\x00", b"\x00" * 5], ids=["one short", "one over", "five over"])
+def test_a_foreseen_reply_with_other_inline_bytes_than_its_results_is_refused(extra: bytes) -> None:
+    pair = Pair()
+    for k in range(3):  # a step's loss: the third reply is foreseen
+        submit_roundtrip(pair, k + 1, k + 1, np.full(4, k, np.float32))
+        pair.run()
+    submit_roundtrip(pair, 4, 4, np.full(4, 3, np.float32))
+    pair.send_all()
+    reply = m.encode_reply(m.Reply(4, (m.Result(4, "float32", (4,), 16, True),)))
+    body = np.full(4, 3, np.float32).tobytes()
+    tail = body[:-1] if not extra else body + extra  # one byte short, or some over
+    frame = pair.worker.conn.channel.seal(reply + tail)  # (the worker's, with the reply bytes foreseen)
+    with pytest.raises(ProtocolError, match="inline bytes"):
+        pair.client.receive(frame)
