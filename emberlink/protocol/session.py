@@ -471,6 +471,7 @@ class ClientConnection:
             and fast.template is template
             and fast.received == self._received
             and fast.chunk_size == self.chunk_size
+            and self.templates
             and not resent
             and m.same_messages(fast.raw, tuple(batch.messages))
         ):
