@@ -553,3 +553,70 @@ def test_a_reply_foreseen_by_the_client_is_taken_without_decoding_and_a_differen
     pair.run()
     assert pair.waiter.answers[100] == [None]
     assert [r.ack for r in decoded] == [1, 5, 8, 9]
+
+
+def test_a_batch_foreseen_by_the_client_goes_on_the_wire_as_the_one_worked_out_afresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`predict` works the next batch out ahead (layout, Repeat, encoded head); the batch that
+    comes is sent from it only when it is that batch, and either way in exactly the bytes the
+    connection would work out for it when it arrives."""
+    used: list[int] = []  # the seqs sent as foreseen
+    plan = s.ClientConnection._plan
+
+    def planned(self: s.ClientConnection, batch: s.OutBatch, resent: bool) -> Any:
+        out = plan(self, batch, resent)
+        fast = self._foreseen
+        if fast is not None and out[-1] is fast.head:
+            used.append(batch.seq)
+        return out
+
+    monkeypatch.setattr(s.ClientConnection, "_plan", planned)
+    seeing, blind = Pair(), Pair()
+    pairs = (seeing, blind)
+    # steps: (elements uploaded, whether the reply is taken in before the next batch is made)
+    steps = [(4, True)] * 4 + [(8, True)] * 3 + [(8, False)] * 2 + [(8, True)] * 2
+    for k, (n, answered) in enumerate(steps):
+        x = np.arange(n, dtype=np.float32) + k
+        tid = 10 + 2 * k
+        messages: list[m.ClientMessage] = [upload(tid, x), m.Execute(GID, (tid,), (0.5,), tid + 1)]
+        if k == 0:
+            messages.insert(0, m.Register(GID, b"body"))
+        else:
+            messages.append(m.Drop((tid - 2, tid - 1)))
+        for pair in pairs:
+            pair.graph_bodies[GID] = b"body"
+            pair.waiter.wanted.add(k + 1)
+            pair.client.submit([*messages, m.Read(k + 1, tid + 1)], [x], x.nbytes)
+            pair.send_all()
+            if pair is blind:
+                pair.client._foreseen = None  # never foreseen: worked out afresh each time
+        assert [bytes(b) for b in seeing.wire_up] == [bytes(b) for b in blind.wire_up]
+        if answered:
+            for pair in pairs:
+                pair.run()
+    for pair in pairs:
+        pair.run()
+        for k, (n, _) in enumerate(steps):
+            (got,) = pair.waiter.answers[k + 1]
+            np.testing.assert_array_equal(got, np.arange(n, dtype=np.float32) + k)
+    # seq 3 is the first Repeat, so seq 4 the first foreseen; seq 5 uploads another size, seq 6
+    # follows a batch that was no Repeat; seqs 9 and 10 go before the replies to 8 and 9 are in
+    # (another `received` than foreseen)
+    assert used == [4, 7, 8, 11]
+
+
+@pytest.mark.parametrize("extra", [b"", b"\x00", b"\x00" * 5], ids=["one short", "one over", "five over"])
+def test_a_foreseen_reply_with_other_inline_bytes_than_its_results_is_refused(extra: bytes) -> None:
+    pair = Pair()
+    for k in range(3):  # a step's loss: the third reply is foreseen
+        submit_roundtrip(pair, k + 1, k + 1, np.full(4, k, np.float32))
+        pair.run()
+    submit_roundtrip(pair, 4, 4, np.full(4, 3, np.float32))
+    pair.send_all()
+    reply = m.encode_reply(m.Reply(4, (m.Result(4, "float32", (4,), 16, True),)))
+    body = np.full(4, 3, np.float32).tobytes()
+    tail = body[:-1] if not extra else body + extra  # one byte short, or some over
+    frame = pair.worker.conn.channel.seal(reply + tail)  # (the worker's, with the reply bytes foreseen)
+    with pytest.raises(ProtocolError, match="inline bytes"):
+        pair.client.receive(frame)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from emberlink.errors import TransportError, TransportTimeout
+from emberlink.errors import ConfigError, TransportError, TransportTimeout
 from emberlink.transport import tcp
 from emberlink.transport.base import MAX_BLOB, Handler, Link
 
@@ -677,3 +677,83 @@ async def test_what_an_owner_cannot_write_at_once_goes_from_the_loop_first_and_i
 async def until(done: Callable[[], bool]) -> None:
     while not done():
         await asyncio.sleep(0.01)
+
+
+async def next_blob(reader: asyncio.StreamReader) -> bytes:
+    """The next blob a raw peer reads, heartbeats skipped."""
+    while (n := int.from_bytes(await reader.readexactly(4), "big")) == 0xFFFF_FFFF:
+        pass
+    return await reader.readexactly(n)
+
+
+async def test_an_owner_polls_without_sleeping_only_while_answers_come_within_the_spin_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(tcp.SPIN_ENV, "100000")  # 100 ms
+    delays = [0.002, 0.5, 0.002, 0.002]  # seconds the peer takes to answer each request
+    yields: list[int] = []  # sched_yield calls during each round trip (polls without sleeping)
+    count = [0]
+    sched_yield = os.sched_yield
+
+    def counted() -> None:
+        count[0] += 1
+        sched_yield()
+
+    monkeypatch.setattr(tcp.os, "sched_yield", counted)
+
+    async def slow_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answer_once(reader, writer)
+        for delay in delays:
+            blob = await next_blob(reader)
+            await asyncio.sleep(delay)
+            writer.write(len(blob).to_bytes(4, "big") + blob)
+
+    def round_trips() -> list[list[bytes]]:
+        out = []
+        for k in range(len(delays)):
+            count[0] = 0
+            out.append(owner_round_trip(link, b"step %d" % k))
+            yields.append(count[0])
+        return out
+
+    async with RawPeer(slow_echo) as port:
+        link = await tcp.connect("127.0.0.1", port)
+        await parked(link, [])
+        got = await within(20, asyncio.to_thread(round_trips))
+        assert got == [[b"step %d" % k] for k in range(len(delays))]
+        await link.close()
+    # the first answer comes within the spin time; the second does not (spun, then slept), so the
+    # third wait sleeps at once; it was short, so the fourth spins again
+    assert yields[0] > 0 and yields[1] > 0 and yields[2] == 0 and yields[3] > 0
+
+
+async def test_an_owner_never_polls_without_sleeping_when_the_spin_time_is_zero(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(tcp.SPIN_ENV, "0")
+    yields: list[None] = []
+    monkeypatch.setattr(tcp.os, "sched_yield", lambda: yields.append(None))
+
+    async def late_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answer_once(reader, writer)
+        for _ in range(3):
+            blob = await next_blob(reader)
+            await asyncio.sleep(0.002)
+            writer.write(len(blob).to_bytes(4, "big") + blob)
+
+    async with RawPeer(late_echo) as port:
+        link = await tcp.connect("127.0.0.1", port)
+        await parked(link, [])
+        for k in range(3):
+            assert await within(10, asyncio.to_thread(owner_round_trip, link, b"%d" % k)) == [b"%d" % k]
+        await link.close()
+    assert yields == []
+
+
+@pytest.mark.parametrize("text", ["fast", "-1", "2000000"])
+def test_a_spin_setting_that_is_not_a_number_of_microseconds_in_range_is_refused(
+    monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    monkeypatch.setenv(tcp.SPIN_ENV, text)
+    with pytest.raises(ConfigError, match=tcp.SPIN_ENV):
+        tcp.spin_setting()
