@@ -771,6 +771,14 @@ def encode_reply_inline(ack: int, messages: tuple[WorkerMessage, ...], inline: I
 _RESULT_INLINE = int(Tag.RESULT_INLINE)
 
 
+def encode_result_inline(ack: int, result: Result) -> bytes:
+    """`encode_reply_inline(ack, (result,), [0])`: a reply of one Result sent inline (a step's read
+    of its loss), its wire array made here rather than through the generic writers."""
+    return _pack(
+        [ack, [[_RESULT_INLINE, result.rid, _write_dtype(result.dtype), result.shape, result.nbytes]]]
+    )
+
+
 # -- decoding ---------------------------------------------------------------------------------
 
 MessageReader = Callable[[list[Any], _Budget], Any]
@@ -960,32 +968,67 @@ def decode_repeat(data: BytesLike, repeat: Repeat) -> tuple[int, int] | None:
     """`(seq, received)` of the batch that is the whole of `data` when it is exactly `repeat` (one
     Repeat without bindings, patched or not) and valid; None for anything else, which `decode_batch_prefix` then
     decodes in full (it accepts every batch this accepts, as the same batch). A replayed step's
-    batch, expected ahead, is checked at the cost of one small unpack, without building messages
-    or raising ExtraData to find its end."""
+    batch, expected ahead, is checked by comparing its bytes with the Repeat's encoding, without
+    unpacking it or building messages: `[seq, [repeat], received]` is the array header, the seq,
+    those bytes, and the received (absent when 0) as msgpack unsigned ints, nothing after them."""
     if repeat.bindings is not None or len(data) > _FIRST_FEED:
         return None
-    try:
-        envelope = msgpack.unpackb(data, **_SMALL)
-    except _UNPACK_ERRORS:
+    middle = _repeat_middle(repeat)
+    n = len(data)
+    if n < 2 + len(middle):
         return None
-    # Equal to the Repeat's wire array, then exact types: a bool equals an int in Python.
-    want: list[Any] = [Tag.REPEAT, repeat.id_shift, repeat.rid_shift]
+    head = data[0]
+    if head != 0x92 and head != 0x93:
+        return None
+    found = _uint_at(data, 1)
+    if found is None:
+        return None
+    seq, at = found
+    end = at + len(middle)
+    if data[at:end] != middle or not 1 <= seq <= MAX_ID:
+        return None
+    if head == 0x92:
+        return (seq, 0) if end == n else None
+    found = _uint_at(data, end)  # received: 0 is sent absent
+    if found is None or found[1] != n or not 1 <= found[0] <= MAX_ID:
+        return None
+    return seq, found[0]
+
+
+_UINT_SIZES = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+"""The msgpack unsigned int formats (beyond a positive fixint): the first byte, then this many
+big-endian bytes."""
+
+
+def _uint_at(data: BytesLike, at: int) -> tuple[int, int] | None:
+    """The msgpack unsigned int at `at` in data and where it ends; None if none is there whole."""
+    if at >= len(data):
+        return None
+    first = data[at]
+    if first < 0x80:
+        return first, at + 1
+    size = _UINT_SIZES.get(first)
+    if size is None or at + 1 + size > len(data):
+        return None
+    return int.from_bytes(data[at + 1 : at + 1 + size], "big"), at + 1 + size
+
+
+_last_middle: tuple[Repeat | None, bytes] = (None, b"")
+
+
+def _repeat_middle(repeat: Repeat) -> bytes:
+    """The bytes of `[repeat]` (a batch's messages) as the client encodes them, for `decode_repeat`;
+    the last one is kept (a replayed step expects the same Repeat object every step)."""
+    global _last_middle
+    last = _last_middle  # (one read: another thread may replace it meanwhile)
+    if last[0] is repeat:
+        return last[1]
+    wire: list[Any] = [int(Tag.REPEAT), repeat.id_shift, repeat.rid_shift]
     if repeat.patches is not None:
-        want += [None, _write_patches(repeat.patches)]
-    if type(envelope) is not list or envelope[1:2] != [[want]]:
-        return None
-    wire = envelope[1][0]
-    if type(wire[0]) is not int or type(wire[1]) is not int or type(wire[2]) is not int:
-        return None
-    if repeat.patches is not None and (type(wire[4]) is not list or any(type(v) is not int for v in wire[4])):
-        return None
-    seq = envelope[0]
-    received = envelope[2] if len(envelope) == 3 else 0  # absent: 0, and 0 is never sent
-    if len(envelope) > 3 or type(seq) is not int or type(received) is not int or not 1 <= seq <= MAX_ID:
-        return None
-    if len(envelope) == 3 and not 1 <= received <= MAX_ID:
-        return None
-    return seq, received
+        wire += [None, _write_patches(repeat.patches)]
+    middle = _pack([wire])
+    _last_middle = (repeat, middle)
+    return middle
 
 
 def decode_reply(data: BytesLike) -> Reply:

@@ -858,6 +858,12 @@ class WorkerConnection(Generic[K]):
         """The blobs of one reply acking batch `ack` (`arrays`: one per Result, in order); acks
         count as told from now on (the client cannot know one before it is sent)."""
         self._acknowledge(ack)
+        if len(messages) == 1:
+            one = messages[0]
+            if type(one) is m.Result and 0 < one.nbytes <= min(self.chunk_size, SMALL_FRAME):
+                # A step's reply: one Result, inline (as below, but laid out directly).
+                head = m.encode_result_inline(ack, one)
+                return iter((self.channel.seal(head + _bytes_of(arrays[0]), MESSAGE),))
         results = 0
         if len(messages) <= SMALL_REPLY_MESSAGES:
             for x in messages:

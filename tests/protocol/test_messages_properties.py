@@ -271,6 +271,16 @@ def test_a_reply_with_results_marked_inline_encodes_as_with_inline_results(reply
     )
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, MAX_ID), _tensor(Result))
+def test_a_reply_of_one_inline_result_made_directly_encodes_as_the_generic_one(
+    ack: int, result: Result
+) -> None:
+    assert m.encode_result_inline(ack, result) == m.encode_reply(
+        Reply(ack, (dataclasses.replace(result, inline=True),))
+    )
+
+
 def test_only_a_result_can_be_marked_inline() -> None:
     with pytest.raises(TypeError, match="not a Result"):
         m.encode_reply_inline(1, (Done(3),), [0])

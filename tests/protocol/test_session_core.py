@@ -553,3 +553,17 @@ def test_a_reply_foreseen_by_the_client_is_taken_without_decoding_and_a_differen
     pair.run()
     assert pair.waiter.answers[100] == [None]
     assert [r.ack for r in decoded] == [1, 5, 8, 9]
+
+
+@pytest.mark.parametrize("nbytes", [4, CHUNK])
+def test_a_reply_of_one_result_carries_it_inline_after_the_reply_as_any_small_reply_does(nbytes: int) -> None:
+    client, worker = channels()
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
+    x = np.arange(nbytes // 4, dtype=np.float32)
+    result = m.Result(5, "float32", x.shape, x.nbytes)
+    (blob,) = conn.reply(9, [result], [x])
+    (frame,) = split_frames(blob)
+    kind, plaintext = client.open(frame)
+    inline = m.Result(5, "float32", x.shape, x.nbytes, inline=True)
+    assert kind is MESSAGE and plaintext == m.encode_reply(m.Reply(9, (inline,))) + x.tobytes()
+    assert conn.acked == 9
