@@ -586,6 +586,37 @@ _CLIENT_SCHEMA = tuple(_schema(c) for c in typing.get_args(ClientMessage))
 _WORKER_SCHEMA = tuple(_schema(c) for c in typing.get_args(WorkerMessage))
 
 
+def _quick_init(cls: type) -> None:
+    """Give a frozen, slotted dataclass an `__init__` with the same parameters and defaults that
+    fills its slots through their descriptors. The one dataclasses writes for a frozen class sets
+    each field with `object.__setattr__(self, name, value)`, a lookup by name per field: making a
+    Result took 771 ns against 455 ns, and a step makes several messages on each end (a batch's
+    expansion, its Batch, a Read's Result). Like dataclasses, it compiles the function from
+    source made of the fields' names (identifiers of this module's classes, never wire data)."""
+    fields = dataclasses.fields(cls)
+    env: dict[str, Any] = {}
+    params, body = [], []
+    for i, f in enumerate(fields):
+        if f.default_factory is not dataclasses.MISSING or not f.init:
+            raise TypeError(f"{cls.__name__}.{f.name}: only plain fields (or defaults) here")
+        env[f"_set{i}"] = cls.__dict__[f.name].__set__  # the slot's member descriptor
+        if f.default is dataclasses.MISSING:
+            params.append(f.name)
+        else:
+            env[f"_default{i}"] = f.default
+            params.append(f"{f.name}=_default{i}")
+        body.append(f"    _set{i}(self, {f.name})")
+    exec(f"def __init__(self, {', '.join(params)}):\n" + "\n".join(body), env)  # noqa: S102
+    init = env["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__doc__ = cls.__dict__["__init__"].__doc__
+    cls.__init__ = init  # type: ignore[misc]
+
+
+for _cls in (*typing.get_args(ClientMessage), *typing.get_args(WorkerMessage), Batch, Reply):
+    _quick_init(_cls)
+
+
 # -- encoding ---------------------------------------------------------------------------------
 
 _packers = threading.local()
