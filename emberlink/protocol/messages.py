@@ -1005,25 +1005,77 @@ def decode_repeat(data: BytesLike, repeat: Repeat) -> tuple[int, int] | None:
     if repeat.bindings is not None or len(data) > _FIRST_FEED:
         return None
     middle = _repeat_middle(repeat)
-    n = len(data)
-    if n < 2 + len(middle):
-        return None
-    head = data[0]
-    if head != 0x92 and head != 0x93:
-        return None
-    found = _uint_at(data, 1)
+    found = _batch_head(data)
     if found is None:
         return None
     seq, at = found
     end = at + len(middle)
-    if data[at:end] != middle or not 1 <= seq <= MAX_ID:
+    if data[at:end] != middle:
         return None
-    if head == 0x92:
-        return (seq, 0) if end == n else None
-    found = _uint_at(data, end)  # received: 0 is sent absent
-    if found is None or found[1] != n or not 1 <= found[0] <= MAX_ID:
+    received = _batch_tail(data, end)
+    return None if received is None else (seq, received)
+
+
+def decode_repatched(data: BytesLike, repeat: Repeat) -> tuple[int, int, tuple[int, ...]] | None:
+    """`(seq, received, ids)` of the batch that is the whole of `data` when it is `repeat` (a patched
+    Repeat without bindings) with other tensor ids at the same patch positions, `ids` in order, and
+    valid; None for anything else (decoded in full, as in `decode_repeat`). Batches uploaded
+    beforehand and cycled patch other ids every step: `repatch` then makes its messages from those
+    the last patches expanded to."""
+    patches = repeat.patches
+    if repeat.bindings is not None or patches is None or len(data) > _FIRST_FEED:
         return None
-    return seq, found[0]
+    prefix = _repeat_middle(repeat, patched=False)
+    found = _batch_head(data)
+    if found is None:
+        return None
+    seq, at = found
+    at += len(prefix)
+    count = 2 * len(patches)  # 2..2 * MAX_PATCHES: a fixarray or an array 16
+    if data[at - len(prefix) : at] != prefix or at + 3 > len(data):
+        return None
+    if count < 16:
+        if data[at] != 0x90 | count:
+            return None
+        at += 1
+    else:
+        if data[at] != 0xDC or int.from_bytes(data[at + 1 : at + 3], "big") != count:
+            return None
+        at += 3
+    ids = []
+    for position, _ in patches:
+        found = _uint_at(data, at)
+        if found is None or found[0] != position:
+            return None
+        found = _uint_at(data, found[1])
+        if found is None or found[0] > MAX_ID:
+            return None
+        tid, at = found
+        ids.append(tid)
+    received = _batch_tail(data, at)
+    return None if received is None else (seq, received, tuple(ids))
+
+
+def _batch_head(data: BytesLike) -> tuple[int, int] | None:
+    """The seq of a batch of 2 or 3 items (a msgpack unsigned int in 1..MAX_ID) and where its
+    messages begin; None for anything else."""
+    if len(data) < 3 or data[0] not in (0x92, 0x93):
+        return None
+    found = _uint_at(data, 1)
+    if found is None or not 1 <= found[0] <= MAX_ID:
+        return None
+    return found
+
+
+def _batch_tail(data: BytesLike, at: int) -> int | None:
+    """The received of a batch whose messages end at `at`: 0 for a batch of 2 items that ends
+    there, else an unsigned int in 1..MAX_ID (0 is sent absent) that ends the data; None otherwise."""
+    if data[0] == 0x92:
+        return 0 if at == len(data) else None
+    found = _uint_at(data, at)
+    if found is None or found[1] != len(data) or not 1 <= found[0] <= MAX_ID:
+        return None
+    return found[0]
 
 
 _UINT_SIZES = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
@@ -1044,21 +1096,24 @@ def _uint_at(data: BytesLike, at: int) -> tuple[int, int] | None:
     return int.from_bytes(data[at + 1 : at + 1 + size], "big"), at + 1 + size
 
 
-_last_middle: tuple[Repeat | None, bytes] = (None, b"")
+_last_middle: tuple[Repeat | None, bool, bytes] = (None, True, b"")
 
 
-def _repeat_middle(repeat: Repeat) -> bytes:
+def _repeat_middle(repeat: Repeat, patched: bool = True) -> bytes:
     """The bytes of `[repeat]` (a batch's messages) as the client encodes them, for `decode_repeat`;
-    the last one is kept (a replayed step expects the same Repeat object every step)."""
+    without `patched`, only those before its patches' array (for `decode_repatched`). The last one
+    is kept (a replayed step expects the same Repeat object every step)."""
     global _last_middle
     last = _last_middle  # (one read: another thread may replace it meanwhile)
-    if last[0] is repeat:
-        return last[1]
+    if last[0] is repeat and last[1] is patched:
+        return last[2]
     wire: list[Any] = [int(Tag.REPEAT), repeat.id_shift, repeat.rid_shift]
     if repeat.patches is not None:
-        wire += [None, _write_patches(repeat.patches)]
+        wire += [None, _write_patches(repeat.patches) if patched else []]
     middle = _pack([wire])
-    _last_middle = (repeat, middle)
+    if not patched:
+        middle = middle[:-1]  # less the empty array (one byte)
+    _last_middle = (repeat, patched, middle)
     return middle
 
 
@@ -1233,6 +1288,54 @@ def expand(r: Repeat, template: tuple[ClientMessage, ...]) -> tuple[ClientMessag
     for x in template:
         sh = shifts.get(type(x))
         out.append(x if sh is None else sh.cls(*sh.shift(x, d, dr, rows)))
+    return tuple(out)
+
+
+def patch_sites(
+    messages: tuple[ClientMessage, ...], positions: Iterable[int]
+) -> tuple[tuple[int, int, int], ...] | None:
+    """Where each of `positions` (increasing, among the messages' tensor ids counted as a Repeat's
+    patches count them) lies: `(message, field, item)`, item -1 for a single id; None if one lies
+    past the messages' ids."""
+    sites = []
+    wanted = iter(positions)
+    at = next(wanted, None)
+    base = 0
+    for k, x in enumerate(messages):
+        sh = _SHIFTS.get(type(x))
+        if sh is None or at is None:
+            continue
+        values = sh.get(x)
+        for i in sh.ids:
+            f = values[i]
+            n = 1 if type(f) is int else len(f)
+            while at is not None and at < base + n:
+                sites.append((k, i, -1 if type(f) is int else at - base))
+                at = next(wanted, None)
+            base += n
+    return tuple(sites) if at is None else None
+
+
+def repatch(
+    messages: tuple[ClientMessage, ...], sites: tuple[tuple[int, int, int], ...], ids: Iterable[int]
+) -> tuple[ClientMessage, ...]:
+    """`messages` with the tensor id at each of `sites` (`patch_sites`) replaced by the next of `ids`:
+    `expand(Repeat(d, dr, None, new), template)` from `expand(Repeat(d, dr, None, old), template)`
+    when `new` patches the positions `old` did."""
+    out = list(messages)
+    changed: dict[int, list[Any]] = {}
+    for (k, i, j), tid in zip(sites, ids, strict=True):
+        v = changed.get(k)
+        if v is None:
+            v = changed[k] = list(_SHIFTS[type(out[k])].get(out[k]))
+        if j < 0:
+            v[i] = tid
+        else:
+            items = list(v[i])
+            items[j] = tid
+            v[i] = tuple(items)
+    for k, v in changed.items():
+        out[k] = type(out[k])(*v)
     return tuple(out)
 
 

@@ -159,23 +159,29 @@ def arrives_alike(
     ("data", "predicted"),
     [
         ((), [None, (5, 0), (6, 0)]),  # every id shifted: step 2 is not the one predicted; 4 and 5 are
-        ((5, 5, 5), [None, (5, 0), (6, 0)]),  # a data set's id kept: the same patch every step
-        # batches cycled: other patched ids every step, predicted only where a step patches as the
-        # last one predicted did (step 4, as step 1): steps 2 and 5 tried, neither the one foreseen
-        ((1, 2, 3), [None, None]),
+        # a data set's id kept: the same patch every step
+        ((5, 5, 5), [None, (5, 0, (5,)), (6, 0, (5,))]),
+        # batches cycled: other patched ids every step, each made from the last patches' expansion
+        # (step 2 is not a Repeat of step 1's: it adds a Drop)
+        ((1, 2, 3), [None, (5, 0, (2,)), (6, 0, (3,))]),
     ],
 )
 def test_a_predicted_or_patched_repeat_arrives_as_the_full_decoding_of_it_would(
-    monkeypatch: pytest.MonkeyPatch, data: tuple[int, ...], predicted: list[tuple[int, int] | None]
+    monkeypatch: pytest.MonkeyPatch, data: tuple[int, ...], predicted: list[tuple[int, ...] | None]
 ) -> None:
-    taken: list[tuple[int, int] | None] = []  # what the predicted path found, each time it was tried
-    decode_repeat = m.decode_repeat
+    taken: list[Any] = []  # what the predicted path found, each time it was tried
+    decode_repeat, decode_repatched = m.decode_repeat, m.decode_repatched
 
     def recording(*a: Any) -> tuple[int, int] | None:
         taken.append(decode_repeat(*a))
-        return taken[-1]
+        return taken[-1]  # type: ignore[no-any-return]
+
+    def recording_patched(*a: Any) -> tuple[int, int, tuple[int, ...]] | None:
+        taken.append(decode_repatched(*a))
+        return taken[-1]  # type: ignore[no-any-return]
 
     monkeypatch.setattr(m, "decode_repeat", recording)
+    monkeypatch.setattr(m, "decode_repatched", recording_patched)
     client = s.ClientConnection(channels()[0], CHUNK, {}, lambda r: (None, None))
     predicting: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)
     plain: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)  # never predicts
