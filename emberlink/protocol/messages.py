@@ -1016,6 +1016,17 @@ def decode_repeat(data: BytesLike, repeat: Repeat) -> tuple[int, int] | None:
     return None if received is None else (seq, received)
 
 
+def encode_repeat_batch(seq: int, repeat: Repeat, received: int) -> bytes:
+    """`encode_batch(Batch(seq, (repeat,), received))` for a Repeat without bindings, made from the
+    bytes `decode_repeat` compares (the worker foresees a replayed step's exact batch)."""
+    if repeat.bindings is not None:
+        return encode_batch(Batch(seq, (repeat,), received))
+    middle = _repeat_middle(repeat)
+    if received:
+        return b"".join((b"\x93", _pack(seq), middle, _pack(received)))
+    return b"".join((b"\x92", _pack(seq), middle))
+
+
 def decode_repatched(data: BytesLike, repeat: Repeat) -> tuple[int, int, tuple[int, ...]] | None:
     """`(seq, received, ids)` of the batch that is the whole of `data` when it is `repeat` (a patched
     Repeat without bindings) with other tensor ids at the same patch positions, `ids` in order, and

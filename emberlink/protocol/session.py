@@ -721,6 +721,11 @@ class WorkerConnection(Generic[K]):
         self._predicted: Prediction = None
         self._expected: _Expected | None = None  # what the worker needs of the predicted batch
         self._repeat: m.Repeat | None = None  # the Repeat the last batch came as
+        self._seq = 0  # the seq of the last batch
+        # The predicted batch's exact bytes if it follows the last one at once, its client having
+        # taken in the reply to that one (a loop reading every step's loss), with its seq, its
+        # received and the Repeat: (bytes, seq, received, repeat).
+        self._next_batch: tuple[bytes, int, int, m.Repeat] | None = None
         self._targets: deque[_Arriving] = deque()
         self._expecting = False  # a batch arrived and `expect` has not been told where its bulk goes
         self._unacked_bytes: dict[int, int] = {}  # seq -> upload bytes, for batches after `acked`
@@ -766,6 +771,7 @@ class WorkerConnection(Generic[K]):
         repeat = batch.messages[0] if len(batch.messages) == 1 else None
         batch = m.expand_batch(batch, self._template)
         m.check_tail(batch, len(plaintext) - start)
+        self._seq = batch.seq
         self._repeat = repeat if type(repeat) is m.Repeat and repeat.bindings is None else None
         self._template = batch.messages
         if batch.received:
@@ -783,10 +789,15 @@ class WorkerConnection(Generic[K]):
             return None
         repeat, messages = expected.repeat, expected.messages
         if expected.sites is None:
-            found = m.decode_repeat(plaintext[:start], repeat)
-            if found is None:
-                return None
-            seq, received = found
+            head = plaintext[:start]
+            next_batch = self._next_batch
+            if next_batch is not None and next_batch[3] is repeat and head == next_batch[0]:
+                seq, received = next_batch[1], next_batch[2]
+            else:
+                found = m.decode_repeat(head, repeat)
+                if found is None:
+                    return None
+                seq, received = found
         else:  # patched: the same patches, or other ids at their positions (batches cycled)
             refound = m.decode_repatched(plaintext[:start], repeat)
             if refound is None:
@@ -803,6 +814,7 @@ class WorkerConnection(Generic[K]):
                     tuple((at, tid) for (at, _), tid in zip(patches, ids, strict=True)),
                 )
         self._check_seq(seq)
+        self._seq = seq
         self._repeat = repeat
         self._template = messages
         if received:
@@ -874,7 +886,12 @@ class WorkerConnection(Generic[K]):
                 pass
         last = self._expected
         if predicted is not None and (last is None or last.messages is not predicted[2]):
-            self._expected = _Expected.of(predicted, last)
+            self._expected = last = _Expected.of(predicted, last)
+        self._next_batch = None
+        if last is not None and last.sites is None and last.template is template and self._seq:
+            seq = self._seq
+            data = m.encode_repeat_batch(seq + 1, last.repeat, seq)
+            self._next_batch = (data, seq + 1, seq, last.repeat)
 
     def discard_partial(self) -> None:
         """Forget a batch whose bulk bytes were still arriving (the client sends it again)."""
@@ -957,7 +974,7 @@ class WorkerConnection(Generic[K]):
         self.replies.confirm(received)
         self.discard_partial()
         # The first batch on the new link repeats none.
-        self._template = self._repeat = self._predicted = self._expected = None
+        self._template = self._repeat = self._predicted = self._expected = self._next_batch = None
         self._unacked_bytes.clear()
         self._held = 0
         self.acked = max(self.acked, applied)

@@ -382,6 +382,14 @@ def test_the_expected_repeat_decodes_as_the_full_decoder_decodes_it_or_not_at_al
     assert all(type(v) is int for v in (decoded.messages[0].id_shift, decoded.messages[0].rid_shift))
 
 
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(repeats, st.integers(1, MAX_ID), st.integers(0, MAX_ID))
+def test_a_repeat_batch_made_from_its_parts_encodes_as_the_batch(
+    repeat: Repeat, seq: int, received: int
+) -> None:
+    assert m.encode_repeat_batch(seq, repeat, received) == _repeat_bytes(seq, repeat, received)
+
+
 def test_the_expected_repeat_leaves_anything_else_to_the_full_decoder() -> None:
     repeat = Repeat(3, 1)
     assert m.decode_repeat(_repeat_bytes(7, Repeat(3, 2), 6), repeat) is None  # other shifts
