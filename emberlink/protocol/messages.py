@@ -1183,7 +1183,9 @@ def _out_of_range(x: int, by: int, lo: int) -> NoReturn:
     _refuse(f"{kind} id {x} shifted by {by} leaves {lo}..{MAX_ID}")
 
 
-def _shifter(get: Callable[[Any], tuple[Any, ...]], changes: tuple[tuple[int, Role, bool], ...]) -> ShiftFn:
+def _shifter(
+    get: Callable[[Any], tuple[Any, ...]], changes: tuple[tuple[int, Role, bool], ...], names: list[str]
+) -> ShiftFn:
     """The one id shift, for expand_batch and repeat_of alike: a message's field values with each
     tensor id shifted by d, each request id by dr, and its bindings the next of rows (if given).
 
@@ -1218,35 +1220,42 @@ def _shifter(get: Callable[[Any], tuple[Any, ...]], changes: tuple[tuple[int, Ro
                 v[i] = next(rows)
         return v
 
-    singles = tuple(i for i, role, many in changes if role is _TENSOR and not many)
-    lists = tuple(i for i, role, many in changes if role is _TENSOR and many)
-    requests = tuple(i for i, role, _ in changes if role is _REQUEST)
-    bindings = tuple(i for i, role, _ in changes if role is Role.BINDINGS)
-
-    def shift(x: Any, d: int, dr: int, rows: Iterator[tuple[Scalar, ...]] | None) -> list[Any]:
-        v = list(get(x))
-        if d:
-            for i in singles:
-                y = v[i] + d
-                if not 0 <= y <= MAX_ID:
-                    return ordered(x, d, dr, rows)
-                v[i] = y
-            for i in lists:
-                ids = v[i]
-                if ids:
-                    if not 0 <= (max(ids) if d > 0 else min(ids)) + d <= MAX_ID:
-                        return ordered(x, d, dr, rows)
-                    v[i] = tuple(map(add, ids, repeat(d)))
-        for i in requests:
-            y = v[i] + dr
-            if not 1 <= y <= MAX_ID:
-                return ordered(x, d, dr, rows)
-            v[i] = y
-        if rows is not None:
-            for i in bindings:
-                v[i] = next(rows)
-        return v
-
+    # `shift`, written out for this class's fields (as `_quick_init` writes an `__init__`): a
+    # replayed step's batch is expanded on every step, and a loop over the kinds of fields cost
+    # twice as much.
+    lines = [f"    v{i} = x.{name}" for i, name in enumerate(names)]
+    tensors = [(i, many) for i, role, many in changes if role is _TENSOR]
+    if tensors:
+        lines.append("    if d:")
+        for i, many in tensors:
+            if many:
+                lines += [
+                    f"        if v{i}:",
+                    f"            if not 0 <= (max(v{i}) if d > 0 else min(v{i})) + d <= MAX_ID:",
+                    "                return ordered(x, d, dr, rows)",
+                    f"            v{i} = tuple(map(add, v{i}, repeat(d)))",
+                ]
+            else:
+                lines += [
+                    f"        v{i} += d",
+                    f"        if not 0 <= v{i} <= MAX_ID:",
+                    "            return ordered(x, d, dr, rows)",
+                ]
+    for i, role, _ in changes:
+        if role is _REQUEST:
+            lines += [
+                f"    v{i} += dr",
+                f"    if not 1 <= v{i} <= MAX_ID:",
+                "        return ordered(x, d, dr, rows)",
+            ]
+    bindings = [i for i, role, _ in changes if role is Role.BINDINGS]
+    if bindings:
+        lines.append("    if rows is not None:")
+        lines += [f"        v{i} = next(rows)" for i in bindings]
+    lines.append(f"    return [{', '.join(f'v{i}' for i in range(len(names)))}]")
+    env: dict[str, Any] = {"MAX_ID": MAX_ID, "ordered": ordered, "add": add, "repeat": repeat}
+    exec("def shift(x, d, dr, rows):\n" + "\n".join(lines), env)  # noqa: S102
+    shift: ShiftFn = env["shift"]
     return shift
 
 
@@ -1258,8 +1267,11 @@ def _shifted(s: _Schema) -> _Shifted | None:
     if not changes:
         return None
     at = {role: tuple(i for i, r, _ in changes if r is role) for role in Role}
-    get = _values([f.name for f in s.fields])
-    return _Shifted(s.cls, get, _shifter(get, changes), at[Role.TENSOR], at[Role.REQUEST], at[Role.BINDINGS])
+    names = [f.name for f in s.fields]
+    get = _values(names)
+    return _Shifted(
+        s.cls, get, _shifter(get, changes, names), at[Role.TENSOR], at[Role.REQUEST], at[Role.BINDINGS]
+    )
 
 
 _SHIFTS = {s.cls: sh for s in _CLIENT_SCHEMA if (sh := _shifted(s)) is not None}
