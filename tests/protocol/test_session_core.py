@@ -573,3 +573,47 @@ def test_a_reply_of_one_result_carries_it_inline_after_the_reply_as_any_small_re
     inline = m.Result(5, "float32", x.shape, x.nbytes, inline=True)
     assert kind is MESSAGE and plaintext == m.encode_reply(m.Reply(9, (inline,))) + x.tobytes()
     assert conn.acked == 9
+
+
+def test_a_repeat_sent_as_the_worker_foresaw_it_is_taken_in_as_the_full_decoding_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parsed: list[str] = []  # which decoder each batch went through
+    decode_repeat, decode_prefix = m.decode_repeat, m.decode_batch_prefix
+
+    def recording(*a: Any) -> Any:
+        parsed.append("repeat")
+        return decode_repeat(*a)
+
+    def recording_prefix(*a: Any) -> Any:
+        parsed.append("full")
+        return decode_prefix(*a)
+
+    monkeypatch.setattr(m, "decode_repeat", recording)
+    monkeypatch.setattr(m, "decode_batch_prefix", recording_prefix)
+    client = s.ClientConnection(channels()[0], CHUNK, {}, lambda r: (None, None))
+    predicting: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)
+    plain: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)  # never predicts
+    for step in range(5):
+        tid = 10 + 2 * step
+        x = np.full(4, step, np.float32)
+        client.submit(
+            [upload(tid, x), m.Execute(GID, (tid,), (0.5,), tid + 1), m.Read(1 + step, tid + 1)], [x], 16
+        )
+        (blob,) = pack_frames(client.next_frames() or ())
+        client.predict()
+        arrived = []
+        for conn in (predicting, plain):
+            (frame,) = split_frames(blob)
+            event = conn.receive_frame(frame)
+            assert isinstance(event, s.BatchArrived) and conn.expect([])
+            arrived.append((event.batch, bytes(event.plaintext[event.start :])))
+            reply = list(conn.reply(event.batch.seq, [m.Result(1 + step, "float32", (4,), 16)], [x]))
+        assert arrived[0] == arrived[1] and arrived[0][1] == x.tobytes()
+        assert arrived[0][0].received == step  # the client took in every reply before its next batch
+        for r in reply:
+            client.receive(r)
+        predicting.predict()
+    # The worker that never predicts decodes all five in full; the predicting one steps 0 and 1
+    # (no Repeat yet, then the first), and takes 2, 3 and 4 by their foreseen bytes, unparsed.
+    assert parsed == ["full"] * 7
