@@ -55,6 +55,16 @@ STAT_BYTES = 96
 _DTYPE_NAMES = {np.dtype(name): name for name in DTYPES}
 """dtype -> wire name; `ndarray.dtype.name` is a slow Python property on the per-step path."""
 
+# The message classes `apply` dispatches on, as module globals: one lookup each, not two, per
+# message of every batch.
+_Execute = m.Execute
+_Upload = m.Upload
+_Read = m.Read
+_Drop = m.Drop
+_Sync = m.Sync
+_Stats = m.Stats
+_Close = m.Close
+
 
 @dataclass(slots=True)
 class Outgoing:
@@ -179,24 +189,24 @@ class BatchRunner:
             i += 1
             # Dispatch on the exact type, commonest first (a `match` of class patterns is a chain
             # of isinstance checks: a Read went through four of them on every step).
-            if type(msg) is m.Execute:
+            if type(msg) is _Execute:
                 self._execute(msg, plans[msg.gid])
-            elif type(msg) is m.Upload:
+            elif type(msg) is _Upload:
                 k = incoming.next_upload
                 incoming.next_upload = k + 1
                 self._upload(msg, incoming.uploads[k])
                 incoming.uploads[k] = None  # the store's from now on: a Drop later frees it
-            elif type(msg) is m.Read:
+            elif type(msg) is _Read:
                 self._read(msg, out)
-            elif type(msg) is m.Drop:
+            elif type(msg) is _Drop:
                 self._store.drop_many(msg.ids)
                 if self._host_read_once:
                     self._host_read_once.difference_update(msg.ids)
-            elif type(msg) is m.Sync:
+            elif type(msg) is _Sync:
                 self._sync(msg, out)
-            elif type(msg) is m.Stats:
+            elif type(msg) is _Stats:
                 self._stats_reply(msg, out)
-            elif type(msg) is m.Close:
+            elif type(msg) is _Close:
                 out.close = msg.reason
                 break
             # else: a Register, handled while resolving the batch's graphs
@@ -305,9 +315,11 @@ class BatchRunner:
         if isinstance(array, Failure):
             self._fail((msg.tid,), array)
             return
-        quota = self._store.quota
-        self._store.drop(msg.tid)  # an upload replaces its id: the old value's bytes are free first
-        self._host_read_once.discard(msg.tid)  # and the new value has been read by no replay
+        store = self._store
+        quota = store.quota
+        store.drop(msg.tid)  # an upload replaces its id: the old value's bytes are free first
+        if self._host_read_once:
+            self._host_read_once.discard(msg.tid)  # and the new value has been read by no replay
         need = msg.nbytes + ID_BYTES
         if not quota.reserve(need):
             self._fail((msg.tid,), quota.refusal(need, f"upload {msg.tid}"))
@@ -325,21 +337,17 @@ class BatchRunner:
             quota.release(need)
             self._fail((msg.tid,), Failure(ErrorCode.OUT_OF_MEMORY, f"storing upload {msg.tid}: {e}"))
             return
-        self._store.put(msg.tid, value, msg.nbytes, charged=True)
+        store.put(msg.tid, value, msg.nbytes, charged=True, dropped=True)
 
     def _execute(self, msg: m.Execute, plan: Plan | Refusal) -> None:
         self.counters.executes += 1
-        count = plan.outputs if isinstance(plan, Refusal) else len(plan.outputs)
-        if count and msg.out_base + count - 1 > m.MAX_ID:
-            raise ProtocolError(
-                f"Execute: output ids {msg.out_base}..{msg.out_base + count - 1} pass the largest id {m.MAX_ID}"
-            )
-        outs = range(msg.out_base, msg.out_base + count)
         if isinstance(plan, Refusal):
-            self._fail(outs, plan.failure)
+            self._fail(_outputs(msg, plan.outputs), plan.failure)
             return
+        outs = _outputs(msg, len(plan.outputs))
+        store = self._store
         try:
-            inputs = self._store.get_many(msg.inputs)
+            inputs = store.get_many(msg.inputs)
         except LookupError as e:
             self._fail(outs, e.args[0])
             return
@@ -348,7 +356,7 @@ class BatchRunner:
             if len(self._peaks) >= 4096:
                 self._peaks.clear()
             need = self._peaks[msg.gid] = self.graphs.costs.of(plan).peak_bytes
-        quota = self._store.quota
+        quota = store.quota
         if not quota.reserve(need):
             self._fail(
                 outs, quota.refusal(need, f"graph {msg.gid.hex()} at its peak (intermediates included)")
@@ -374,7 +382,7 @@ class BatchRunner:
             return
         nbytes = self._backend.nbytes
         # The reservation becomes the outputs' charge: one quota update for the whole Execute.
-        self._store.put_many(outs, results, [nbytes(value) for value in results], reserved=need)
+        store.put_many(outs, results, [nbytes(value) for value in results], reserved=need)
 
     def _fail_run(self, outs: range, error: BaseException) -> None:
         """Poison an Execute's outputs with why its run failed (re-raising what is no run failure)."""
@@ -495,6 +503,14 @@ class BatchRunner:
         self._store.quota.release(nbytes)
         if gid is not None and plan is not None:  # a plan that is gone took its cache entry with it
             self.graphs.charge(gid, plan, -nbytes)
+
+
+def _outputs(msg: m.Execute, count: int) -> range:
+    """The ids an Execute's `count` outputs get; ProtocolError (the session ends) past MAX_ID."""
+    base = msg.out_base
+    if count and base + count - 1 > m.MAX_ID:
+        raise ProtocolError(f"Execute: output ids {base}..{base + count - 1} pass the largest id {m.MAX_ID}")
+    return range(base, base + count)
 
 
 def _c_order(a: np.ndarray) -> np.ndarray:

@@ -76,11 +76,15 @@ class Quota:
     def reserve(self, nbytes: int, slack: int = 0) -> bool:
         """Take nbytes if they fit here and in every parent (each limit stretched by `slack`);
         False (taking nothing) otherwise."""
+        chain = self._chain
         with self._lock:
-            for quota in self._chain:
+            for quota in chain:
                 if quota.limit is not None and quota.used + nbytes > quota.limit + slack:
                     return False
-            self._add(nbytes)
+            for quota in chain:  # (as `_add`, written out: several reservations a step)
+                used = quota.used = quota.used + nbytes
+                if used > quota.peak:  # noqa: PLR1730 - no max() call: this runs several times a step
+                    quota.peak = used
         return True
 
     def charge(self, nbytes: int) -> None:
@@ -89,8 +93,12 @@ class Quota:
             self._add(nbytes)
 
     def release(self, nbytes: int) -> None:
-        with self._lock:
-            self._add(-nbytes)
+        if nbytes < 0:
+            self.charge(-nbytes)
+            return
+        with self._lock:  # (only lowers `used`: no peak to follow)
+            for quota in self._chain:
+                quota.used -= nbytes
 
     def _add(self, nbytes: int) -> None:
         for quota in self._chain:
@@ -189,13 +197,14 @@ class TensorStore:
     def nbytes(self) -> int:
         return sum(size + ID_BYTES for _, size in self._entries.values())
 
-    def put(self, tid: int, array: Any, nbytes: int, *, charged: bool) -> None:
+    def put(self, tid: int, array: Any, nbytes: int, *, charged: bool, dropped: bool = False) -> None:
         """Store an array (replacing tid); `charged`: nbytes + ID_BYTES were reserved already, else
-        charge them now.
+        charge them now; `dropped`: tid was just dropped (nothing to forget).
 
         Charging here never refuses: callers check room with `Quota.reserve` before they compute.
         """
-        self._forget(tid)
+        if not dropped:
+            self._forget(tid)
         try:
             self._room(1)
         except ProtocolError:

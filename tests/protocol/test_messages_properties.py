@@ -12,7 +12,7 @@ from typing import Any, ClassVar, assert_never, cast
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from emberlink.errors import ProtocolError
@@ -271,6 +271,16 @@ def test_a_reply_with_results_marked_inline_encodes_as_with_inline_results(reply
     )
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, MAX_ID), _tensor(Result))
+def test_a_reply_of_one_inline_result_made_directly_encodes_as_the_generic_one(
+    ack: int, result: Result
+) -> None:
+    assert m.encode_result_inline(ack, result) == m.encode_reply(
+        Reply(ack, (dataclasses.replace(result, inline=True),))
+    )
+
+
 def test_only_a_result_can_be_marked_inline() -> None:
     with pytest.raises(TypeError, match="not a Result"):
         m.encode_reply_inline(1, (Done(3),), [0])
@@ -372,6 +382,14 @@ def test_the_expected_repeat_decodes_as_the_full_decoder_decodes_it_or_not_at_al
     assert all(type(v) is int for v in (decoded.messages[0].id_shift, decoded.messages[0].rid_shift))
 
 
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(repeats, st.integers(1, MAX_ID), st.integers(0, MAX_ID))
+def test_a_repeat_batch_made_from_its_parts_encodes_as_the_batch(
+    repeat: Repeat, seq: int, received: int
+) -> None:
+    assert m.encode_repeat_batch(seq, repeat, received) == _repeat_bytes(seq, repeat, received)
+
+
 def test_the_expected_repeat_leaves_anything_else_to_the_full_decoder() -> None:
     repeat = Repeat(3, 1)
     assert m.decode_repeat(_repeat_bytes(7, Repeat(3, 2), 6), repeat) is None  # other shifts
@@ -389,6 +407,79 @@ def test_the_expected_repeat_leaves_anything_else_to_the_full_decoder() -> None:
     assert m.decode_repeat(_repeat_bytes(7, Repeat(3, 1, None, ((0, 5), (2, 7))), 6), patched) is None
     assert m.decode_repeat(msgpack.packb([7, [[9, 3, 1, None, [0, 5, 2, True]]]]), patched) is None
     assert m.decode_repeat(_repeat_bytes(7, patched, 6), patched) == (7, 6)
+
+
+patched_repeats = st.builds(
+    Repeat, st.integers(-MAX_ID, MAX_ID), st.integers(-MAX_ID, MAX_ID), st.none(), patch_lists
+)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(patched_repeats, st.data(), st.integers(1, MAX_ID), st.integers(0, MAX_ID), edits, st.booleans())
+def test_a_repeat_patching_other_ids_decodes_as_the_full_decoder_decodes_it_or_not_at_all(
+    expected: Repeat, data: Any, seq: int, received: int, change: Any, mutate: bool
+) -> None:
+    assert expected.patches is not None
+    new_ids = tuple(data.draw(ids) for _ in expected.patches)
+    repeat = dataclasses.replace(
+        expected, patches=tuple((at, tid) for (at, _), tid in zip(expected.patches, new_ids, strict=True))
+    )
+    encoded = _repeat_bytes(seq, repeat, received)
+    if mutate:
+        encoded = _mutate(encoded, change)
+    found = m.decode_repatched(encoded, expected)
+    if not mutate:
+        assert found == (seq, received, new_ids)
+    if found is None:
+        return
+    decoded = m.decode_batch(encoded)  # what it accepts, the full decoder accepts as the same batch
+    (got,) = decoded.messages
+    assert isinstance(got, Repeat) and got.bindings is None and got.patches is not None
+    assert (got.id_shift, got.rid_shift) == (expected.id_shift, expected.rid_shift)
+    assert [at for at, _ in got.patches] == [at for at, _ in expected.patches]
+    assert (decoded.seq, decoded.received, tuple(tid for _, tid in got.patches)) == found
+
+
+def test_a_repeat_patching_other_positions_or_shifting_otherwise_is_left_to_the_full_decoder() -> None:
+    expected = Repeat(3, 1, None, ((0, 5), (2, 6)))
+    assert m.decode_repatched(_repeat_bytes(7, Repeat(3, 1, None, ((0, 9), (2, 8))), 6), expected) == (
+        7,
+        6,
+        (9, 8),
+    )
+    assert m.decode_repatched(_repeat_bytes(7, Repeat(3, 1, None, ((0, 9), (3, 8))), 6), expected) is None
+    assert m.decode_repatched(_repeat_bytes(7, Repeat(3, 1, None, ((0, 9),)), 6), expected) is None
+    assert m.decode_repatched(_repeat_bytes(7, Repeat(4, 1, None, ((0, 9), (2, 8))), 6), expected) is None
+    assert m.decode_repatched(_repeat_bytes(7, Repeat(3, 1), 6), expected) is None
+    assert m.decode_repatched(msgpack.packb([7, [[9, 3, 1, None, [0, 9, 2, True]]], 6]), expected) is None
+    assert m.decode_repatched(_repeat_bytes(7, expected, 6), Repeat(3, 1)) is None  # none expected
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches, patched_repeats, st.data())
+def test_repatching_an_expansion_equals_expanding_the_repeat_with_the_new_patches(
+    batch: Batch, old: Repeat, data: Any
+) -> None:
+    template = batch.messages
+    assume(not any(type(x) is Repeat for x in template))
+    try:
+        expanded = m.expand(old, template)
+    except ProtocolError:
+        return
+    assert old.patches is not None
+    sites = m.patch_sites(expanded, [at for at, _ in old.patches])
+    assert sites is not None and len(sites) == len(old.patches)
+    new_ids = [data.draw(ids) for _ in old.patches]
+    new = dataclasses.replace(
+        old, patches=tuple((at, tid) for (at, _), tid in zip(old.patches, new_ids, strict=True))
+    )
+    assert m.repatch(expanded, sites, new_ids) == m.expand(new, template)
+
+
+def test_a_patch_past_the_messages_ids_has_no_site() -> None:
+    messages = (Execute(GID, (1, 2), (), 3), Read(1, 3))
+    assert m.patch_sites(messages, [0, 1, 2, 3]) == ((0, 1, 0), (0, 1, 1), (0, 3, -1), (1, 1, -1))
+    assert m.patch_sites(messages, [4]) is None
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -159,23 +159,29 @@ def arrives_alike(
     ("data", "predicted"),
     [
         ((), [None, (5, 0), (6, 0)]),  # every id shifted: step 2 is not the one predicted; 4 and 5 are
-        ((5, 5, 5), [None, (5, 0), (6, 0)]),  # a data set's id kept: the same patch every step
-        # batches cycled: other patched ids every step, predicted only where a step patches as the
-        # last one predicted did (step 4, as step 1): steps 2 and 5 tried, neither the one foreseen
-        ((1, 2, 3), [None, None]),
+        # a data set's id kept: the same patch every step
+        ((5, 5, 5), [None, (5, 0, (5,)), (6, 0, (5,))]),
+        # batches cycled: other patched ids every step, each made from the last patches' expansion
+        # (step 2 is not a Repeat of step 1's: it adds a Drop)
+        ((1, 2, 3), [None, (5, 0, (2,)), (6, 0, (3,))]),
     ],
 )
 def test_a_predicted_or_patched_repeat_arrives_as_the_full_decoding_of_it_would(
-    monkeypatch: pytest.MonkeyPatch, data: tuple[int, ...], predicted: list[tuple[int, int] | None]
+    monkeypatch: pytest.MonkeyPatch, data: tuple[int, ...], predicted: list[tuple[int, ...] | None]
 ) -> None:
-    taken: list[tuple[int, int] | None] = []  # what the predicted path found, each time it was tried
-    decode_repeat = m.decode_repeat
+    taken: list[Any] = []  # what the predicted path found, each time it was tried
+    decode_repeat, decode_repatched = m.decode_repeat, m.decode_repatched
 
     def recording(*a: Any) -> tuple[int, int] | None:
         taken.append(decode_repeat(*a))
-        return taken[-1]
+        return taken[-1]  # type: ignore[no-any-return]
+
+    def recording_patched(*a: Any) -> tuple[int, int, tuple[int, ...]] | None:
+        taken.append(decode_repatched(*a))
+        return taken[-1]  # type: ignore[no-any-return]
 
     monkeypatch.setattr(m, "decode_repeat", recording)
+    monkeypatch.setattr(m, "decode_repatched", recording_patched)
     client = s.ClientConnection(channels()[0], CHUNK, {}, lambda r: (None, None))
     predicting: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)
     plain: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)  # never predicts
@@ -620,3 +626,61 @@ def test_a_foreseen_reply_with_other_inline_bytes_than_its_results_is_refused(ex
     frame = pair.worker.conn.channel.seal(reply + tail)  # (the worker's, with the reply bytes foreseen)
     with pytest.raises(ProtocolError, match="inline bytes"):
         pair.client.receive(frame)
+
+
+@pytest.mark.parametrize("nbytes", [4, CHUNK])
+def test_a_reply_of_one_result_carries_it_inline_after_the_reply_as_any_small_reply_does(nbytes: int) -> None:
+    client, worker = channels()
+    conn: s.WorkerConnection[Reply] = s.WorkerConnection(worker, CHUNK)
+    x = np.arange(nbytes // 4, dtype=np.float32)
+    result = m.Result(5, "float32", x.shape, x.nbytes)
+    (blob,) = conn.reply(9, [result], [x])
+    (frame,) = split_frames(blob)
+    kind, plaintext = client.open(frame)
+    inline = m.Result(5, "float32", x.shape, x.nbytes, inline=True)
+    assert kind is MESSAGE and plaintext == m.encode_reply(m.Reply(9, (inline,))) + x.tobytes()
+    assert conn.acked == 9
+
+
+def test_a_repeat_sent_as_the_worker_foresaw_it_is_taken_in_as_the_full_decoding_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parsed: list[str] = []  # which decoder each batch went through
+    decode_repeat, decode_prefix = m.decode_repeat, m.decode_batch_prefix
+
+    def recording(*a: Any) -> Any:
+        parsed.append("repeat")
+        return decode_repeat(*a)
+
+    def recording_prefix(*a: Any) -> Any:
+        parsed.append("full")
+        return decode_prefix(*a)
+
+    monkeypatch.setattr(m, "decode_repeat", recording)
+    monkeypatch.setattr(m, "decode_batch_prefix", recording_prefix)
+    client = s.ClientConnection(channels()[0], CHUNK, {}, lambda r: (None, None))
+    predicting: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)
+    plain: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)  # never predicts
+    for step in range(5):
+        tid = 10 + 2 * step
+        x = np.full(4, step, np.float32)
+        client.submit(
+            [upload(tid, x), m.Execute(GID, (tid,), (0.5,), tid + 1), m.Read(1 + step, tid + 1)], [x], 16
+        )
+        (blob,) = pack_frames(client.next_frames() or ())
+        client.predict()
+        arrived = []
+        for conn in (predicting, plain):
+            (frame,) = split_frames(blob)
+            event = conn.receive_frame(frame)
+            assert isinstance(event, s.BatchArrived) and conn.expect([])
+            arrived.append((event.batch, bytes(event.plaintext[event.start :])))
+            reply = list(conn.reply(event.batch.seq, [m.Result(1 + step, "float32", (4,), 16)], [x]))
+        assert arrived[0] == arrived[1] and arrived[0][1] == x.tobytes()
+        assert arrived[0][0].received == step  # the client took in every reply before its next batch
+        for r in reply:
+            client.receive(r)
+        predicting.predict()
+    # The worker that never predicts decodes all five in full; the predicting one steps 0 and 1
+    # (no Repeat yet, then the first), and takes 2, 3 and 4 by their foreseen bytes, unparsed.
+    assert parsed == ["full"] * 7
