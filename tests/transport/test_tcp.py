@@ -699,7 +699,7 @@ async def test_an_owner_polls_without_sleeping_only_while_answers_come_within_th
         count[0] += 1
         sched_yield()
 
-    monkeypatch.setattr(tcp.os, "sched_yield", counted)
+    monkeypatch.setattr(os, "sched_yield", counted)
 
     async def slow_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await answer_once(reader, writer)
@@ -732,7 +732,7 @@ async def test_an_owner_never_polls_without_sleeping_when_the_spin_time_is_zero(
 ) -> None:
     monkeypatch.setenv(tcp.SPIN_ENV, "0")
     yields: list[None] = []
-    monkeypatch.setattr(tcp.os, "sched_yield", lambda: yields.append(None))
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(None))
 
     async def late_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await answer_once(reader, writer)
