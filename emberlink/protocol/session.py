@@ -21,7 +21,10 @@ Rules (everything that changes the state of a session's protocol lives in this f
 - Repeat (step templates): the client sends a batch that is the one it sent just before with ids
   shifted as a `Repeat` (messages.repeat_of); the worker expands it against the batch it received
   just before (messages.expand_batch). Frames arrive in the order sealed, so both ends hold the
-  same template. A resent batch goes in full; a resume forgets both templates.
+  same template. A batch of uploads only (`uploads_only`: a DataLoader's next host batch, sent
+  between two steps) is no template: the batch before it stays the template on both ends, so the
+  step after it still repeats the step before. A resent batch goes in full; a resume forgets both
+  templates.
 - Layout: uploads (results) travel inline in the MESSAGE frame's plaintext, in message order, while
   they fit in one chunk together; the rest follow in BULK frames of at most `chunk_size`, in
   message order. A batch (reply) too large for one frame with its inline bytes goes all in BULK.
@@ -100,6 +103,15 @@ def _prediction(
     return (template, repeat, expanded)
 
 
+def uploads_only(messages: Sequence[m.ClientMessage]) -> bool:
+    """Whether a batch is uploads and nothing else (and not empty): it leaves the template of
+    the next Repeat as it was, on both ends (the module docstring's "Repeat")."""
+    for msg in messages:
+        if type(msg) is not m.Upload:
+            return False
+    return bool(messages)
+
+
 _PREDICTABLE = (m.Result, m.Done)
 """Answers whose next instance `_expected_reply` may foresee: a Read's Result, a Sync's Done."""
 _ANSWERED = {m.Read: m.Result, m.Sync: m.Done}
@@ -120,10 +132,12 @@ class _ExpectedReply:
 def _expected_reply(
     last: m.Reply | None, seq: int, sent: tuple[m.ClientMessage, ...] | None, unacked: int
 ) -> tuple[bytes, m.Reply] | None:
-    """The reply to batch `seq` (whose messages are `sent`), and its msgpack bytes, if it is the only
-    batch unacknowledged and answers its requests as `last` did the batch before (each Read's
-    Result the same dtype, shape and size, each Sync a Done); None if that cannot be foreseen."""
-    if last is None or sent is None or unacked != 1 or not last.messages:
+    """The reply to batch `seq` (whose messages are `sent`), and its msgpack bytes, if a batch is
+    unacknowledged and it answers its requests as `last` did the batch before (each Read's Result
+    the same dtype, shape and size, each Sync a Done); None if that cannot be foreseen. Its ack
+    `seq` acks any batch before it too (a DataLoader's upload batch, whose ack the worker lets
+    ride on this reply); a reply that is not this one is told apart by its bytes."""
+    if last is None or sent is None or not unacked or not last.messages:
         return None
     answers: list[m.WorkerMessage] = []
     before = iter(last.messages)
@@ -376,7 +390,7 @@ class ClientConnection:
         self._predicted: Prediction = None
         self._foreseen: _Foreseen | None = None  # the next batch as it would go (`predict`)
         self._repeat: m.Repeat | None = None  # the Repeat the last batch went as
-        self._sent_seq = 0  # the last batch sealed (its expanded messages are `_template`)
+        self._sent_seq = 0  # the last batch sealed that is `_template` (not uploads only)
         # The last reply decoded in full, if it held only Results and Dones, and the reply the
         # next one is likely to be (that one with the last batch's ack and request ids) with its
         # msgpack bytes (`predict`).
@@ -503,9 +517,10 @@ class ClientConnection:
         self._foreseen = None
         if repeat is not None:
             self.counters.batches_repeated += 1
-        self._template = messages
-        self._repeat = repeat
-        self._sent_seq = batch.seq
+        if not uploads_only(messages):
+            self._template = messages
+            self._repeat = repeat
+            self._sent_seq = batch.seq
         if not tail:
             yield channel.seal(head, MESSAGE)
         else:
@@ -834,6 +849,7 @@ class WorkerConnection(Generic[K]):
         self._expected: _Expected | None = None  # what the worker needs of the predicted batch
         self._repeat: m.Repeat | None = None  # the Repeat the last batch came as
         self._seq = 0  # the seq of the last batch
+        self._template_seq = 0  # the seq of the last batch that is `_template` (not uploads only)
         # The predicted batch's exact bytes if it follows the last one at once, its client having
         # taken in the reply to that one (a loop reading every step's loss), with its seq, its
         # received and the Repeat: (bytes, seq, received, repeat).
@@ -884,8 +900,13 @@ class WorkerConnection(Generic[K]):
         batch = m.expand_batch(batch, self._template)
         m.check_tail(batch, len(plaintext) - start)
         self._seq = batch.seq
-        self._repeat = repeat if type(repeat) is m.Repeat and repeat.bindings is None else None
-        self._template = batch.messages
+        if uploads_only(batch.messages):  # the template stays: the next step repeats the last one
+            if self._next_batch is not None and self._expected is not None:
+                self._foresee_next()
+        else:
+            self._template_seq = batch.seq
+            self._repeat = repeat if type(repeat) is m.Repeat and repeat.bindings is None else None
+            self._template = batch.messages
         if batch.received:
             self.replies.confirm(batch.received)
         self._count_uploads(batch.seq, [x.nbytes for x in batch.messages if type(x) is m.Upload])
@@ -926,7 +947,7 @@ class WorkerConnection(Generic[K]):
                     tuple((at, tid) for (at, _), tid in zip(patches, ids, strict=True)),
                 )
         self._check_seq(seq)
-        self._seq = seq
+        self._seq = self._template_seq = seq
         self._repeat = repeat
         self._template = messages
         if received:
@@ -1004,9 +1025,16 @@ class WorkerConnection(Generic[K]):
             self._expected = last = _Expected.of(predicted, last)
         self._next_batch = None
         if last is not None and last.sites is None and last.template is template and self._seq:
-            seq = self._seq
-            data = m.encode_repeat_batch(seq + 1, last.repeat, seq)
-            self._next_batch = (data, seq + 1, seq, last.repeat)
+            self._foresee_next()
+
+    def _foresee_next(self) -> None:
+        """The expected Repeat's exact bytes as the batch right after the last one, sent by a client
+        that took in the reply to the template's batch (`_next_batch`)."""
+        expected = self._expected
+        assert expected is not None
+        seq = self._seq + 1
+        data = m.encode_repeat_batch(seq, expected.repeat, self._template_seq)
+        self._next_batch = (data, seq, self._template_seq, expected.repeat)
 
     @property
     def unacked_bytes(self) -> int:

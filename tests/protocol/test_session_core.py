@@ -131,6 +131,46 @@ def test_steps_that_repeat_the_last_shifts_go_as_repeats_and_expand_to_their_own
         np.testing.assert_array_equal(pair.waiter.answers[1 + step][0], np.full(2, step, np.float32))
 
 
+def test_a_batch_of_uploads_only_between_steps_leaves_the_step_before_as_the_template() -> None:
+    """A DataLoader sends batch k+1's upload on its own between step k and step k+1: the steps still
+    go as Repeats of each other, and the worker expands each to its own ids."""
+    pair = Pair()
+    pair.graph_bodies[GID] = b"body"
+    seen = applied_batches(pair)
+    steps = 6
+    for step in range(steps):
+        x = np.full(2, step, np.float32)
+        tid, rid = 10 + 2 * step, 1 + step
+        pair.client.submit([upload(tid, x)], [x], x.nbytes)  # the loader's next batch, alone
+        pair.waiter.wanted.add(rid)
+        messages: list[m.ClientMessage] = [m.Execute(GID, (tid,), (0.5,), tid + 1)]
+        if step == 0:
+            messages.insert(0, m.Register(GID, b"body"))
+        elif step > 1:
+            messages.append(m.Drop((tid - 2,)))
+        pair.client.submit([*messages, m.Read(rid, tid + 1)], [], 0)
+        pair.run()
+    assert pair.client.counters.batches_repeated == steps - 3  # steps 3 to 5
+    step_batches = [b for b in seen if not s.uploads_only(b.messages)]
+    for step, batch in enumerate(step_batches[2:], 2):
+        tid = 10 + 2 * step
+        assert batch.messages == (
+            m.Execute(GID, (tid,), (0.5,), tid + 1),
+            m.Drop((tid - 2,)),
+            m.Read(1 + step, tid + 1),
+        )
+    for step in range(steps):
+        np.testing.assert_array_equal(pair.waiter.answers[1 + step][0], np.full(2, step, np.float32))
+
+
+def test_uploads_only_is_a_batch_of_uploads_and_nothing_else() -> None:
+    up = m.Upload(1, "float32", (2,), 8)
+    assert s.uploads_only((up, up))
+    assert not s.uploads_only(())
+    assert not s.uploads_only((up, m.Drop((1,))))
+    assert not s.uploads_only((m.Read(1, 1),))
+
+
 def arrives_alike(
     client: s.ClientConnection,
     predicting: s.WorkerConnection[Reply],
@@ -243,8 +283,8 @@ def test_a_resent_batch_goes_in_full_never_as_a_repeat() -> None:
     pair = Pair()
     pair.graph_bodies[GID] = b"body"
     x = np.zeros(1, np.float32)
-    pair.client.submit([upload(1, x)], [x], x.nbytes)
-    pair.client.submit([upload(2, x)], [x], x.nbytes)  # a Repeat of batch 1
+    pair.client.submit([upload(1, x), m.Sync(1)], [x], x.nbytes)
+    pair.client.submit([upload(2, x), m.Sync(2)], [x], x.nbytes)  # a Repeat of batch 1
     pair.client.submit([m.Execute(GID, (1,), (), 3)], [], 0)
     pair.client.submit([m.Execute(GID, (2,), (), 4)], [], 0)  # a Repeat of batch 3
     pair.run()
