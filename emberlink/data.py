@@ -8,7 +8,12 @@ PyTorch's `DataLoader` over a `TensorDataset`, with the device named, in one of 
   reads nothing: on a remote device its bytes are sealed here and opened on the worker while
   step k runs there and its answer travels back, and on the wire they come after step k's work,
   never before it. (Sent when batch k is handed out, as this loader first did, they went ahead
-  of step k: the worker opened them before it could start the step.)
+  of step k: the worker opened them before it could start the step.) Over the raw tcp link the
+  thread that reads step k's loss writes step k, then seals and writes batch k+1 itself, then
+  reads the answer (client/session.py's `request_direct`, `send_owned`), with no hand-off to the
+  I/O thread and back: a cheap jitted step fed 128x784 float32 batches by a cpu worker,
+  client and worker on a core each, went from 801-832 to 685-729 µs a step, the client's CPU
+  (both threads) from ~455 to ~395 µs.
 - Resident data (`resident=True`): the arrays are uploaded once, when the loader is made, and a
   batch is `data.take(idx, axis=0)` recorded on the device, so per batch only `idx` (batch_size
   int32 indices; int64 past 2**31 rows) travels. The index is a tensor on purpose: a slice's

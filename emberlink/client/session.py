@@ -354,24 +354,51 @@ class ClientSession:
         nbytes: int,
         staged: Staged | None,
     ) -> bool:
-        """From a user thread, for a batch nobody waits for: if this thread owns the link and runs
-        its `after_sent` work (`request_direct`), seal and write the batch here, right after the
-        one it waits for (the link's order is the wire's); False, having done nothing, if not
-        (`hand_over` it then). A batch too large to write here, or one behind bytes the loop must
-        write first, lets the link go to the loop (the answer is then the loop's to settle)."""
+        """From a user thread, for a batch nobody waits for: seal and write it on this thread if it
+        owns the link already, running its `after_sent` work (`request_direct`: right after the
+        batch it waits for, as the wire had them), or can claim it (parked: the host DataLoader's
+        first batch of an epoch), parking it again after; False, having done nothing, if not
+        (`hand_over` it then). A batch over DIRECT_BYTES, or one behind bytes the loop must write
+        first, lets an owner's link go to the loop (its answer is then the loop's to settle)."""
         link = self._ownable
-        if self._owner != threading.get_ident() or not self._owning or link is None:
+        if link is None:
             return False
-        if self._owner_then or nbytes > DIRECT_BYTES:
-            self._release(False)
+        if self._owner == threading.get_ident():
+            if not self._owning:
+                return False
+            if self._owner_then or nbytes > DIRECT_BYTES:
+                self._release(False)
+                return False
+            self._write_owned(link, messages, bulks, nbytes, staged)
+            return True
+        if nbytes > DIRECT_BYTES or not link.try_claim():
             return False
+        self._owning = True
+        keep = False
+        try:
+            keep = self._write_owned(link, messages, bulks, nbytes, staged) and self._idle_session()
+        finally:
+            self._release(keep)
+        return True
+
+    def _write_owned(
+        self,
+        link: OwnableLink,
+        messages: list[m.ClientMessage],
+        bulks: list[np.ndarray],
+        nbytes: int,
+        staged: Staged | None,
+    ) -> bool:
+        """Queue and write one batch on the owning thread; whether it went whole (else what is
+        left, or the failure, is the loop's once the link is released)."""
         try:
             self._conn.submit(messages, bulks, nbytes, staged)
-            if not self._write_next(link.write_direct, retry_refused=False):
-                self._owner_then.append(self._wake.set)  # the rest goes from the loop, in order
+            if self._write_next(link.write_direct, retry_refused=False):
+                return True
+            self._owner_then.append(self._wake.set)  # the rest goes from the loop, in order
         except EmberlinkError as e:
             self._owner_then.append(functools.partial(self.fail, e))
-        return True
+        return False
 
     def read_acks(self) -> None:
         """From a user thread about to wait for acknowledgements (flow control): make sure the
