@@ -12,6 +12,9 @@ waits for at once (a blocking read, `sync`) may skip the loop: `request_direct`,
 seals and writes it and reads until its answer has come, when the session has nothing else
 outstanding (the link is parked then: the loop touches neither it nor the connection until the
 thread releases it). Anything that needs the loop meanwhile makes the thread release at once.
+Between its write and its read the thread may run work that sends more (`after_sent`: the host
+DataLoader's next batch), whose batches it writes too (`send_owned`), after the one it waits for;
+a batch nobody waits for also goes from a thread that finds the link parked (`send_owned`).
 
 When the link drops and a `resumer` is set (client/reconnect.py), the session is resumed on a new
 link instead of failing: the worker says which batch it applied last, every later batch goes again
@@ -290,6 +293,10 @@ class ClientSession:
         and written there while the worker runs this step, with no hand-off to the loop and back
         (the small MLP's loader step on the H200: see data.py)."""
         link = self._ownable
+        if self._owner is not None and self._owner == threading.get_ident():
+            if self._owning:  # a read inside this thread's after_sent work: the loop must read for both
+                self._release(False)
+            return False
         if link is None or nbytes > DIRECT_BYTES or not link.try_claim():
             return False
         if (

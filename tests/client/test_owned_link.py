@@ -439,3 +439,17 @@ def test_a_tcp_link_cut_under_a_loader_loop_is_resumed_with_the_same_losses() ->
             losses.append(float(step(xb, yb)))
         assert dev.stats()["resumes"] == 3
     assert losses == plain_losses(data, 8)
+
+
+def test_a_read_inside_the_work_run_after_a_read_is_sent_is_answered_too() -> None:
+    # The owning thread cannot wait for an answer only it would read: it lets the link go first.
+    total = el.jit(lambda x: x.sum())
+    with emberlink.testing.worker(tcp=True) as w, w.device(transport="tcp") as dev:
+        x = np.arange(16, dtype=np.float32)
+        for _ in range(3):
+            assert float(total(dev.tensor(x))) == 120.0  # parks the link
+        inner: list[float] = []
+        dev._after_read_sent.append(lambda: inner.append(float(total(dev.tensor(x * 2)))))
+        assert float(total(dev.tensor(x + 1))) == 136.0
+        assert inner == [240.0]
+        assert float(total(dev.tensor(x))) == 120.0
