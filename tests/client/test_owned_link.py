@@ -304,7 +304,7 @@ def test_a_loader_loop_over_tcp_sends_the_next_batch_from_the_reading_thread_wit
     # through the loop.
     assert direct.true > 40
     assert owned.true > 40
-    assert via_loop.calls < 6
+    assert via_loop.calls < 10  # (the first steps, the Close)
 
 
 def test_a_next_batch_that_fails_while_the_thread_owns_the_link_fails_next_not_the_read(
