@@ -8,7 +8,13 @@ PyTorch's `DataLoader` over a `TensorDataset`, with the device named, in one of 
   reads nothing: on a remote device its bytes are sealed here and opened on the worker while
   step k runs there and its answer travels back, and on the wire they come after step k's work,
   never before it. (Sent when batch k is handed out, as this loader first did, they went ahead
-  of step k: the worker opened them before it could start the step.)
+  of step k: the worker opened them before it could start the step.) Over the raw tcp link the
+  thread that reads step k's loss writes step k, then seals and writes batch k+1 itself, then
+  reads the answer (client/session.py's `request_direct`, `send_owned`), with no hand-off to the
+  I/O thread and back. A cheap jitted step fed 128x784 float32 batches, a cpu worker over tcp,
+  client and worker on a core each, five interleaved runs of 1000 steps each: 801-1291 (median
+  832) -> 685-906 (729) µs a step, the client's CPU a step (both threads) 450-532 (458) ->
+  381-401 (389) µs.
 - Resident data (`resident=True`): the arrays are uploaded once, when the loader is made, and a
   batch is `data.take(idx, axis=0)` recorded on the device, so per batch only `idx` (batch_size
   int32 indices; int64 past 2**31 rows) travels. The index is a tensor on purpose: a slice's

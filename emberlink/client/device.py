@@ -297,13 +297,11 @@ class Device:
             _tensor.JIT_TRACE.refuse(self, "read")
         if v.node is not None:
             self.flush()
-        if not self._after_read_sent:  # the round trip may be done on this thread
-            return self._executor.read(v.buf, wait=True).result()  # type: ignore[arg-type]
-        # Work to do while the read is on its way (the DataLoader's next batch): the read is sent
-        # by the I/O thread, not done on this one, so that this thread is free to do that work.
-        fut = self._executor.read(v.buf)  # type: ignore[arg-type]
-        self._run_after_read_sent()
-        return fut.result()
+        # Work queued for while the read is on its way (the DataLoader's next batch) runs on this
+        # thread right after the read is sent; over the raw tcp link, where this thread may do the
+        # round trip itself, it runs while the thread owns the link, whose batches go from there.
+        then = self._run_after_read_sent if self._after_read_sent else None
+        return self._executor.read(v.buf, wait=True, after_sent=then).result()  # type: ignore[arg-type]
 
     def _run_after_read_sent(self) -> None:
         calls, self._after_read_sent = self._after_read_sent, []

@@ -7,7 +7,7 @@ op ever waits for the executor to name a result.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypedDict
 
@@ -85,9 +85,11 @@ class Executor(Protocol):
         A failure poisons the outputs: reading one raises the failure, and `sync` raises it once.
         """
 
-    def read(self, buf: int, wait: bool = False) -> ReadFuture:
+    def read(self, buf: int, wait: bool = False, after_sent: Callable[[], None] | None = None) -> ReadFuture:
         """The array in `buf`, as a future; the array returned is the caller's to keep. `wait`: the
-        caller waits for it at once (a remote executor may then do the round trip on its thread)."""
+        caller waits for it at once (a remote executor may then do the round trip on its thread).
+        `after_sent`: called once, on this thread, when the read is on its way and before anything
+        waits for it (work that overlaps the read: the host DataLoader's next batch)."""
         ...
 
     def drop(self, bufs: Sequence[int]) -> None:

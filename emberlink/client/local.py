@@ -9,7 +9,7 @@ buffer passes the same error on, as a worker does.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -148,9 +148,17 @@ class LocalExecutor:
         if self._first_failure is None:
             self._first_failure = error
 
-    def read(self, buf: int, wait: bool = False) -> HostCopy | _Failed:
+    def read(
+        self, buf: int, wait: bool = False, after_sent: Callable[[], None] | None = None
+    ) -> HostCopy | _Failed:
         """The copy to host memory starts now; on a GPU it runs after the work queued so far, and
         only `result()` waits for it (so `read_async` lets the next step's work go on meanwhile)."""
+        out = self._read(buf)
+        if after_sent is not None:
+            after_sent()
+        return out
+
+    def _read(self, buf: int) -> HostCopy | _Failed:
         array = self._store.get(buf)
         if array is None:
             error = self._poisoned.get(buf)

@@ -330,11 +330,12 @@ class RemoteExecutor:
                 raise type(dead)(dead.message) from dead
             raise WorkerLost(f"the session with worker {self.worker_node_id} is over: {dead}") from dead
 
-    def _flush(self, answer: Future[Any] | None = None) -> None:
+    def _flush(self, answer: Future[Any] | None = None, after_sent: Callable[[], None] | None = None) -> bool:
         """Send the pending batch; `answer`: this thread waits for that future at once, so it may
-        do the round trip itself (ClientSession.request_direct)."""
+        do the round trip itself (ClientSession.request_direct), running `after_sent` once the
+        batch is out and before it reads. Whether it ran `after_sent` (else the caller does)."""
         if not self._pending:
-            return
+            return False
         messages, bulks, nbytes = self._pending, self._pending_bulks, self._pending_bytes
         self._pending, self._pending_bulks, self._pending_bytes = [], [], 0
         staged = None
@@ -344,22 +345,33 @@ class RemoteExecutor:
             if stage.count == len(bulks):  # every upload of the batch lies in it, in order
                 staged = Staged(stage.buffer.data, STAGE_ROOM)
                 self._stage_size = stage.used - STAGE_ROOM
+        session = self._session
         with self._flow_cond:
             while self._dead is None and not within_flow(
                 self._unacked_batches, self._unacked_bytes, nbytes, self._max_batches, self._max_bytes
             ):
+                session.read_acks()  # (a parked or owned link is read by nobody meanwhile)
                 self._flow_cond.wait()
             self._unacked_batches += 1
             self._unacked_bytes += nbytes
         self._check()
-        session = self._session
-        if answer is not None and session.request_direct(messages, bulks, nbytes, staged, answer):
-            return
+        if answer is not None:
+            if session.request_direct(messages, bulks, nbytes, staged, answer, after_sent):
+                return after_sent is not None
+        elif session.send_owned(messages, bulks, nbytes, staged):
+            return False
         session.hand_over(messages, bulks, nbytes, staged)
+        return False
 
-    def _request(self, make: Callable[[int], m.ClientMessage], wait: bool = False) -> Future[Any]:
+    def _request(
+        self,
+        make: Callable[[int], m.ClientMessage],
+        wait: bool = False,
+        after_sent: Callable[[], None] | None = None,
+    ) -> Future[Any]:
         """Queue a message that the worker answers, flush, and return the future of the answer
-        (`wait`: the caller waits for it at once)."""
+        (`wait`: the caller waits for it at once; `after_sent`: run on this thread once it is on
+        its way, before anything waits for it)."""
         self._check()
         rid = next(self._rids)
         fut: Future[Any] = Future()
@@ -368,8 +380,9 @@ class RemoteExecutor:
             self._flow.waited.add(rid)
         self._pending.append(make(rid))
         self.counters.round_trips += 1
+        ran = False
         try:
-            self._flush(fut if wait else None)
+            ran = self._flush(fut if wait else None, after_sent)
         except EmberlinkError as e:
             self._flow.futures.pop(rid, None)
             self._flow.waited.discard(rid)
@@ -379,6 +392,8 @@ class RemoteExecutor:
             self._flow.futures.pop(rid, None)
             self._flow.waited.discard(rid)
             _settle(fut, dead)
+        if after_sent is not None and not ran:
+            after_sent()
         return fut
 
     # -- Executor ---------------------------------------------------------------------------------------
@@ -462,9 +477,13 @@ class RemoteExecutor:
         if len(self._pending) >= FLUSH_MESSAGES:
             self._flush()
 
-    def read(self, buf: int, wait: bool = False) -> Future[np.ndarray]:
-        """The array in `buf` as a concurrent future (`.result()` waits; `numpy()` calls it)."""
-        return self._request(lambda rid: m.Read(rid, buf), wait)
+    def read(
+        self, buf: int, wait: bool = False, after_sent: Callable[[], None] | None = None
+    ) -> Future[np.ndarray]:
+        """The array in `buf` as a concurrent future (`.result()` waits; `numpy()` calls it). With
+        `wait`, over the raw tcp link, the waiting thread may do the round trip itself, and
+        `after_sent` runs there between its send and its read (ClientSession.request_direct)."""
+        return self._request(lambda rid: m.Read(rid, buf), wait, after_sent)
 
     def drop(self, bufs: Sequence[int]) -> None:
         if self._dead is not None or self._closed or not bufs:

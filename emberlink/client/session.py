@@ -12,6 +12,9 @@ waits for at once (a blocking read, `sync`) may skip the loop: `request_direct`,
 seals and writes it and reads until its answer has come, when the session has nothing else
 outstanding (the link is parked then: the loop touches neither it nor the connection until the
 thread releases it). Anything that needs the loop meanwhile makes the thread release at once.
+Between its write and its read the thread may run work that sends more (`after_sent`: the host
+DataLoader's next batch), whose batches it writes too (`send_owned`), after the one it waits for;
+a batch nobody waits for also goes from a thread that finds the link parked (`send_owned`).
 
 When the link drops and a `resumer` is set (client/reconnect.py), the session is resumed on a new
 link instead of failing: the worker says which batch it applied last, every later batch goes again
@@ -26,6 +29,7 @@ import functools
 import itertools
 import logging
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -154,6 +158,7 @@ class ClientSession:
         self._owning = False  # a user thread owns the link (request_direct)
         self._waited = False  # the last answer settled was one a thread waited for at once
         self._owner_then: list[Callable[[], None]] = []  # what it leaves for the loop to do
+        self._owner: int | None = None  # the owning thread's id while it runs its after-sent work
         self._idle = False  # the sender task waits for work (nothing of it is being sent)
         self._unsent: tuple[int, Iterator[bytes | bytearray]] | None = None  # (seq, blobs) for the task
         self._bars: dict[int, Any] = {}  # rid -> progress bar of a large result arriving
@@ -207,7 +212,13 @@ class ClientSession:
         ):
             return  # a user thread owns the link: once it has released it
         conn = self._conn
-        now = self._idle and not conn.pending() and self._resuming is None and nbytes <= SEND_NOW_BYTES
+        now = (
+            self._idle
+            and not conn.pending()
+            and self._unsent is None  # (what an owner left unwritten goes first)
+            and self._resuming is None
+            and nbytes <= SEND_NOW_BYTES
+        )
         conn.submit(messages, bulks, nbytes, staged)
         nowait = self._nowait
         if now and nowait is not None:
@@ -266,6 +277,7 @@ class ClientSession:
         nbytes: int,
         staged: Staged | None,
         answer: Future[Any],
+        after_sent: Callable[[], None] | None = None,
     ) -> bool:
         """From a user thread that waits for `answer` at once: send the batch and read until
         `answer` is settled on this thread, if the link is parked (nothing else outstanding);
@@ -273,30 +285,142 @@ class ClientSession:
         releases the link to the loop when something needs it: `answer` is then the loop's to
         settle. Measured on the jitted tiny step over tcp (uvloop, worker in another process,
         bench/step_trace.py, three interleaved runs each): the step 256-315 -> 237-251 µs, the
-        client's CPU a step (user thread + I/O thread) 126-163 -> 112-119 µs."""
+        client's CPU a step (user thread + I/O thread) 126-163 -> 112-119 µs.
+
+        `after_sent` (when True is returned) runs on this thread once the batch is out and before
+        it reads: still owning the link if the batch went whole, so that a batch it flushes goes
+        from here too, after this one (`send_owned`); the host DataLoader's next batch is sealed
+        and written there while the worker runs this step, with no hand-off to the loop and back
+        (the small MLP's loader step on the H200: see data.py)."""
         link = self._ownable
+        if self._owner is not None and self._owner == threading.get_ident():
+            if self._owning:  # a read inside this thread's after_sent work: the loop must read for both
+                self._release(False)
+            return False
         if link is None or nbytes > DIRECT_BYTES or not link.try_claim():
             return False
+        if (
+            not self._round_trip_owned(link, messages, bulks, nbytes, staged, answer, after_sent)
+            and after_sent
+        ):
+            after_sent()  # the batch did not go whole from here: the link is the loop's now
+        return True
+
+    def _round_trip_owned(
+        self,
+        link: OwnableLink,
+        messages: list[m.ClientMessage],
+        bulks: list[np.ndarray],
+        nbytes: int,
+        staged: Staged | None,
+        answer: Future[Any],
+        after_sent: Callable[[], None] | None,
+    ) -> bool:
+        """request_direct's round trip on the claimed link; whether it ran `after_sent`."""
         # This thread owns the link: the loop touches neither it nor the connection until released.
-        keep = False
+        keep = ran = False
         then = self._owner_then
         self._owning = True
         try:
             self._conn.submit(messages, bulks, nbytes, staged)
             if not self._write_next(link.write_direct, retry_refused=False):
                 then.append(self._wake.set)  # what is left goes from the loop, in order
-                return True
+                return ran
+            if after_sent is not None:
+                ran = True
+                self._owner = threading.get_ident()
+                try:
+                    after_sent()
+                finally:
+                    self._owner = None
+                if not self._owning:  # it let the link go (`read_acks`)
+                    return ran
             while not answer.done() and not then:
                 if not link.read_direct(self._take_direct):
-                    return True
+                    return ran
             keep = not then and self._idle_session()
         except EmberlinkError as e:
             then.append(functools.partial(self.fail, e))
         finally:
-            self._owning = False
-            self._owner_then = []
-            link.release(keep, _in_order(then) if then else None)
+            if self._owning:
+                self._release(keep)
+        return ran
+
+    def _release(self, keep: bool) -> None:
+        """The owning thread gives the link up (parked again if `keep` and nothing needs the loop)."""
+        assert self._ownable is not None
+        then = self._owner_then
+        self._owning = False
+        self._owner_then = []
+        self._ownable.release(keep, _in_order(then) if then else None)
+
+    def send_owned(
+        self,
+        messages: list[m.ClientMessage],
+        bulks: list[np.ndarray],
+        nbytes: int,
+        staged: Staged | None,
+    ) -> bool:
+        """From a user thread, for a batch nobody waits for: seal and write it on this thread if it
+        owns the link already, running its `after_sent` work (`request_direct`: right after the
+        batch it waits for, as the wire had them), or can claim it (parked: the host DataLoader's
+        first batch of an epoch), parking it again after; False, having done nothing, if not
+        (`hand_over` it then). A batch over DIRECT_BYTES, or one behind bytes the loop must write
+        first, lets an owner's link go to the loop (its answer is then the loop's to settle)."""
+        link = self._ownable
+        if link is None:
+            return False
+        if self._owner == threading.get_ident():
+            if not self._owning:
+                return False
+            if self._owner_then or nbytes > DIRECT_BYTES:
+                self._release(False)
+                return False
+            self._write_owned(link, messages, bulks, nbytes, staged)
+            return True
+        if nbytes > DIRECT_BYTES or not link.try_claim():
+            return False
+        self._owning = True
+        keep = False
+        try:
+            keep = self._write_owned(link, messages, bulks, nbytes, staged) and self._idle_session()
+        finally:
+            self._release(keep)
         return True
+
+    def _write_owned(
+        self,
+        link: OwnableLink,
+        messages: list[m.ClientMessage],
+        bulks: list[np.ndarray],
+        nbytes: int,
+        staged: Staged | None,
+    ) -> bool:
+        """Queue and write one batch on the owning thread; whether it went whole (else what is
+        left, or the failure, is the loop's once the link is released)."""
+        try:
+            self._conn.submit(messages, bulks, nbytes, staged)
+            if self._write_next(link.write_direct, retry_refused=False):
+                return True
+            self._owner_then.append(self._wake.set)  # the rest goes from the loop, in order
+        except EmberlinkError as e:
+            self._owner_then.append(functools.partial(self.fail, e))
+        return False
+
+    def read_acks(self) -> None:
+        """From a user thread about to wait for acknowledgements (flow control): make sure the
+        link is read. An owner in its `after_sent` work lets it go to the loop; a parked link (it
+        may park with batches unacknowledged, `_idle_session`) is taken back by the loop."""
+        if self._owner == threading.get_ident():
+            if self._owning:
+                self._release(False)
+        elif self._ownable is not None:
+            self._ownable.call_on_loop(self._take_link)
+
+    def _take_link(self) -> None:
+        ownable = self._ownable
+        if ownable is not None and not ownable.loop_has_it:
+            ownable.take_back(_nothing)
 
     def _take_direct(self, blob: bytes | memoryview) -> bool:
         """The owning thread's receiver (as `_take_blob` is the loop's); what only the loop may
@@ -312,15 +436,18 @@ class ClientSession:
         return True
 
     def _idle_session(self) -> bool:
-        """Whether the link may park: nothing is outstanding (no answer awaited, no batch
-        unacknowledged or queued), and the last answer was one a thread waited for at once, so
-        the next batch is likely one too (a loop that reads its losses late would only pay for
-        parking and taking the link back each step: +10 µs of the loop's CPU a step, measured)."""
+        """Whether the link may park: nothing is outstanding (no answer awaited, no batch queued
+        or half sent), and the last answer was one a thread waited for at once, so the next batch
+        is likely one too (a loop that reads its losses late would only pay for parking and
+        taking the link back each step: +10 µs of the loop's CPU a step, measured). Batches sent
+        whole but not yet acknowledged do not keep it from parking: their acks wait in the socket
+        for the next thread to read it (the host DataLoader's next batch is one such, every step,
+        and its ack comes up to 1 ms after the step's answer); a thread that must wait for acks
+        (flow control) asks for the link first (`read_acks`)."""
         conn = self._conn
         return (
             self._waited
             and not self._flow.futures
-            and not conn.unacked
             and not conn.pending()
             and self._unsent is None
             and self._idle
@@ -548,6 +675,10 @@ class ClientSession:
         await self._link.close()
         if self.dead is None:
             self.dead = WorkerLost(f"the session with worker {self._worker} is closed")
+
+
+def _nothing() -> None:
+    pass
 
 
 def _in_order(calls: list[Callable[[], None]]) -> Callable[[], None]:

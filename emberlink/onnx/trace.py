@@ -104,7 +104,7 @@ class Recorder:
         for buf, v in zip(call.outputs, graph.outputs, strict=True):
             self._by_buf[buf] = local[v]
 
-    def read(self, buf: int, wait: bool = False) -> Any:
+    def read(self, buf: int, wait: bool = False, after_sent: Callable[[], None] | None = None) -> Any:
         raise ExportError(
             "the forward pass reads a tensor's value (float(t), t.item(), t.numpy(), if on a tensor, ...): "
             "export records tensor ops only, so a result that depends on a value read in Python "

@@ -19,6 +19,7 @@ import emberlink.testing
 from emberlink.client.device import Device
 from emberlink.client.remote import connect_ticket
 from emberlink.client.session import ClientSession
+from emberlink.data import DataLoader
 from emberlink.protocol.ticket import Ticket
 
 from ..training import mlp_losses
@@ -249,3 +250,206 @@ def test_host_batches_of_steps_still_in_flight_arrive_each_with_its_own_values()
             assert [float(f.result()) for f in futures] == [128 * 784 * k for k in range(8)]
             for k in range(0, 8, 2):  # and steps that wait, reusing buffers in between
                 assert float(total(dev.tensor(xs[k]))) == 128 * 784 * k
+
+
+# -- the host DataLoader: the next batch goes from the thread that owns the link ---------------------
+
+
+def loader_data(rows: int, features: int = 20) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(5)
+    return rng.standard_normal((rows, features), dtype=np.float32), rng.integers(0, 5, rows)
+
+
+def jitted_training(dev: Device, features: int = 20) -> Callable[[el.Tensor, el.Tensor], el.Tensor]:
+    nn = el.nn
+    model = nn.Sequential(nn.Linear(features, 16, seed=3), nn.ReLU(), nn.Linear(16, 5, seed=4)).to(dev)
+    opt = el.optim.SGD(model.parameters(), lr=0.1)
+
+    @el.jit
+    def step(x: el.Tensor, y: el.Tensor) -> el.Tensor:
+        loss = el.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def plain_losses(data: tuple[np.ndarray, np.ndarray], batch: int) -> list[float]:
+    """The losses of the same training with each batch made by `dev.tensor`, on this CPU."""
+    x, y = data
+    with el.Device.cpu() as cpu:
+        step = jitted_training(cpu, x.shape[1])
+        return [
+            float(step(cpu.tensor(x[k : k + batch]), cpu.tensor(y[k : k + batch])))
+            for k in range(0, len(x), batch)
+        ]
+
+
+def test_a_loader_loop_over_tcp_sends_the_next_batch_from_the_reading_thread_with_the_same_losses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    direct = Counted(monkeypatch, "request_direct")
+    owned = Counted(monkeypatch, "send_owned")
+    via_loop = Counted(monkeypatch, "submit")
+    data = loader_data(8 * 4)
+    with emberlink.testing.worker(tcp=True) as w, w.device(transport="tcp") as dev:
+        step = jitted_training(dev)
+        loader = DataLoader(data, 8, device=dev)
+        losses = [float(step(xb, yb)) for _ in range(12) for xb, yb in loader]
+    assert losses == plain_losses((np.tile(data[0], (12, 1)), np.tile(data[1], 12)), 8)
+    # After the first steps, each step's read and the next batch's upload (an epoch's first batch
+    # too) are written by the reading thread, which then reads the answer itself: nothing goes
+    # through the loop.
+    assert direct.true > 40
+    assert owned.true > 40
+    assert via_loop.calls < 10  # (the first steps, the Close)
+
+
+def test_a_next_batch_that_fails_while_the_thread_owns_the_link_fails_next_not_the_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    owned = Counted(monkeypatch, "send_owned")
+    data = loader_data(8 * 12)
+    with emberlink.testing.worker(tcp=True) as w, w.device(transport="tcp") as dev:
+        step = jitted_training(dev)
+        loader = DataLoader(data, 8, device=dev)
+        it = iter(loader)
+        losses = [float(step(*next(it))) for _ in range(6)]  # the link is the reading thread's by now
+        assert owned.true > 0
+        xb, yb = next(it)
+        make = loader._upload
+
+        def broken(order: np.ndarray | None, bound: tuple[int, int]) -> Any:
+            raise el.DeviceError("no room for the next batch")
+
+        monkeypatch.setattr(loader, "_upload", broken)
+        losses.append(float(step(xb, yb)))  # the read is answered; the failure waits for next()
+        with pytest.raises(el.DeviceError, match="no room for the next batch"):
+            next(it)
+        monkeypatch.setattr(loader, "_upload", make)
+        # The session carries on: a new epoch gives the losses of a fresh run's steps after these.
+        losses += [float(step(xb, yb)) for xb, yb in loader]
+    want = plain_losses(data, 8)
+    assert losses == want[:7] + plain_losses_continued(data, 8, 7)
+
+
+def plain_losses_continued(data: tuple[np.ndarray, np.ndarray], batch: int, done: int) -> list[float]:
+    """The losses of a whole epoch after `done` steps of the first one, on this CPU."""
+    x, y = data
+    with el.Device.cpu() as cpu:
+        step = jitted_training(cpu, x.shape[1])
+        for k in range(0, done * batch, batch):
+            float(step(cpu.tensor(x[k : k + batch]), cpu.tensor(y[k : k + batch])))
+        return [
+            float(step(cpu.tensor(x[k : k + batch]), cpu.tensor(y[k : k + batch])))
+            for k in range(0, len(x), batch)
+        ]
+
+
+def test_a_loader_loop_left_early_over_tcp_uploads_nothing_more() -> None:
+    data = loader_data(8 * 20)
+    per_batch = data[0][:8].nbytes + data[1][:8].nbytes
+    with emberlink.testing.worker(tcp=True) as w, w.device(transport="tcp") as dev:
+        step = jitted_training(dev)
+        dev.sync()
+        start = int(dev.stats()["bytes_uploaded"])
+        for i, (xb, yb) in enumerate(DataLoader(data, 8, device=dev)):
+            float(step(xb, yb))  # uploads batch i + 1 while step i runs
+            if i == 9:
+                break
+        uploaded = int(dev.stats()["bytes_uploaded"]) - start
+        assert float(step(dev.tensor(data[0][:8]), dev.tensor(data[1][:8]))) > 0  # the session carries on
+        assert int(dev.stats()["bytes_uploaded"]) - start == uploaded + per_batch
+    assert uploaded == 11 * per_batch  # batches 0..10: the one made ahead of the last step, no more
+
+
+def test_a_next_batch_too_large_to_write_from_the_reading_thread_goes_through_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    owned = Counted(monkeypatch, "send_owned")
+    data = loader_data(2 * 6, 160_000)  # 1.28 MB a batch: more than one thread writes itself
+    with emberlink.testing.worker(tcp=True) as w, w.device(transport="tcp") as dev:
+        total = el.jit(lambda x: x.sum())
+        warm = np.ones(16, np.float32)
+        for _ in range(3):
+            assert float(total(dev.tensor(warm))) == 16.0  # parks the link
+        sums = [float(total(xb)) for xb, _ in DataLoader(data, 2, device=dev)]
+        assert float(total(dev.tensor(warm))) == 16.0
+    assert sums == [float(data[0][k : k + 2].sum(dtype=np.float32)) for k in range(0, 12, 2)]
+    assert owned.calls > 0 and owned.true == 0
+
+
+def test_a_next_batch_held_back_by_flow_control_lets_the_link_go_instead_of_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    release = Counted(monkeypatch, "read_acks")
+    data = loader_data(8 * 16)
+    with emberlink.testing.worker(tcp=True) as w, w.device(transport="tcp") as dev:
+        step = jitted_training(dev)
+        # Two batches unacknowledged at most: the step's and the next batch's, made while the step
+        # runs, may not both go while the batch before is unacknowledged (its ack comes up to 1 ms
+        # after its step's answer, and the link parks before it). Owning the link, the reading
+        # thread cannot wait for that ack: nobody else would read it.
+        dev._executor._max_batches = 2  # type: ignore[attr-defined]
+        losses = [float(step(xb, yb)) for xb, yb in DataLoader(data, 8, device=dev)]
+    assert losses == plain_losses(data, 8)
+    assert release.calls > 0
+
+
+def test_loader_loops_on_several_threads_each_get_their_own_losses() -> None:
+    datas = [loader_data(8 * 24 + k) for k in range(3)]
+    wants = [plain_losses((x[: 8 * 24], y[: 8 * 24]), 8) for x, y in datas]
+    got: list[list[float]] = [[] for _ in datas]
+    errors: list[BaseException] = []
+
+    def run(dev: Device, k: int) -> None:
+        try:
+            step = jitted_training(dev)
+            got[k] = [float(step(xb, yb)) for xb, yb in DataLoader(datas[k], 8, device=dev, drop_last=True)]
+        except BaseException as e:  # noqa: BLE001 (the main thread raises it)
+            errors.append(e)
+
+    with emberlink.testing.worker(tcp=True) as w:
+        devices = [w.device(transport="tcp") for _ in datas]
+        threads = [threading.Thread(target=run, args=(d, k)) for k, d in enumerate(devices)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for d in devices:
+            d.close()
+    assert not errors, errors
+    assert got == wants
+
+
+def test_a_tcp_link_cut_under_a_loader_loop_is_resumed_with_the_same_losses() -> None:
+    data = loader_data(8 * 30)
+    with emberlink.testing.worker(tcp=True) as w, proxied_tcp_device(w) as (dev, proxy):
+        step = jitted_training(dev)
+        losses = []
+        for i, (xb, yb) in enumerate(DataLoader(data, 8, device=dev)):
+            if i in (
+                6,
+                7,
+                19,
+            ):  # the link parked, the next batch unacknowledged: the reading thread meets the cut
+                proxy.cut()
+            losses.append(float(step(xb, yb)))
+        assert dev.stats()["resumes"] == 3
+    assert losses == plain_losses(data, 8)
+
+
+def test_a_read_inside_the_work_run_after_a_read_is_sent_is_answered_too() -> None:
+    # The owning thread cannot wait for an answer only it would read: it lets the link go first.
+    total = el.jit(lambda x: x.sum())
+    with emberlink.testing.worker(tcp=True) as w, w.device(transport="tcp") as dev:
+        x = np.arange(16, dtype=np.float32)
+        for _ in range(3):
+            assert float(total(dev.tensor(x))) == 120.0  # parks the link
+        inner: list[float] = []
+        dev._after_read_sent.append(lambda: inner.append(float(total(dev.tensor(x * 2)))))
+        assert float(total(dev.tensor(x + 1))) == 136.0
+        assert inner == [240.0]
+        assert float(total(dev.tensor(x))) == 120.0
