@@ -195,6 +195,15 @@ def arrives_alike(
     return arrived[0][0]
 
 
+def client_and_two_workers() -> tuple[
+    s.ClientConnection, s.WorkerConnection[Reply], s.WorkerConnection[Reply]
+]:
+    """A client's connection and two worker ends of its session: one to predict (`predict` called
+    between batches), one never told to, to compare with."""
+    client = s.ClientConnection(channels()[0], CHUNK, {}, lambda r: (None, None))
+    return client, s.WorkerConnection(channels()[1], CHUNK), s.WorkerConnection(channels()[1], CHUNK)
+
+
 @pytest.mark.parametrize(
     ("data", "predicted"),
     [
@@ -222,9 +231,7 @@ def test_a_predicted_or_patched_repeat_arrives_as_the_full_decoding_of_it_would(
 
     monkeypatch.setattr(m, "decode_repeat", recording)
     monkeypatch.setattr(m, "decode_repatched", recording_patched)
-    client = s.ClientConnection(channels()[0], CHUNK, {}, lambda r: (None, None))
-    predicting: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)
-    plain: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)  # never predicts
+    client, predicting, plain = client_and_two_workers()
     for step in range(6):
         tid = 10 + 3 * step
         inputs = (data[step % len(data)], tid) if data else (tid,)
@@ -698,9 +705,7 @@ def test_a_repeat_sent_as_the_worker_foresaw_it_is_taken_in_as_the_full_decoding
 
     monkeypatch.setattr(m, "decode_repeat", recording)
     monkeypatch.setattr(m, "decode_batch_prefix", recording_prefix)
-    client = s.ClientConnection(channels()[0], CHUNK, {}, lambda r: (None, None))
-    predicting: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)
-    plain: s.WorkerConnection[Reply] = s.WorkerConnection(channels()[1], CHUNK)  # never predicts
+    client, predicting, plain = client_and_two_workers()
     for step in range(5):
         tid = 10 + 2 * step
         x = np.full(4, step, np.float32)
