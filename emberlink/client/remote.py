@@ -42,6 +42,7 @@ from emberlink.graph_replay.ir import Graph
 from emberlink.graph_replay.ops import binding_dtypes
 from emberlink.protocol import messages as m
 from emberlink.protocol.dtypes import DTYPES
+from emberlink.protocol.handshake import VERSION as HANDSHAKE_VERSION
 from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity, default_key_path, load_or_create
 from emberlink.protocol.limits import MAX_BATCH_MESSAGES, MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
@@ -201,7 +202,8 @@ async def _handshake(
         except TransportError as e:
             raise AuthError(
                 f"worker at {link.peer} ended the handshake: it is probably not {worker_node_id}, "
-                f"the NodeId in the ticket ({e})"
+                "the NodeId in the ticket, or it runs an emberlink of another protocol version "
+                f"(this client speaks {HANDSHAKE_VERSION}; its log says which) ({e})"
             ) from e
         except TimeoutError as e:
             raise TransportTimeout(

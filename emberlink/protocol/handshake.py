@@ -61,7 +61,11 @@ from emberlink.protocol.identity import (
     verify,
 )
 
-VERSION = 1
+VERSION = 2
+"""The session protocol's version, sent in every handshake message; a peer speaking another one
+is refused at the handshake, before any batch. 2: a batch of uploads only is no `Repeat`
+template (protocol/session.py `uploads_only`): a peer of version 1 would expand the step after it
+against another batch."""
 
 
 class Suite(IntEnum):
@@ -135,7 +139,10 @@ class _Reader:
             raise ProtocolError(f"not a {what} message (handshake message out of turn?)")
         version = self.u8()
         if version != VERSION:
-            raise ProtocolError(f"{what} of handshake version {version}; this side speaks {VERSION}")
+            raise ProtocolError(
+                f"{what} of protocol version {version}; this side speaks {VERSION}: client and worker "
+                "must run emberlink versions of the same protocol (upgrade the older side)"
+            )
 
     @property
     def offset(self) -> int:

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from emberlink.errors import AuthError, ProtocolError
 from emberlink.protocol.channel import MESSAGE, Channel
 from emberlink.protocol.handshake import (
+    VERSION,
     ClientHandshake,
     ClientState,
     Suite,
@@ -83,10 +84,10 @@ def test_vector_follows_the_documented_key_schedule() -> None:
     inputs, out = v["inputs"], v["outputs"]
     hello, welcome, auth = (bytes.fromhex(out[k]) for k in ("hello", "welcome", "auth"))
     client_x = X25519PrivateKey.from_private_bytes(bytes.fromhex(inputs["client_draws"][0]))
-    assert hello[:8] == b"EMLH\x01\x01\x00\x01"
+    assert hello[:8] == b"EMLH\x02\x01\x00\x01"  # version 2
     assert hello[8:40] == client_x.public_key().public_bytes_raw()
     assert hello[-32:] == Identity.from_seed(bytes.fromhex(inputs["worker_identity_seed"])).public_bytes
-    assert welcome[:7] == b"EMLW\x01\x00\x01"
+    assert welcome[:7] == b"EMLW\x02\x00\x01"
     worker_x = welcome[7:39]
     ct = welcome[41 : 41 + 1088]
     assert ct.hex() == inputs["kem_ciphertext"]
@@ -344,7 +345,7 @@ def test_failed_handshake_refuses_everything_after() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.binary(max_size=2000), st.sampled_from([b"", b"EMLH\x01", b"EMLW\x01", b"EMLA\x01"]))
+@given(st.binary(max_size=2000), st.sampled_from([b"", b"EMLH\x02", b"EMLW\x02", b"EMLA\x02", b"EMLH\x01"]))
 def test_arbitrary_bytes_raise_only_protocol_error(data: bytes, prefix: bytes) -> None:
     message = prefix + data
     with pytest.raises(ProtocolError):
@@ -357,3 +358,19 @@ def test_arbitrary_bytes_raise_only_protocol_error(data: bytes, prefix: bytes) -
     w.receive_hello(client().hello())
     with pytest.raises(ProtocolError):
         w.receive_auth(message)
+
+
+def test_a_peer_of_another_protocol_version_is_refused_at_the_handshake_saying_so() -> None:
+    """Client and worker of different protocol versions (the Repeat template rule changed at 2)
+    stop at the first message, with both versions named, before any batch could be misread."""
+    hello = bytearray(client().hello())
+    hello[4] = VERSION - 1
+    with pytest.raises(
+        ProtocolError, match=rf"Hello of protocol version {VERSION - 1}; this side speaks {VERSION}"
+    ):
+        worker().receive_hello(bytes(hello))
+    c = client()
+    welcome = bytearray(worker().receive_hello(c.hello()))
+    welcome[4] = VERSION + 1
+    with pytest.raises(ProtocolError, match="upgrade the older side"):
+        c.receive_welcome(bytes(welcome))
