@@ -442,8 +442,8 @@ class ClientSession:
         taking the link back each step: +10 µs of the loop's CPU a step, measured). Batches sent
         whole but not yet acknowledged do not keep it from parking: their acks wait in the socket
         for the next thread to read it (the host DataLoader's next batch is one such, every step,
-        and its ack comes up to 1 ms after the step's answer); a thread that must wait for acks
-        (flow control) asks for the link first (`read_acks`)."""
+        and its ack comes with the next step's answer, or the worker's ACK_DELAY after it); a
+        thread that must wait for acks (flow control) asks for the link first (`read_acks`)."""
         conn = self._conn
         return (
             self._waited
