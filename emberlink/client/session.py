@@ -322,9 +322,7 @@ class ClientSession:
         then = self._owner_then
         self._owning = True
         try:
-            self._conn.submit(messages, bulks, nbytes, staged)
-            if not self._write_next(link.write_direct, retry_refused=False):
-                then.append(self._wake.set)  # what is left goes from the loop, in order
+            if not self._write_owned(link, messages, bulks, nbytes, staged):
                 return ran
             if after_sent is not None:
                 ran = True
