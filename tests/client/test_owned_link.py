@@ -77,32 +77,41 @@ def test_a_read_that_does_not_wait_is_answered_by_the_loop_while_the_thread_does
         assert step(dev, x + 1) == 36.0
 
 
-def test_devices_on_several_threads_each_get_their_own_values() -> None:
-    step = jit_sum()
+def on_threads(n: int, run: Callable[[Device, int], None], timeout: float) -> None:
+    """`run(device, k)` on n threads at once, each with its own tcp device of one worker; the
+    first failure of any of them is raised here."""
     errors: list[BaseException] = []
 
-    def run(dev: Device, offset: int) -> None:
+    def guarded(dev: Device, k: int) -> None:
         try:
-            for i in range(30):
-                x = np.full(4, offset + i, np.float32)
-                assert step(dev, x) == float(x.sum())
-                if i % 7 == 0:
-                    assert (dev.tensor(x) + 1.0).read_async().result(timeout=10).tolist() == [
-                        offset + i + 1
-                    ] * 4
+            run(dev, k)
         except BaseException as e:  # noqa: BLE001 (the main thread raises it)
             errors.append(e)
 
     with emberlink.testing.worker(tcp=True) as w:
-        devices = [w.device(transport="tcp") for _ in range(3)]
-        threads = [threading.Thread(target=run, args=(d, 100 * k)) for k, d in enumerate(devices)]
+        devices = [w.device(transport="tcp") for _ in range(n)]
+        threads = [threading.Thread(target=guarded, args=(d, k)) for k, d in enumerate(devices)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(60)
+            t.join(timeout)
         for d in devices:
             d.close()
     assert not errors, errors
+
+
+def test_devices_on_several_threads_each_get_their_own_values() -> None:
+    step = jit_sum()
+
+    def run(dev: Device, k: int) -> None:
+        offset = 100 * k
+        for i in range(30):
+            x = np.full(4, offset + i, np.float32)
+            assert step(dev, x) == float(x.sum())
+            if i % 7 == 0:
+                assert (dev.tensor(x) + 1.0).read_async().result(timeout=10).tolist() == [offset + i + 1] * 4
+
+    on_threads(3, run, 60)
 
 
 class CuttableProxy:
@@ -402,25 +411,12 @@ def test_loader_loops_on_several_threads_each_get_their_own_losses() -> None:
     datas = [loader_data(8 * 24 + k) for k in range(3)]
     wants = [plain_losses((x[: 8 * 24], y[: 8 * 24]), 8) for x, y in datas]
     got: list[list[float]] = [[] for _ in datas]
-    errors: list[BaseException] = []
 
     def run(dev: Device, k: int) -> None:
-        try:
-            step = jitted_training(dev)
-            got[k] = [float(step(xb, yb)) for xb, yb in DataLoader(datas[k], 8, device=dev, drop_last=True)]
-        except BaseException as e:  # noqa: BLE001 (the main thread raises it)
-            errors.append(e)
+        step = jitted_training(dev)
+        got[k] = [float(step(xb, yb)) for xb, yb in DataLoader(datas[k], 8, device=dev, drop_last=True)]
 
-    with emberlink.testing.worker(tcp=True) as w:
-        devices = [w.device(transport="tcp") for _ in datas]
-        threads = [threading.Thread(target=run, args=(d, k)) for k, d in enumerate(devices)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        for d in devices:
-            d.close()
-    assert not errors, errors
+    on_threads(len(datas), run, 120)
     assert got == wants
 
 
