@@ -176,23 +176,27 @@ def arrives_alike(
     predicting: s.WorkerConnection[Reply],
     plain: s.WorkerConnection[Reply],
     x: np.ndarray,
-) -> m.Batch:
+    answers: list[m.WorkerMessage] | None = None,
+) -> tuple[m.Batch, list[bytes | bytearray]]:
     """Send the batch just submitted to a worker end that predicts and one that never does; both
-    must take it in as the same batch with `x` inline. The batch."""
+    must take it in as the same batch with `x` inline, and answer it with `answers` (their
+    Results carrying `x`). The batch, and the blobs of the reply."""
     (blob,) = pack_frames(client.next_frames() or ())
     client.predict()
     arrived = []
+    reply: list[bytes | bytearray] = []
     for conn in (predicting, plain):
         (frame,) = split_frames(blob)
         event = conn.receive_frame(frame)
         assert isinstance(event, s.BatchArrived)
         assert conn.expect([])
         arrived.append((event.batch, bytes(event.plaintext[event.start :])))
-        list(conn.reply(event.batch.seq, [], []))
+        answered = answers or []
+        reply = list(conn.reply(event.batch.seq, answered, [x for msg in answered if type(msg) is m.Result]))
     predicting.predict()
     assert arrived[0] == arrived[1]
     assert arrived[0][1] == x.tobytes()
-    return arrived[0][0]
+    return arrived[0][0], reply
 
 
 def client_and_two_workers() -> tuple[
@@ -240,7 +244,7 @@ def test_a_predicted_or_patched_repeat_arrives_as_the_full_decoding_of_it_would(
         if step >= 2:
             messages.append(m.Drop((tid - 3, tid - 2)))
         client.submit([*messages, m.Read(1 + step, tid + 1)], [x], x.nbytes)
-        batch = arrives_alike(client, predicting, plain, x)
+        batch, _ = arrives_alike(client, predicting, plain, x)
         assert batch.messages[1] == m.Execute(GID, inputs, (0.5,), tid + 1)
     assert client.counters.batches_repeated == 4  # steps 1, 3, 4 and 5
     assert taken == predicted
@@ -712,20 +716,10 @@ def test_a_repeat_sent_as_the_worker_foresaw_it_is_taken_in_as_the_full_decoding
         client.submit(
             [upload(tid, x), m.Execute(GID, (tid,), (0.5,), tid + 1), m.Read(1 + step, tid + 1)], [x], 16
         )
-        (blob,) = pack_frames(client.next_frames() or ())
-        client.predict()
-        arrived = []
-        for conn in (predicting, plain):
-            (frame,) = split_frames(blob)
-            event = conn.receive_frame(frame)
-            assert isinstance(event, s.BatchArrived) and conn.expect([])
-            arrived.append((event.batch, bytes(event.plaintext[event.start :])))
-            reply = list(conn.reply(event.batch.seq, [m.Result(1 + step, "float32", (4,), 16)], [x]))
-        assert arrived[0] == arrived[1] and arrived[0][1] == x.tobytes()
-        assert arrived[0][0].received == step  # the client took in every reply before its next batch
+        batch, reply = arrives_alike(client, predicting, plain, x, [m.Result(1 + step, "float32", (4,), 16)])
+        assert batch.received == step  # the client took in every reply before its next batch
         for r in reply:
             client.receive(r)
-        predicting.predict()
     # The worker that never predicts decodes all five in full; the predicting one steps 0 and 1
     # (no Repeat yet, then the first), and takes 2, 3 and 4 by their foreseen bytes, unparsed.
     assert parsed == ["full"] * 7
