@@ -12,9 +12,10 @@ PyTorch's `DataLoader` over a `TensorDataset`, with the device named, in one of 
   thread that reads step k's loss writes step k, then seals and writes batch k+1 itself, then
   reads the answer (client/session.py's `request_direct`, `send_owned`), with no hand-off to the
   I/O thread and back. A cheap jitted step fed 128x784 float32 batches, a cpu worker over tcp,
-  client and worker on a core each, five interleaved runs of 1000 steps each: 801-1291 (median
-  832) -> 685-906 (729) µs a step, the client's CPU a step (both threads) 450-532 (458) ->
-  381-401 (389) µs.
+  client and worker on a core each, 1000 steps, medians of 5, the tree before this and after it
+  alternated twice (with the other changes of the same version: the upload batch's ack riding
+  on the step's reply, the step still a Repeat): 857-864 -> 621-629 µs a step, the client's I/O
+  thread 318-334 -> 0 µs of CPU a step.
 - Resident data (`resident=True`): the arrays are uploaded once, when the loader is made, and a
   batch is `data.take(idx, axis=0)` recorded on the device, so per batch only `idx` (batch_size
   int32 indices; int64 past 2**31 rows) travels. The index is a tensor on purpose: a slice's
