@@ -88,12 +88,15 @@ def _byte_count(text: str) -> int:
 
 def add_worker(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("worker", help="serve this machine's CPU or GPU to allowed clients")
-    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where to listen (port 0 picks one)")
+    p.add_argument(
+        "--listen", required=True, metavar="HOST:PORT", help="where to serve gRPC (port 0 picks one)"
+    )
     p.add_argument(
         "--tcp-listen",
-        metavar="HOST:PORT",
-        help="also serve the raw TCP transport here (port 0 picks one); the ticket gets a tcp: address "
-        "on the advertised host, which clients prefer to gRPC",
+        metavar="HOST:PORT|off",
+        help="where to serve the raw TCP transport, which clients prefer to gRPC (default: --listen's "
+        "host and port + 1; port 0 when --listen's is 0); the ticket gets a tcp: address on the "
+        "advertised host with this listener's port; 'off' serves gRPC only",
     )
     p.add_argument(
         "--key", required=True, type=Path, metavar="FILE", help="the worker's key file (mode 0600)"
@@ -144,7 +147,11 @@ def add_worker(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="graph cache budget of each client, captured CUDA graphs included (default 64M, plus an "
         "eighth of a GPU's free memory on one; at most 64 clients keep one)",
     )
-    p.add_argument("--advertise", metavar="HOST:PORT", help="the address put in the ticket")
+    p.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        help="the gRPC address put in the ticket; its host also goes with the tcp: address",
+    )
     p.add_argument("--relay", metavar="nats://HOST:PORT", help="also serve through this NATS relay")
     p.add_argument(
         "--resume-window",
