@@ -374,7 +374,7 @@ def cluster_table(seen: Sequence[Seen], trust: Trust | None = None, now: float =
                 p.device + (" (draining)" if p.draining else ""),
                 _bytes_text(p.free_bytes),
                 f"{p.sessions} session{'' if p.sessions == 1 else 's'}, {p.queued} queued",
-                ",".join(f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h, port in own.addrs) or "-",
+                _addresses_text(own),
                 own.relay or "-",
                 "anyone" if p.admits_anyone else "allow list",
                 (why[: len("cluster ") + 12] if why else "no"),
@@ -382,6 +382,12 @@ def cluster_table(seen: Sequence[Seen], trust: Trust | None = None, now: float =
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def _addresses_text(ticket: Ticket) -> str:
+    """The ticket's direct addresses as it writes them: tcp ones first, then gRPC; "-" if none."""
+    text = str(ticket).partition("@")[2].partition("?")[0]
+    return text or "-"
 
 
 def _bytes_text(n: int) -> str:
