@@ -2,8 +2,8 @@
 a Link and nothing else (the handshake and the session are client/remote.py's).
 
 Every choice is one staggered race (happy eyeballs, RFC 8305): the attempts are ordered, the first
-starts at once, and each next one starts as soon as every earlier one has failed, or after a head
-start if none has connected by then; the first Link up wins, the attempts still running are
+starts at once, and each next one starts as soon as an attempt fails, or after a head start if none
+has connected by then; the first Link up wins, the attempts still running are
 cancelled, and one that came up too is closed. Direct addresses race that way among themselves:
 the ticket's raw TCP ones first (transport/tcp.py: a fraction of gRPC's round trip, same sealed
 frames), then its gRPC ones, each kind in order, `ATTEMPT_DELAY_S` apart, so a tcp port that a
@@ -56,7 +56,7 @@ async def connect_direct(
     ticket: Ticket, timeout: float, *, attempt_delay: float = ATTEMPT_DELAY_S
 ) -> tuple[str, Link]:
     """("tcp" or "grpc", a Link) to the first of the ticket's addresses that connects, tcp ones tried
-    first and each next one `attempt_delay` later (or at once when the earlier ones failed)."""
+    first and each next one `attempt_delay` later (or at once when an attempt fails)."""
     attempts = [_direct_attempt(TCP, tcp.connect, host, port, timeout) for host, port in ticket.tcp]
     attempts += [_direct_attempt(GRPC, grpc.connect, host, port, timeout) for host, port in ticket.addrs]
     if not attempts:
@@ -157,11 +157,11 @@ async def _abandon(running: dict[asyncio.Task[tuple[str, Link]], int]) -> None:
 
 __all__ = [
     "ATTEMPT_DELAY_S",
-    "Attempt",
     "DIRECT_HEAD_START_S",
     "GRPC",
     "RELAY",
     "TCP",
+    "Attempt",
     "connect_direct",
     "connect_relay",
     "first_up",
