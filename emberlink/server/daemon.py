@@ -197,6 +197,16 @@ def ticket_for(config: WorkerConfig, port: int, tcp_port: int | None = None) -> 
             )
             host = "127.0.0.1"
     tcp = ((host, tcp_port),) if tcp_port is not None else ()
+    if tcp and config.advertise is not None and config.advertise[1] not in (0, config.port):
+        log.warning(
+            "--advertise gives gRPC port %d, not the --listen port %d, but the ticket's tcp address keeps "
+            "the tcp listener's own port %d: make that port reach this worker too (forward or publish "
+            "it under the same number), or pass --tcp-listen %s",
+            config.advertise[1],
+            config.port,
+            tcp_port,
+            TCP_OFF,
+        )
     return Ticket(config.identity.node_id, ((host, port),), relay=config.relay, tcp=tcp)
 
 
@@ -261,14 +271,18 @@ async def start_tcp(worker: Worker, config: WorkerConfig, listeners: list[Any]) 
     A port that cannot be had is a ConfigError that says what to pass instead."""
     if config.tcp is None:
         return None
-    listener = TcpListener(*config.tcp, worker.handle)
+    host, want = config.tcp
+    listener = TcpListener(host, want, worker.handle)
     try:
         port = await listener.start()
     except TransportError as e:
+        cause = e.__cause__
+        why = os.strerror(cause.errno) if isinstance(cause, OSError) and cause.errno else str(e)
+        where = f"[{host}]:{want}" if ":" in host else f"{host}:{want}"
         raise ConfigError(
-            f"{e} (the raw TCP transport, which listens on --listen's port + 1 unless --tcp-listen says "
-            f"otherwise): pass --tcp-listen HOST:PORT to serve it on a free port, or --tcp-listen {TCP_OFF} "
-            "to serve gRPC only"
+            f"cannot serve raw TCP on {where} (--tcp-listen; by default --listen's port + 1): {why}. "
+            f"Pass --tcp-listen HOST:PORT to serve it on a free port, or --tcp-listen {TCP_OFF} to serve "
+            "gRPC only"
         ) from e
     listeners.append(listener)
     log.info("worker %s also serving raw tcp on %s:%d", worker.node_id, config.tcp[0], port)

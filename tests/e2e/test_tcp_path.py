@@ -203,6 +203,7 @@ def test_a_busy_default_tcp_port_stops_the_worker_saying_what_to_pass(keys: Keys
             check=False,
         )
     assert done.returncode == 2 and done.stdout == ""
-    assert f"cannot listen on tcp:127.0.0.1:{port + 1}" in done.stderr
+    assert f"cannot serve raw TCP on 127.0.0.1:{port + 1}" in done.stderr
+    assert "Address already in use" in done.stderr
     assert "--tcp-listen HOST:PORT" in done.stderr and "--tcp-listen off" in done.stderr
     assert "Traceback" not in done.stderr

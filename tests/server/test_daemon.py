@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import os
@@ -79,11 +80,25 @@ def test_advertise_sets_the_address_in_the_ticket_and_relay_is_kept() -> None:
     assert ticket.relay == "nats://relay.example:4222"
 
 
-def test_advertise_puts_the_tcp_listeners_port_on_the_advertised_host() -> None:
+def test_advertise_puts_the_tcp_listeners_port_on_the_advertised_host_and_warns_of_a_remapped_port(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     cfg = config("0.0.0.0", advertise=("gpu-box.example", 9000))
-    ticket = ticket_for(cfg, 7443, 7444)
+    with caplog.at_level(logging.WARNING, logger="emberlink.server"):
+        ticket = ticket_for(cfg, 7443, 7444)
     assert (ticket.tcp, ticket.addrs) == ((("gpu-box.example", 7444),), (("gpu-box.example", 9000),))
     assert str(ticket).startswith(f"emberlink://{cfg.identity.node_id}@tcp:gpu-box.example:7444,")
+    assert "tcp listener's own port 7444" in caplog.text and "--tcp-listen off" in caplog.text
+
+
+def test_advertising_the_listen_port_puts_tcp_in_the_ticket_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = dataclasses.replace(config("0.0.0.0", advertise=("gpu-box.example", 7443)), port=7443)
+    with caplog.at_level(logging.WARNING, logger="emberlink.server"):
+        ticket = ticket_for(cfg, 7443, 7444)
+    assert str(ticket) == f"emberlink://{cfg.identity.node_id}@tcp:gpu-box.example:7444,gpu-box.example:7443"
+    assert caplog.text == ""
 
 
 def worker_args(*flags: str, key: Path) -> argparse.Namespace:
