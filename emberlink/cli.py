@@ -88,12 +88,15 @@ def _byte_count(text: str) -> int:
 
 def add_worker(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("worker", help="serve this machine's CPU or GPU to allowed clients")
-    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where to listen (port 0 picks one)")
+    p.add_argument(
+        "--listen", required=True, metavar="HOST:PORT", help="where to serve gRPC (port 0 picks one)"
+    )
     p.add_argument(
         "--tcp-listen",
-        metavar="HOST:PORT",
-        help="also serve the raw TCP transport here (port 0 picks one); the ticket gets a tcp: address "
-        "on the advertised host, which clients prefer to gRPC",
+        metavar="HOST:PORT|off",
+        help="where to serve the raw TCP transport, which clients prefer to gRPC (default: --listen's "
+        "host and port + 1; port 0 when --listen's is 0); the ticket gets a tcp: address on the "
+        "advertised host with this listener's port; 'off' serves gRPC only",
     )
     p.add_argument(
         "--key", required=True, type=Path, metavar="FILE", help="the worker's key file (mode 0600)"
@@ -144,7 +147,11 @@ def add_worker(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="graph cache budget of each client, captured CUDA graphs included (default 64M, plus an "
         "eighth of a GPU's free memory on one; at most 64 clients keep one)",
     )
-    p.add_argument("--advertise", metavar="HOST:PORT", help="the address put in the ticket")
+    p.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        help="the gRPC address put in the ticket; its host also goes with the tcp: address",
+    )
     p.add_argument("--relay", metavar="nats://HOST:PORT", help="also serve through this NATS relay")
     p.add_argument(
         "--resume-window",
@@ -367,7 +374,7 @@ def cluster_table(seen: Sequence[Seen], trust: Trust | None = None, now: float =
                 p.device + (" (draining)" if p.draining else ""),
                 _bytes_text(p.free_bytes),
                 f"{p.sessions} session{'' if p.sessions == 1 else 's'}, {p.queued} queued",
-                ",".join(f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h, port in own.addrs) or "-",
+                _addresses_text(own),
                 own.relay or "-",
                 "anyone" if p.admits_anyone else "allow list",
                 (why[: len("cluster ") + 12] if why else "no"),
@@ -375,6 +382,12 @@ def cluster_table(seen: Sequence[Seen], trust: Trust | None = None, now: float =
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def _addresses_text(ticket: Ticket) -> str:
+    """The ticket's direct addresses as it writes them: tcp ones first, then gRPC; "-" if none."""
+    text = str(ticket).partition("@")[2].partition("?")[0]
+    return text or "-"
 
 
 def _bytes_text(n: int) -> str:

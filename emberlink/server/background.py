@@ -1,7 +1,7 @@
 """A worker running inside this process, on an event-loop thread: for `emberlink demo`, tests, benches.
 
-It listens on loopback gRPC (port 0) and, optionally, on raw TCP (port 0) and an in-process memory
-endpoint. By default
+It listens on loopback gRPC and raw TCP (port 0 each), as `emberlink worker` does by default, and,
+optionally, on an in-process memory endpoint; `tcp=False` or `grpc=False` leaves one out. By default
 it runs on the process's I/O loop (`transport.loop.io_loop`), the one remote devices use: the memory
 transport is single-loop, so clients of that endpoint must share the worker's loop, and a loop
 that carried gRPC is never closed (see transport/loop.py), so no extra loop is made and thrown away.
@@ -35,7 +35,7 @@ class BackgroundWorker:
         *,
         grpc: bool = True,
         memory: bool = False,
-        tcp: bool = False,
+        tcp: bool = True,
         host: str = "127.0.0.1",
         loop_thread: LoopThread | None = None,
         **worker_options: Any,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from emberlink.errors import ConfigError, DeviceError, EmberlinkError
+from emberlink.errors import ConfigError, DeviceError, EmberlinkError, TransportError
 from emberlink.graph_replay.backends import parse_device
 from emberlink.protocol.cluster import Certificate
 from emberlink.protocol.identity import AllowPolicy, Identity
@@ -53,7 +53,7 @@ class WorkerConfig:
     nats_ca: Path | None = None
     cluster_cert: Certificate | None = None
     resume_window: float = DEFAULT_RESUME_WINDOW
-    tcp: tuple[str, int] | None = None  # --tcp-listen: also serve raw TCP (transport/tcp.py) here
+    tcp: tuple[str, int] | None = None  # where raw TCP (transport/tcp.py) listens; None: --tcp-listen off
 
 
 def parse_host_port(text: str, what: str) -> tuple[str, int]:
@@ -66,13 +66,32 @@ def parse_host_port(text: str, what: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+TCP_OFF = "off"
+"""`--tcp-listen off`: serve gRPC only."""
+
+
+def tcp_address(flag: str | None, host: str, port: int) -> tuple[str, int] | None:
+    """Where raw TCP listens: `--tcp-listen HOST:PORT`; without it, --listen's host and port + 1 (port 0
+    stays 0: the system picks one); None for `--tcp-listen off`."""
+    if flag is None:
+        if port == 65535:
+            raise ConfigError(
+                "--listen's port is 65535, so raw TCP has no port + 1 to take: "
+                f"pass --tcp-listen HOST:PORT, or --tcp-listen {TCP_OFF} to serve gRPC only"
+            )
+        return host, port + 1 if port else 0
+    if flag.strip().lower() == TCP_OFF:
+        return None
+    return parse_host_port(flag, "--tcp-listen")
+
+
 def load_config(args: argparse.Namespace) -> WorkerConfig:
     """Everything the worker needs from its flags and files; ConfigError or DeviceError if unusable."""
     identity = Identity.load(args.key)
     allow = AllowPolicy.allow_any() if args.allow_any else AllowPolicy.from_file(args.allow)
     host, port = parse_host_port(args.listen, "--listen")
     advertise = parse_host_port(args.advertise, "--advertise") if args.advertise else None
-    tcp = parse_host_port(args.tcp_listen, "--tcp-listen") if args.tcp_listen else None
+    tcp = tcp_address(args.tcp_listen, host, port)
     device = str(parse_device(args.device))
     if args.relay is not None and not args.relay.startswith("nats://"):
         raise ConfigError(f"--relay must be nats://HOST:PORT, got {args.relay!r}")
@@ -178,6 +197,16 @@ def ticket_for(config: WorkerConfig, port: int, tcp_port: int | None = None) -> 
             )
             host = "127.0.0.1"
     tcp = ((host, tcp_port),) if tcp_port is not None else ()
+    if tcp and config.advertise is not None and config.advertise[1] not in (0, config.port):
+        log.warning(
+            "--advertise gives gRPC port %d, not the --listen port %d, but the ticket's tcp address keeps "
+            "the tcp listener's own port %d: make that port reach this worker too (forward or publish "
+            "it under the same number), or pass --tcp-listen %s",
+            config.advertise[1],
+            config.port,
+            tcp_port,
+            TCP_OFF,
+        )
     return Ticket(config.identity.node_id, ((host, port),), relay=config.relay, tcp=tcp)
 
 
@@ -238,11 +267,23 @@ async def serve(config: WorkerConfig) -> int:
 
 
 async def start_tcp(worker: Worker, config: WorkerConfig, listeners: list[Any]) -> int | None:
-    """Serve raw TCP where --tcp-listen says (appended to `listeners`); its port, or None without it."""
+    """Serve raw TCP where `config.tcp` says (appended to `listeners`); its port, or None when off.
+    A port that cannot be had is a ConfigError that says what to pass instead."""
     if config.tcp is None:
         return None
-    listener = TcpListener(*config.tcp, worker.handle)
-    port = await listener.start()
+    host, want = config.tcp
+    listener = TcpListener(host, want, worker.handle)
+    try:
+        port = await listener.start()
+    except TransportError as e:
+        cause = e.__cause__
+        why = os.strerror(cause.errno) if isinstance(cause, OSError) and cause.errno else str(e)
+        where = f"[{host}]:{want}" if ":" in host else f"{host}:{want}"
+        raise ConfigError(
+            f"cannot serve raw TCP on {where} (--tcp-listen; by default --listen's port + 1): {why}. "
+            f"Pass --tcp-listen HOST:PORT to serve it on a free port, or --tcp-listen {TCP_OFF} to serve "
+            "gRPC only"
+        ) from e
     listeners.append(listener)
     log.info("worker %s also serving raw tcp on %s:%d", worker.node_id, config.tcp[0], port)
     return port

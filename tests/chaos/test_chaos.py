@@ -258,18 +258,23 @@ def test_training_moves_from_the_direct_path_to_the_relay_with_the_same_losses(
     tmp_path, expected, chaos_report
 ) -> None:
     with relayed_worker_in_a_namespace(tmp_path) as (ns, _, ticket, client_key):
-        (_, direct_port), *_ = ticket.addrs
 
         def block_direct() -> tuple[float, float]:
-            now = time.monotonic()  # packets to the worker's gRPC port vanish from now on
-            ns.iptables("-A", "OUTPUT", "-p", "tcp", "--dport", str(direct_port), "-j", "DROP")
+            now = time.monotonic()  # packets to the worker's tcp and gRPC ports vanish from now on
+            for port in direct_ports(ticket):
+                ns.iptables("-A", "OUTPUT", "-p", "tcp", "--dport", str(port), "-j", "DROP")
             return now, now
 
         run = train_through(tmp_path, str(ticket), client_key, block_direct, prefix=ns.prefix)
     chaos_report(run.describe("direct path blocked for good (direct -> relay)"))
     assert run.losses == expected
-    assert run.started_on == "grpc"
+    assert run.started_on == "tcp"
     assert run.stats["path"] == "relay" and int(str(run.stats["resumes"])) >= 1
+
+
+def direct_ports(ticket: Ticket) -> list[int]:
+    """The ports of a worker's direct addresses: raw tcp (served by default) and gRPC."""
+    return [port for _, port in ticket.tcp + ticket.addrs]
 
 
 @pytest.mark.slow
@@ -278,12 +283,15 @@ def test_training_moves_from_the_relay_back_to_the_direct_path_with_the_same_los
     tmp_path, expected, chaos_report
 ) -> None:
     with relayed_worker_in_a_namespace(tmp_path) as (ns, nats, ticket, client_key):
-        (_, direct_port), *_ = ticket.addrs
-        block = ("OUTPUT", "-p", "tcp", "--dport", str(direct_port), "-j", "REJECT")
-        ns.iptables("-A", *block)  # the client starts on the relay
+        blocks = [
+            ("OUTPUT", "-p", "tcp", "--dport", str(port), "-j", "REJECT") for port in direct_ports(ticket)
+        ]
+        for block in blocks:
+            ns.iptables("-A", *block)  # the client starts on the relay
 
         def relay_dies_direct_opens() -> tuple[float, float]:
-            ns.iptables("-D", *block)
+            for block in blocks:
+                ns.iptables("-D", *block)
             now = time.monotonic()
             nats.kill()
             return now, now
@@ -292,7 +300,7 @@ def test_training_moves_from_the_relay_back_to_the_direct_path_with_the_same_los
     chaos_report(run.describe("relay killed, direct path open again (relay -> direct)"))
     assert run.losses == expected
     assert run.started_on == "relay"
-    assert run.stats["path"] == "grpc" and int(str(run.stats["resumes"])) >= 1
+    assert run.stats["path"] == "tcp" and int(str(run.stats["resumes"])) >= 1
 
 
 CLIENTS = 64
@@ -314,7 +322,7 @@ def test_sixty_four_clients_at_once_over_direct_and_relay_paths_get_correct_resu
         nats_server.url,
         key=worker_key,
     )
-    tickets = [Ticket(ticket.node_id, ticket.addrs), Ticket(ticket.node_id, (), ticket.relay)]
+    tickets = [Ticket(ticket.node_id, ticket.addrs, tcp=ticket.tcp), Ticket(ticket.node_id, (), ticket.relay)]
     with el.Device.cpu() as cpu:
         expected = [relay_training.train(cpu, CLIENT_STEPS, seed) for seed in range(CLIENTS)]
     keys = []
@@ -348,8 +356,8 @@ def test_sixty_four_clients_at_once_over_direct_and_relay_paths_get_correct_resu
     failed = {i: r for i, r in results.items() if r != expected[i]}
     chaos_report(
         f"{CLIENTS} clients at once, {CLIENT_STEPS} steps each: {len(results) - len(failed)} correct in "
-        f"{elapsed:.1f} s ({sum(p == 'grpc' for p in paths.values())} direct, "
+        f"{elapsed:.1f} s ({sum(p == 'tcp' for p in paths.values())} direct, "
         f"{sum(p == 'relay' for p in paths.values())} relayed)"
     )
     assert len(results) == CLIENTS and not failed, failed
-    assert sorted(set(paths.values())) == ["grpc", "relay"]
+    assert sorted(set(paths.values())) == ["relay", "tcp"]

@@ -103,11 +103,17 @@ def memory_device(worker: BackgroundWorker) -> Device:
 
 
 def grpc_device(worker: BackgroundWorker) -> Device:
-    executor = connect_ticket(Ticket.parse(worker.ticket), Identity.generate(os.urandom), timeout=10)
+    grpc_only = Ticket(worker.node_id, Ticket.parse(worker.ticket).addrs)
+    executor = connect_ticket(grpc_only, Identity.generate(os.urandom), timeout=10)
     return Device(executor, "remote-grpc")
 
 
-@pytest.mark.parametrize("connect", [memory_device, grpc_device], ids=["memory", "grpc"])
+def tcp_device(worker: BackgroundWorker) -> Device:
+    executor = connect_ticket(Ticket.parse(worker.ticket), Identity.generate(os.urandom), timeout=10)
+    return Device(executor, "remote-tcp")  # the whole ticket: tcp, which the worker serves by default
+
+
+@pytest.mark.parametrize("connect", [memory_device, grpc_device, tcp_device], ids=["memory", "grpc", "tcp"])
 def test_read_async_returns_while_the_worker_is_busy(
     own_worker: BackgroundWorker, connect: Callable[[BackgroundWorker], Device]
 ) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from emberlink.cli import build_parser
 from emberlink.graph_replay.backends import parse_device
-from emberlink.server.daemon import parse_host_port
+from emberlink.server.daemon import parse_host_port, tcp_address
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is in the dev extra; install it to check the compose file")
 
@@ -74,7 +74,8 @@ def nats_conf() -> dict[str, str]:
 def check_worker_args(args: argparse.Namespace) -> None:
     """The values are well formed too, as the worker checks them at start-up (keys aside)."""
     assert args.run.__name__ == "worker"
-    parse_host_port(args.listen, "--listen")
+    host, port = parse_host_port(args.listen, "--listen")
+    tcp_address(args.tcp_listen, host, port)
     if args.advertise:
         parse_host_port(args.advertise, "--advertise")
     parse_device(args.device)
@@ -101,10 +102,20 @@ def test_compose_workers_reach_the_relay_service_and_advertise_their_published_p
     for name, svc in workers().items():
         args = parse([substitute(str(word)) for word in svc["command"]])
         assert args.relay == f"nats://nats:{port}", name
-        _, listen_port = parse_host_port(args.listen, "--listen")
+        host, listen_port = parse_host_port(args.listen, "--listen")
         _, advertised_port = parse_host_port(args.advertise, "--advertise")
         assert f"{advertised_port}:{listen_port}" in svc["ports"], name
         assert str(listen_port) in " ".join(svc["healthcheck"]["test"]), name
+        tcp = tcp_address(args.tcp_listen, host, listen_port)
+        assert tcp is not None, f"{name} serves raw TCP, the path clients try first"
+        # The ticket carries the tcp listener's own port: it must be published under that number.
+        assert f"{tcp[1]}:{tcp[1]}" in svc["ports"], name
+        assert str(tcp[1]) in " ".join(svc["healthcheck"]["test"]), name
+
+
+def test_compose_workers_publish_no_port_twice():
+    published = [p.split(":")[0] for svc in workers().values() for p in svc["ports"]]
+    assert len(published) == len(set(published)), published
 
 
 def test_nats_healthcheck_uses_the_monitoring_port_of_nats_conf():
@@ -124,6 +135,19 @@ def test_dockerfile_entrypoint_and_cmd_are_accepted_by_the_cli():
     entrypoint, cmd = _dockerfile_instruction("ENTRYPOINT"), _dockerfile_instruction("CMD")
     assert entrypoint == ["emberlink"]
     check_worker_args(parse(cmd))
+
+
+def test_dockerfile_exposes_the_grpc_and_raw_tcp_ports_its_cmd_serves():
+    args = parse(_dockerfile_instruction("CMD"))
+    host, port = parse_host_port(args.listen, "--listen")
+    tcp = tcp_address(args.tcp_listen, host, port)
+    assert tcp is not None
+    (expose,) = [
+        line.split()[1:]
+        for line in (DEPLOY / "Dockerfile").read_text().splitlines()
+        if line.startswith("EXPOSE ")
+    ]
+    assert sorted(expose) == sorted([str(port), str(tcp[1])])
 
 
 def test_systemd_execstart_is_accepted_by_the_cli():

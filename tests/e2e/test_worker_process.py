@@ -71,7 +71,7 @@ def test_a_client_script_in_another_process_uses_the_worker(start_worker, keys: 
     )
     assert out.returncode == 0, out.stderr
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
-    assert out.stdout.split() == [str(float((x @ x.T).sum())), "grpc"]
+    assert out.stdout.split() == [str(float((x @ x.T).sum())), "tcp"]  # the worker serves tcp by default
     assert keys.client.node_id in worker.stderr()  # the session was logged with the client's NodeId
 
 

@@ -9,9 +9,12 @@ import threading
 import pytest
 
 import emberlink as el
-from emberlink.client.discovery import survey
+from emberlink.cli import cluster_table
+from emberlink.client.discovery import Seen, survey
 from emberlink.errors import AuthError, TransportError
 from emberlink.protocol.identity import AllowPolicy
+from emberlink.protocol.presence import Presence
+from emberlink.protocol.ticket import Ticket
 
 from .relay_harness import (
     allow_file,
@@ -55,7 +58,7 @@ def test_discovery_gives_each_of_three_clients_its_own_worker_and_a_killed_worke
             clients.append(proc)
             _, worker_id, path = proc.expect("connected", 30).split()
             picked.append(worker_id)
-            assert path == "grpc"  # direct addresses work here; discovery does not force the relay
+            assert path == "tcp"  # direct addresses work here (tcp first); discovery does not force the relay
             proc.expect("step", 30)
         assert sorted(picked) == sorted(workers), f"clients piled up: {picked}"
 
@@ -154,3 +157,11 @@ def test_presence_load_counts_open_sessions_and_work_waiting_for_the_device(nats
             finally:
                 release.set()
             dev.sync()
+
+
+def test_cluster_ls_lists_a_workers_tcp_and_grpc_addresses_as_its_ticket_does():
+    ticket = Ticket.parse(f"emberlink://{'a' * 52}@tcp:gpu-box:7444,gpu-box:7443?relay=nats://relay:4222")
+    presence = Presence(str(ticket), "cuda:0", 1 << 30, 0, 0, False)
+    header, row = cluster_table([Seen(presence, ticket)]).splitlines()
+    addresses = row[header.index("addresses") : header.index("relay")].strip()
+    assert addresses == "tcp:gpu-box:7444,gpu-box:7443"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import logging
 import os
@@ -20,6 +21,7 @@ from emberlink.server.daemon import (
     load_config,
     parse_host_port,
     settle_collector,
+    tcp_address,
     ticket_for,
     write_ticket,
 )
@@ -76,6 +78,59 @@ def test_advertise_sets_the_address_in_the_ticket_and_relay_is_kept() -> None:
     ticket = ticket_for(cfg, 7443)
     assert ticket.addrs == (("gpu-box.example", 9000),)
     assert ticket.relay == "nats://relay.example:4222"
+
+
+def test_advertise_puts_the_tcp_listeners_port_on_the_advertised_host_and_warns_of_a_remapped_port(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = config("0.0.0.0", advertise=("gpu-box.example", 9000))
+    with caplog.at_level(logging.WARNING, logger="emberlink.server"):
+        ticket = ticket_for(cfg, 7443, 7444)
+    assert (ticket.tcp, ticket.addrs) == ((("gpu-box.example", 7444),), (("gpu-box.example", 9000),))
+    assert str(ticket).startswith(f"emberlink://{cfg.identity.node_id}@tcp:gpu-box.example:7444,")
+    assert "tcp listener's own port 7444" in caplog.text and "--tcp-listen off" in caplog.text
+
+
+def test_advertising_the_listen_port_puts_tcp_in_the_ticket_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = dataclasses.replace(config("0.0.0.0", advertise=("gpu-box.example", 7443)), port=7443)
+    with caplog.at_level(logging.WARNING, logger="emberlink.server"):
+        ticket = ticket_for(cfg, 7443, 7444)
+    assert str(ticket) == f"emberlink://{cfg.identity.node_id}@tcp:gpu-box.example:7444,gpu-box.example:7443"
+    assert caplog.text == ""
+
+
+def worker_args(*flags: str, key: Path) -> argparse.Namespace:
+    return build_parser().parse_args(["worker", "--key", str(key), "--allow-any", *flags])
+
+
+@pytest.mark.parametrize(
+    ("listen", "tcp"),
+    [("0.0.0.0:7443", ("0.0.0.0", 7444)), ("127.0.0.1:0", ("127.0.0.1", 0)), ("[::1]:9000", ("::1", 9001))],
+)
+def test_raw_tcp_listens_on_the_listen_host_and_port_plus_one_by_default(
+    tmp_path: Path, listen: str, tcp: tuple[str, int]
+) -> None:
+    key = tmp_path / "w.key"
+    Identity.generate(os.urandom).save(key)
+    assert load_config(worker_args("--listen", listen, key=key)).tcp == tcp
+
+
+def test_tcp_listen_takes_an_address_of_its_own_and_off_serves_grpc_only(tmp_path: Path) -> None:
+    key = tmp_path / "w.key"
+    Identity.generate(os.urandom).save(key)
+    own = worker_args("--listen", "0.0.0.0:7443", "--tcp-listen", "10.0.0.5:9999", key=key)
+    assert load_config(own).tcp == ("10.0.0.5", 9999)
+    assert load_config(worker_args("--listen", "0.0.0.0:7443", "--tcp-listen", "off", key=key)).tcp is None
+    with pytest.raises(ConfigError, match="--tcp-listen must be HOST:PORT"):
+        load_config(worker_args("--listen", "0.0.0.0:7443", "--tcp-listen", "7444", key=key))
+
+
+def test_a_listen_port_of_65535_asks_for_tcp_listen() -> None:
+    with pytest.raises(ConfigError, match="pass --tcp-listen HOST:PORT, or --tcp-listen off"):
+        tcp_address(None, "0.0.0.0", 65535)
+    assert tcp_address("127.0.0.1:1", "0.0.0.0", 65535) == ("127.0.0.1", 1)
 
 
 @pytest.mark.parametrize(
