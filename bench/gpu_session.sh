@@ -40,7 +40,7 @@ kill -TERM $worker; wait $worker; echo "worker exit $?"; tail -3 "$OUT/worker.lo
 
 echo "== 4. MLP steps: PyTorch, CuPy, Device.cuda(0) and a cuda:0 worker on loopback; where a remote step's time goes"
 timeout 200 python3 bench/gpu_step.py 2>"$OUT/gpu_step.err" | tee "$OUT/gpu_step.md"
-[ "${EMBERLINK_STEP_TRACE:-1}" = 1 ] && timeout 60 python3 bench/step_trace.py 2>"$OUT/step_trace.err" | tee "$OUT/step_trace.md"
+[ "${EMBERLINK_STEP_TRACE:-1}" = 1 ] && timeout 60 python3 bench/step_trace.py --transport tcp 2>"$OUT/step_trace.err" | tee "$OUT/step_trace.md"
 
 echo "== 5. models on Device.cuda(0): the examples, the CNN memory bench, conv and attention against PyTorch"
 timeout 60 python3 examples/cnn_digits.py --device cuda:0 2>&1 | tee "$OUT/cnn_digits.log" | tail -3
