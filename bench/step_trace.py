@@ -401,7 +401,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--transport", choices=("grpc", "tcp"), default="grpc")
-    parser.add_argument("--step", choices=("mlp", "tiny"), default="mlp")
+    parser.add_argument("--step", choices=("mlp", "tiny", "upload"), default="mlp")
     parser.add_argument("--local", action="store_true", help="also trace Device.cuda's replays in-process")
     parser.add_argument(
         "--cpus", choices=("split", "same", "any"), default="any", help="as bench/remote_step.py's --cpus"
@@ -427,17 +427,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "client.key"
         Identity.generate(os.urandom).save(key)
-        for feed in (gpu_step.HOST,) if args.step == "tiny" else gpu_step.FEEDS:
+        for feed in (gpu_step.HOST,) if args.step in ("tiny", "upload") else gpu_step.FEEDS:
             out = Path(tmp) / f"worker_{feed}.npy"
             with (
                 traced_worker(key, args.device, out) as (ticket, pid),
                 el.Device.remote(ticket, key=str(key)) as dev,
             ):
                 step: gpu_step.Step
-                if args.step == "tiny":
+                if args.step in ("tiny", "upload"):
                     import remote_step
 
-                    tiny = remote_step.jit_tiny_step(dev)
+                    make = remote_step.jit_tiny_step if args.step == "tiny" else remote_step.jit_upload_step
+                    tiny = make(dev)
 
                     def tiny_step(_: int, run: Any = tiny) -> Any:
                         return run()
@@ -470,7 +471,9 @@ def main() -> None:
                 rebind(dev)
             worker_events = [(str(t), int(n)) for t, n in np.load(out, allow_pickle=True)]
             stages = durations(client_events + worker_events, warm=10)
-            what = "tiny step" if args.step == "tiny" else f"small MLP, {FEED_NAMES[feed]}"
+            what = {"tiny": "tiny step", "upload": "401 KB host batch step"}.get(
+                args.step, f"small MLP, {FEED_NAMES[feed]}"
+            )
             print(f"\n| {what}, Device.remote jit over {args.transport}: stage | median µs |")
             print("|---|---:|")
             for name, _, _ in STAGES + (FINE_STAGES if os.environ.get(FINE_ENV) == "1" else []):
