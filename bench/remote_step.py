@@ -135,6 +135,21 @@ def jit_tiny_step(dev: el.Device) -> Callable[[], float]:
     return step
 
 
+def jit_upload_step(dev: el.Device) -> Callable[[], float]:
+    """The small MLP's host batch alone: a 401 KB upload (128x784 float32), a small op, a scalar
+    read, jitted (bench/gpu_step.py's host-batch step without the model)."""
+    x = np.random.default_rng(0).standard_normal((128, 784)).astype(np.float32)
+    total = el.jit(lambda t: (t * 2.0).sum())
+
+    def step() -> float:
+        return float(total(dev.tensor(x)))
+
+    want = float((x.astype(np.float64) * 2.0).sum())
+    got = step()
+    assert abs(got - want) <= 1e-3 * abs(want) + 1e-2, (got, want)
+    return step
+
+
 def transfer_gbps(dev: el.Device, total: int) -> tuple[float, float]:
     a = np.random.default_rng(0).standard_normal(total // 4).astype(np.float32)
     t0 = time.perf_counter()
@@ -220,6 +235,77 @@ def tiny_only(repeats: int, n: int, worker: str) -> None:
         print(f"| {k} | {v:.0f} | {v / bp:.2f}x |")
 
 
+UPLOAD_SETTINGS = {
+    "before": (0, False),
+    "pipelined": (None, False),
+    "sent early": (0, True),
+    "both": (None, True),
+}
+"""--upload's settings: (BULK chunk of uploads over tcp: 0 not pipelined, None the link's own;
+whether Device.tensor sends a host batch at once). "before" is the layout before either: the host
+batch inline in the step's one MESSAGE frame."""
+
+
+def upload_only(repeats: int, n: int, worker: str, settings: list[str]) -> None:
+    """The jitted 401 KB host-batch step (`jit_upload_step`) and the jitted MLP step over tcp with
+    each of `settings` (UPLOAD_SETTINGS), each in its own session, `repeats` interleaved repeats
+    of `n` samples each; then 64 MiB up and down over tcp with each setting and over gRPC."""
+    from emberlink.client.remote import EARLY_ENV
+    from emberlink.client.session import PIPELINE_ENV
+
+    loop = io_loop()
+    client = Identity.generate(os.urandom)
+    rows: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        key = Path(tmp) / "client.key"
+        client.save(key)
+        with (worker_process if worker == "process" else worker_thread)(client) as ticket:
+            grpc_ticket, tcp_ticket = split_ticket(ticket)
+            devs: dict[str, el.Device] = {}
+            for name in settings:
+                chunk, early = UPLOAD_SETTINGS[name]
+                os.environ.pop(PIPELINE_ENV, None)
+                if chunk is not None:
+                    os.environ[PIPELINE_ENV] = str(chunk)  # read as each session starts
+                os.environ[EARLY_ENV] = "1" if early else "0"
+                devs[name] = el.Device.remote(tcp_ticket, key=str(key))
+                devs[name + " mlp"] = el.Device.remote(tcp_ticket, key=str(key))
+            os.environ.pop(PIPELINE_ENV, None)
+            os.environ.pop(EARLY_ENV)
+            grpc = el.Device.remote(grpc_ticket, key=str(key))
+            steps = {f"upload step, {name}": jit_upload_step(devs[name]) for name in settings}
+            mlps = {f"MLP jit step, {name}": local_step.JitMLP(devs[name + " mlp"]) for name in settings}
+            batches = local_step._batches(4)
+            for model in mlps.values():
+                local_step._time(model.step, batches, 20, [])
+            for _ in range(repeats):
+                for k, step in steps.items():
+                    rows.setdefault(k, []).append(median_us(step, n))
+                for k, model in mlps.items():
+                    times: list[float] = []
+                    local_step._time(model.step, batches, max(20, n // 10), times)
+                    rows.setdefault(k, []).append(statistics.median(times) * 1e6)
+            transfers = {f"tcp, {name}": devs[name] for name in settings} | {"gRPC": grpc}
+            for dev in transfers.values():  # a process's first 64 MiB page-faults its heap (main())
+                transfer_gbps(dev, 64 * MiB)
+            for _ in range(repeats):
+                for k, dev in transfers.items():
+                    up, down = transfer_gbps(dev, 64 * MiB)
+                    rows.setdefault(f"64 MiB upload, {k}", []).append(up)
+                    rows.setdefault(f"64 MiB download, {k}", []).append(down)
+            for dev in [*devs.values(), grpc]:
+                dev.close()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"{repeats} interleaved repeat(s) of {n}, {type(loop.loop).__module__.split('.')[0]} event loop")
+    print("| row | median | vs the first of its kind |")
+    print("|---|---:|---:|")
+    firsts: dict[str, float] = {}
+    for k, v in med.items():
+        first = firsts.setdefault(k.split(",")[0], v)
+        shown = f"{v:.2f} GB/s" if k.startswith("64 MiB") else f"{v:.0f} µs"
+        print(f"| {k} | {shown} | {v / first:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples, one repeat")
@@ -237,8 +323,23 @@ def main() -> None:
         help="split (default): this process on CPU 0, the worker and bare servers on CPU 1; "
         "same: all on CPU 0; any: left to the kernel (see bench/bare.py's `place`)",
     )
+    parser.add_argument(
+        "--upload",
+        type=int,
+        metavar="REPEATS",
+        help="only the jitted 401 KB host-batch step and the jitted MLP step over tcp, with each "
+        "of --settings, interleaved, and 64 MiB transfers",
+    )
+    parser.add_argument(
+        "--settings",
+        default=",".join(UPLOAD_SETTINGS),
+        help=f"with --upload: comma-separated, of {', '.join(UPLOAD_SETTINGS)} (default: all)",
+    )
     args = parser.parse_args()
     print(bare.place(args.cpus))
+    if args.upload:
+        upload_only(args.upload, 200 if args.quick else 500, args.worker, args.settings.split(","))
+        return
     if args.tiny:
         tiny_only(args.tiny, 500 if args.quick else 1000, args.worker)
         return
