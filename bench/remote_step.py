@@ -1,6 +1,7 @@
 """A remote device on loopback against the bare transport and against local execution.
 
     .venv/bin/python bench/remote_step.py [--quick] [--worker process|thread] [--tiny N] [--cpus split|same|any]
+    .venv/bin/python bench/remote_step.py --upload N [--quick]   # only the host-batch upload rows below
     EMBERLINK_UVLOOP=0 .venv/bin/python bench/remote_step.py   # asyncio's loop even where uvloop is installed
 
 Rows, each a median over interleaved repeats so machine noise hits both sides alike:
@@ -20,6 +21,10 @@ Rows, each a median over interleaved repeats so machine noise hits both sides al
 - 64 MiB upload (`dev.tensor(a)` then `sync()`) and download (`t.numpy()`), against bare
   grpc.aio streaming of the same bytes in 1 MiB messages, the server in this process and in
   another one. Goal: at least 0.7x the bare rate.
+- `--upload N` only: the jitted step with a 401 KB host batch (128x784 float32, a small op, a
+  scalar read) and the jitted MLP step over tcp, the upload pipelined in 64 KiB BULK frames
+  (client/session.py, `Pipelined`) against the layout before (EMBERLINK_PIPELINE_CHUNK=0), each
+  in its own session, interleaved; then 64 MiB each way over tcp both ways and over gRPC.
 - what bounds the tiny step: the bare ping-pong (server in another process) plus only the work a
   tiny step cannot skip, in three steps (see `floor_rows`).
 
@@ -235,43 +240,31 @@ def tiny_only(repeats: int, n: int, worker: str) -> None:
         print(f"| {k} | {v:.0f} | {v / bp:.2f}x |")
 
 
-UPLOAD_SETTINGS = {
-    "before": (0, False),
-    "pipelined": (None, False),
-    "sent early": (0, True),
-    "both": (None, True),
-}
-"""--upload's settings: (BULK chunk of uploads over tcp: 0 not pipelined, None the link's own;
-whether Device.tensor sends a host batch at once). "before" is the layout before either: the host
-batch inline in the step's one MESSAGE frame."""
-
-
-def upload_only(repeats: int, n: int, worker: str, settings: list[str]) -> None:
-    """The jitted 401 KB host-batch step (`jit_upload_step`) and the jitted MLP step over tcp with
-    each of `settings` (UPLOAD_SETTINGS), each in its own session, `repeats` interleaved repeats
-    of `n` samples each; then 64 MiB up and down over tcp with each setting and over gRPC."""
-    from emberlink.client.remote import EARLY_ENV
+def upload_only(repeats: int, n: int, worker: str) -> None:
+    """The jitted 401 KB host-batch step (`jit_upload_step`) and the jitted MLP step over tcp, with
+    uploads pipelined (client/session.py, `Pipelined`) and not (`PIPELINE_ENV`=0: the layout
+    before, the host batch inline in the step's one MESSAGE frame), each in its own session,
+    `repeats` interleaved repeats of `n` samples each; then 64 MiB up and down over tcp both ways
+    and over gRPC (whose 1 MiB chunks pipelining must leave alone)."""
     from emberlink.client.session import PIPELINE_ENV
 
     loop = io_loop()
     client = Identity.generate(os.urandom)
     rows: dict[str, list[float]] = {}
+    settings = {"not pipelined": "0", "pipelined": None}
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "client.key"
         client.save(key)
         with (worker_process if worker == "process" else worker_thread)(client) as ticket:
             grpc_ticket, tcp_ticket = split_ticket(ticket)
             devs: dict[str, el.Device] = {}
-            for name in settings:
-                chunk, early = UPLOAD_SETTINGS[name]
+            for name, chunk in settings.items():
                 os.environ.pop(PIPELINE_ENV, None)
                 if chunk is not None:
-                    os.environ[PIPELINE_ENV] = str(chunk)  # read as each session starts
-                os.environ[EARLY_ENV] = "1" if early else "0"
+                    os.environ[PIPELINE_ENV] = chunk  # read as each session starts
                 devs[name] = el.Device.remote(tcp_ticket, key=str(key))
                 devs[name + " mlp"] = el.Device.remote(tcp_ticket, key=str(key))
             os.environ.pop(PIPELINE_ENV, None)
-            os.environ.pop(EARLY_ENV)
             grpc = el.Device.remote(grpc_ticket, key=str(key))
             steps = {f"upload step, {name}": jit_upload_step(devs[name]) for name in settings}
             mlps = {f"MLP jit step, {name}": local_step.JitMLP(devs[name + " mlp"]) for name in settings}
@@ -297,7 +290,7 @@ def upload_only(repeats: int, n: int, worker: str, settings: list[str]) -> None:
                 dev.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"{repeats} interleaved repeat(s) of {n}, {type(loop.loop).__module__.split('.')[0]} event loop")
-    print("| row | median | vs the first of its kind |")
+    print("| row | median | vs not pipelined |")
     print("|---|---:|---:|")
     firsts: dict[str, float] = {}
     for k, v in med.items():
@@ -327,18 +320,13 @@ def main() -> None:
         "--upload",
         type=int,
         metavar="REPEATS",
-        help="only the jitted 401 KB host-batch step and the jitted MLP step over tcp, with each "
-        "of --settings, interleaved, and 64 MiB transfers",
-    )
-    parser.add_argument(
-        "--settings",
-        default=",".join(UPLOAD_SETTINGS),
-        help=f"with --upload: comma-separated, of {', '.join(UPLOAD_SETTINGS)} (default: all)",
+        help="only the jitted 401 KB host-batch step and the jitted MLP step over tcp, uploads "
+        "pipelined and not, interleaved, and 64 MiB transfers",
     )
     args = parser.parse_args()
     print(bare.place(args.cpus))
     if args.upload:
-        upload_only(args.upload, 200 if args.quick else 500, args.worker, args.settings.split(","))
+        upload_only(args.upload, 200 if args.quick else 500, args.worker)
         return
     if args.tiny:
         tiny_only(args.tiny, 500 if args.quick else 1000, args.worker)

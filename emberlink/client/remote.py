@@ -27,7 +27,7 @@ import numpy as np
 from emberlink.client import paths
 from emberlink.client.executor import Call, ExecutorStats
 from emberlink.client.reconnect import DIRECT_HEAD_START_S, Connect, Resumer, resume_window_setting
-from emberlink.client.session import DIRECT_BYTES, ClientSession, Counters, Flow
+from emberlink.client.session import ClientSession, Counters, Flow
 from emberlink.errors import (
     AuthError,
     DeviceError,
@@ -67,9 +67,6 @@ STAGE_MAX = 1 << 20
 """Staging buffers stop at this size (all of it travels inline, in the batch's one frame)."""
 STAGE_ROOM = 4096
 """Bytes left free before the staged uploads for the batch's head (a repeated step's is ~100)."""
-EARLY_ENV = "EMBERLINK_EARLY_UPLOADS"
-"""Set to `0` to keep a host batch in the step's batch instead of sending it from Device.tensor
-(`RemoteExecutor._send_early`), for measuring what that saves (bench/remote_step.py --upload)."""
 CLOSE_TIMEOUT = 2.0
 REPLAY_ENV = "EMBERLINK_REPLAY"
 """Set to `0` to send every graph in full with every Execute and every batch in full (never as a
@@ -265,7 +262,6 @@ class RemoteExecutor:
         # jitted step passes the same tuple of constant bindings on every replay
         self._f32_last: tuple[tuple[Any, ...], tuple[bool, ...], tuple[Any, ...]] | None = None
         self.replay = os.environ.get(REPLAY_ENV, "1") != "0"
-        self.early = os.environ.get(EARLY_ENV, "1") != "0"
         self._rids = itertools.count(1)
         self._flow_cond = threading.Condition()
         self._unacked_batches = 0
@@ -447,46 +443,6 @@ class RemoteExecutor:
             self._pending_bytes += a.nbytes
         if self._pending_bytes >= FLUSH_BYTES or len(self._pending) >= FLUSH_MESSAGES:
             self._flush()
-        elif STAGE_FROM <= a.nbytes <= DIRECT_BYTES and self.early:
-            self._send_early()
-
-    def _send_early(self) -> None:
-        """Send the pending batch now, from this thread, if it is uploads only (a host batch: the
-        step that uses it is recorded next) and the link is this thread's to write (parked, or
-        owned by it: `ClientSession.send_owned`); else leave it pending, to go with the step.
-
-        The worker then receives and opens the upload while this thread records or binds the step
-        (and, where uploads are pipelined, opens each BULK chunk while this thread seals the
-        next); the step's own batch follows, small. An uploads-only batch is no Repeat template
-        (protocol/session.py), so the step still goes as a Repeat of the step before. Measured in
-        docs/internals.md ("Pipelined uploads")."""
-        messages = self._pending
-        for msg in messages:
-            if type(msg) is not m.Upload:
-                return
-        nbytes = self._pending_bytes
-        with self._flow_cond:
-            if self._dead is not None or not within_flow(
-                self._unacked_batches, self._unacked_bytes, nbytes, self._max_batches, self._max_bytes
-            ):
-                return  # (the step's flush waits for acks, as it would have)
-            self._unacked_batches += 1
-            self._unacked_bytes += nbytes
-        bulks, stage = self._pending_bulks, self._stage
-        staged = None
-        if stage is not None and stage.count == len(bulks):
-            staged = Staged(stage.buffer.data, STAGE_ROOM)
-        if self._session.send_owned(messages, bulks, nbytes, staged):
-            self._pending, self._pending_bulks, self._pending_bytes = [], [], 0
-            if stage is not None:
-                self._stage = None
-                if staged is not None:
-                    self._stage_size = stage.used - STAGE_ROOM
-            return
-        with self._flow_cond:  # not sent: nothing was done, it goes with the step
-            self._unacked_batches -= 1
-            self._unacked_bytes -= nbytes
-            self._flow_cond.notify_all()
 
     def execute(self, graph: Graph, gid: bytes, call: Call) -> None:
         self._check()
