@@ -83,9 +83,12 @@ for measuring what pipelining saves (bench/remote_step.py --upload)."""
 @runtime_checkable
 class Pipelined(Protocol):
     """A link that hands each blob to the peer's session as it arrives and costs little per blob
-    (the raw TCP link's): an upload goes over it in BULK frames of `pipeline_chunk` bytes, each
+    (the raw TCP link's): a host batch goes over it in BULK frames of `pipeline_chunk` bytes, each
     written as soon as it is sealed, so that the worker decrypts one while this side seals the
-    next (docs/internals.md, "Pipelined uploads")."""
+    next (docs/internals.md, "Pipelined uploads"). Measured on the 2-core machine (client and
+    worker on a CPU each), the jitted step with a 401 KB host batch, a small op and a scalar read
+    (bench/remote_step.py --upload 9 --quick): 598 µs laid out in one MESSAGE frame, 570 µs
+    pipelined; the worker has the batch whole 72 instead of 109 µs after the client's last write."""
 
     pipeline_chunk: int
 
