@@ -1,7 +1,7 @@
 """A remote device on loopback against the bare transport and against local execution.
 
     .venv/bin/python bench/remote_step.py [--quick] [--worker process|thread] [--tiny N] [--cpus split|same|any]
-    .venv/bin/python bench/remote_step.py --upload N [--quick]   # only the host-batch upload rows below
+    .venv/bin/python bench/remote_step.py --upload N [--quick] [--device cuda:0]   # only the host-batch rows
     EMBERLINK_UVLOOP=0 .venv/bin/python bench/remote_step.py   # asyncio's loop even where uvloop is installed
 
 Rows, each a median over interleaved repeats so machine noise hits both sides alike:
@@ -77,9 +77,9 @@ def split_ticket(text: str) -> tuple[str, str]:
 
 
 @contextmanager
-def worker_process(client: Identity) -> Any:
-    """An `emberlink worker` process on 127.0.0.1:0 (gRPC) and 127.0.0.1:0 (raw TCP) admitting
-    `client`; yields its ticket."""
+def worker_process(client: Identity, device: str = "cpu") -> Any:
+    """An `emberlink worker` process on `device`, 127.0.0.1:0 (gRPC) and 127.0.0.1:0 (raw TCP),
+    admitting `client`; yields its ticket."""
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "worker.key"
         Identity.generate(os.urandom).save(key)
@@ -87,7 +87,7 @@ def worker_process(client: Identity) -> Any:
         allow.write_text(client.node_id + "\n")
         proc = subprocess.Popen(
             [sys.executable, "-m", "emberlink", "worker", "--listen", "127.0.0.1:0", "--key", str(key)]
-            + ["--allow", str(allow), "--tcp-listen", "127.0.0.1:0"],
+            + ["--allow", str(allow), "--tcp-listen", "127.0.0.1:0", "--device", device],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -240,12 +240,13 @@ def tiny_only(repeats: int, n: int, worker: str) -> None:
         print(f"| {k} | {v:.0f} | {v / bp:.2f}x |")
 
 
-def upload_only(repeats: int, n: int, worker: str) -> None:
+def upload_only(repeats: int, n: int, worker: str, device: str) -> None:
     """The jitted 401 KB host-batch step (`jit_upload_step`) and the jitted MLP step over tcp, with
     uploads pipelined (client/session.py, `Pipelined`) and not (`PIPELINE_ENV`=0: the layout
     before, the host batch inline in the step's one MESSAGE frame), each in its own session,
     `repeats` interleaved repeats of `n` samples each; then 64 MiB up and down over tcp both ways
-    and over gRPC (whose 1 MiB chunks pipelining must leave alone)."""
+    and over gRPC (whose 1 MiB chunks pipelining must leave alone). The worker runs on `device`
+    (a process only: `--worker thread` serves the cpu)."""
     from emberlink.client.session import PIPELINE_ENV
 
     loop = io_loop()
@@ -255,7 +256,8 @@ def upload_only(repeats: int, n: int, worker: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "client.key"
         client.save(key)
-        with (worker_process if worker == "process" else worker_thread)(client) as ticket:
+        serving = worker_process(client, device) if worker == "process" else worker_thread(client)
+        with serving as ticket:
             grpc_ticket, tcp_ticket = split_ticket(ticket)
             devs: dict[str, el.Device] = {}
             for name, chunk in settings.items():
@@ -323,10 +325,13 @@ def main() -> None:
         help="only the jitted 401 KB host-batch step and the jitted MLP step over tcp, uploads "
         "pipelined and not, interleaved, and 64 MiB transfers",
     )
+    parser.add_argument(
+        "--device", default="cpu", help="with --upload: the worker's device, e.g. cuda:0 (default: cpu)"
+    )
     args = parser.parse_args()
     print(bare.place(args.cpus))
     if args.upload:
-        upload_only(args.upload, 200 if args.quick else 500, args.worker)
+        upload_only(args.upload, 200 if args.quick else 500, args.worker, args.device)
         return
     if args.tiny:
         tiny_only(args.tiny, 500 if args.quick else 1000, args.worker)

@@ -72,8 +72,9 @@ SEND_NOW_BYTES = 64 << 10
 """A batch with at most this many upload bytes is sealed and written where it is submitted when the
 sender task is idle and the link can write at once (`ClientSession._send_now`)."""
 DIRECT_BYTES = 1 << 20
-"""A batch with at most this many upload bytes (one blob) may be sent and answered on the thread
-that waits for it (`ClientSession.request_direct`): the MLP step's 400 KB host batch is."""
+"""A batch with at most this many upload bytes (one blob, or its pipelined chunks' blobs) may be
+sent and answered on the thread that waits for it (`ClientSession.request_direct`): the MLP step's
+400 KB host batch is."""
 PIPELINE_ENV = "EMBERLINK_PIPELINE_CHUNK"
 """Bytes: the BULK chunk size of uploads over a link that pipelines them (`Pipelined`), instead of
 the link's own `pipeline_chunk`; 0: none smaller than the worker's (what gRPC and the relay use),
