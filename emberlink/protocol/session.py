@@ -28,8 +28,9 @@ Rules (everything that changes the state of a session's protocol lives in this f
 - Layout: uploads (results) travel inline in the MESSAGE frame's plaintext, in message order, while
   they fit in one chunk together; the rest follow in BULK frames of at most the chunk size, in
   message order. The client's chunk size is `chunk_size` (the worker's), or `pipeline_chunk` for a
-  batch of at most PIPELINE_BATCH_BYTES over a link that pipelines uploads (the worker takes any
-  chunk size up to its own: the receiving rules do not depend on it). A batch (reply) too large for one frame with its inline bytes goes all in BULK.
+  batch of at most PIPELINE_BATCH_BYTES over a link that pipelines uploads (the worker opens BULK
+  frames of any size, in order: nothing on its side depends on the client's chunk size). A batch
+  (reply) too large for one frame with its inline bytes goes all in BULK.
   A reply MESSAGE frame holds at most MAX_REPLY_FRAME_BYTES of msgpack and MAX_REPLY_MESSAGES
   messages; longer replies are split into several, each acking the same batch.
 - Flow control: a client has at most MAX_UNACKED_BATCHES batches and MAX_UNACKED_BYTES of upload
