@@ -4,6 +4,7 @@ control with many in flight, and the transports that keep the worker's chunks.""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -59,6 +60,30 @@ def test_uploads_around_the_pipeline_chunk_arrive_intact_and_go_in_chunks_of_it(
                 np.testing.assert_array_equal(t.numpy(), x)
     # The host batches went in chunks of the pipeline size, each its own blob (sealed: + OVERHEAD).
     assert blobs.sizes.count(PIPELINE_CHUNK + OVERHEAD) > 3 * len(SIZES)
+
+
+def test_each_pipelined_frame_is_written_before_the_next_is_sealed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The overlap: the worker opens chunk i while this side seals chunk i+1, so chunk i must be on
+    # the wire before chunk i+1 is sealed (packing frames would seal one ahead).
+    sealed_before_write: list[int] = []
+    total = el.jit(lambda t: t.sum())
+    with emberlink.testing.worker(tcp=True) as w, w.device(transport="tcp") as dev:
+        channel = dev._executor._session._conn.channel  # type: ignore[attr-defined]
+        inner = TcpLink.write_direct
+
+        def write_direct(link: TcpLink, blob: Any) -> bool:
+            sealed_before_write.append(channel._send.counter)
+            return inner(link, blob)
+
+        monkeypatch.setattr(TcpLink, "write_direct", write_direct)
+        for i in range(4):
+            x = np.full((128, 784), i, np.float32)
+            assert float(total(dev.tensor(x))) == 128 * 784 * i
+    # Blob k of the session's writes from the reading thread goes when exactly its own frame has
+    # been sealed since the one before: the counters seen grow by one per write.
+    steps = [b - a for a, b in itertools.pairwise(sealed_before_write)]
+    assert len(sealed_before_write) >= 2 * (128 * 784 * 4 // PIPELINE_CHUNK + 2)
+    assert set(steps) == {1}
 
 
 def test_a_link_cut_in_the_middle_of_a_pipelined_upload_is_resumed_with_every_value_right(
