@@ -1,6 +1,7 @@
 """A remote device on loopback against the bare transport and against local execution.
 
     .venv/bin/python bench/remote_step.py [--quick] [--worker process|thread] [--tiny N] [--cpus split|same|any]
+    .venv/bin/python bench/remote_step.py --upload N [--quick] [--device cuda:0]   # only the host-batch rows
     EMBERLINK_UVLOOP=0 .venv/bin/python bench/remote_step.py   # asyncio's loop even where uvloop is installed
 
 Rows, each a median over interleaved repeats so machine noise hits both sides alike:
@@ -20,6 +21,10 @@ Rows, each a median over interleaved repeats so machine noise hits both sides al
 - 64 MiB upload (`dev.tensor(a)` then `sync()`) and download (`t.numpy()`), against bare
   grpc.aio streaming of the same bytes in 1 MiB messages, the server in this process and in
   another one. Goal: at least 0.7x the bare rate.
+- `--upload N` only: the jitted step with a 401 KB host batch (128x784 float32, a small op, a
+  scalar read) and the jitted MLP step over tcp, the upload pipelined in 64 KiB BULK frames
+  (client/session.py, `Pipelined`) against the layout before (EMBERLINK_PIPELINE_CHUNK=0), each
+  in its own session, interleaved; then 64 MiB each way over tcp both ways and over gRPC.
 - what bounds the tiny step: the bare ping-pong (server in another process) plus only the work a
   tiny step cannot skip, in three steps (see `floor_rows`).
 
@@ -72,9 +77,9 @@ def split_ticket(text: str) -> tuple[str, str]:
 
 
 @contextmanager
-def worker_process(client: Identity) -> Any:
-    """An `emberlink worker` process on 127.0.0.1:0 (gRPC) and 127.0.0.1:0 (raw TCP) admitting
-    `client`; yields its ticket."""
+def worker_process(client: Identity, device: str = "cpu") -> Any:
+    """An `emberlink worker` process on `device`, 127.0.0.1:0 (gRPC) and 127.0.0.1:0 (raw TCP),
+    admitting `client`; yields its ticket."""
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "worker.key"
         Identity.generate(os.urandom).save(key)
@@ -82,7 +87,7 @@ def worker_process(client: Identity) -> Any:
         allow.write_text(client.node_id + "\n")
         proc = subprocess.Popen(
             [sys.executable, "-m", "emberlink", "worker", "--listen", "127.0.0.1:0", "--key", str(key)]
-            + ["--allow", str(allow), "--tcp-listen", "127.0.0.1:0"],
+            + ["--allow", str(allow), "--tcp-listen", "127.0.0.1:0", "--device", device],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
@@ -132,6 +137,21 @@ def jit_tiny_step(dev: el.Device) -> Callable[[], float]:
     def step() -> float:
         return float(total(dev.tensor(x)))
 
+    return step
+
+
+def jit_upload_step(dev: el.Device) -> Callable[[], float]:
+    """The small MLP's host batch alone: a 401 KB upload (128x784 float32), a small op, a scalar
+    read, jitted (bench/gpu_step.py's host-batch step without the model)."""
+    x = np.random.default_rng(0).standard_normal((128, 784)).astype(np.float32)
+    total = el.jit(lambda t: (t * 2.0).sum())
+
+    def step() -> float:
+        return float(total(dev.tensor(x)))
+
+    want = float((x.astype(np.float64) * 2.0).sum())
+    got = step()
+    assert abs(got - want) <= 1e-3 * abs(want) + 1e-2, (got, want)
     return step
 
 
@@ -220,6 +240,67 @@ def tiny_only(repeats: int, n: int, worker: str) -> None:
         print(f"| {k} | {v:.0f} | {v / bp:.2f}x |")
 
 
+def upload_only(repeats: int, n: int, worker: str, device: str) -> None:
+    """The jitted 401 KB host-batch step (`jit_upload_step`) and the jitted MLP step over tcp, with
+    uploads pipelined (client/session.py, `Pipelined`) and not (`PIPELINE_ENV`=0: the layout
+    before, the host batch inline in the step's one MESSAGE frame), each in its own session,
+    `repeats` interleaved repeats of `n` samples each; then 64 MiB up and down over tcp both ways
+    and over gRPC (whose 1 MiB chunks pipelining must leave alone). The worker runs on `device`
+    (a process only: `--worker thread` serves the cpu)."""
+    from emberlink.client.session import PIPELINE_ENV
+
+    loop = io_loop()
+    client = Identity.generate(os.urandom)
+    rows: dict[str, list[float]] = {}
+    settings = {"not pipelined": "0", "pipelined": None}
+    with tempfile.TemporaryDirectory() as tmp:
+        key = Path(tmp) / "client.key"
+        client.save(key)
+        serving = worker_process(client, device) if worker == "process" else worker_thread(client)
+        with serving as ticket:
+            grpc_ticket, tcp_ticket = split_ticket(ticket)
+            devs: dict[str, el.Device] = {}
+            for name, chunk in settings.items():
+                os.environ.pop(PIPELINE_ENV, None)
+                if chunk is not None:
+                    os.environ[PIPELINE_ENV] = chunk  # read as each session starts
+                devs[name] = el.Device.remote(tcp_ticket, key=str(key))
+                devs[name + " mlp"] = el.Device.remote(tcp_ticket, key=str(key))
+            os.environ.pop(PIPELINE_ENV, None)
+            grpc = el.Device.remote(grpc_ticket, key=str(key))
+            steps = {f"upload step, {name}": jit_upload_step(devs[name]) for name in settings}
+            mlps = {f"MLP jit step, {name}": local_step.JitMLP(devs[name + " mlp"]) for name in settings}
+            batches = local_step._batches(4)
+            for model in mlps.values():
+                local_step._time(model.step, batches, 20, [])
+            for _ in range(repeats):
+                for k, step in steps.items():
+                    rows.setdefault(k, []).append(median_us(step, n))
+                for k, model in mlps.items():
+                    times: list[float] = []
+                    local_step._time(model.step, batches, max(20, n // 10), times)
+                    rows.setdefault(k, []).append(statistics.median(times) * 1e6)
+            transfers = {f"tcp, {name}": devs[name] for name in settings} | {"gRPC": grpc}
+            for dev in transfers.values():  # a process's first 64 MiB page-faults its heap (main())
+                transfer_gbps(dev, 64 * MiB)
+            for _ in range(repeats):
+                for k, dev in transfers.items():
+                    up, down = transfer_gbps(dev, 64 * MiB)
+                    rows.setdefault(f"64 MiB upload, {k}", []).append(up)
+                    rows.setdefault(f"64 MiB download, {k}", []).append(down)
+            for dev in [*devs.values(), grpc]:
+                dev.close()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"{repeats} interleaved repeat(s) of {n}, {type(loop.loop).__module__.split('.')[0]} event loop")
+    print("| row | median | vs not pipelined |")
+    print("|---|---:|---:|")
+    firsts: dict[str, float] = {}
+    for k, v in med.items():
+        first = firsts.setdefault(k.split(",")[0], v)
+        shown = f"{v:.2f} GB/s" if k.startswith("64 MiB") else f"{v:.0f} µs"
+        print(f"| {k} | {shown} | {v / first:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples, one repeat")
@@ -237,8 +318,21 @@ def main() -> None:
         help="split (default): this process on CPU 0, the worker and bare servers on CPU 1; "
         "same: all on CPU 0; any: left to the kernel (see bench/bare.py's `place`)",
     )
+    parser.add_argument(
+        "--upload",
+        type=int,
+        metavar="REPEATS",
+        help="only the jitted 401 KB host-batch step and the jitted MLP step over tcp, uploads "
+        "pipelined and not, interleaved, and 64 MiB transfers",
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="with --upload: the worker's device, e.g. cuda:0 (default: cpu)"
+    )
     args = parser.parse_args()
     print(bare.place(args.cpus))
+    if args.upload:
+        upload_only(args.upload, 200 if args.quick else 500, args.worker, args.device)
+        return
     if args.tiny:
         tiny_only(args.tiny, 500 if args.quick else 1000, args.worker)
         return

@@ -1,11 +1,12 @@
 """Where a remote jitted step's time goes: timestamps on both sides of one step, by stage.
 
-    python bench/step_trace.py [--device cuda:0] [--steps 300] [--transport grpc|tcp] [--step mlp|tiny]
+    python bench/step_trace.py [--device cuda:0] [--steps 300] [--transport grpc|tcp] [--step mlp|tiny|upload]
 
 The small MLP step of bench/gpu_step.py, jitted, against an `emberlink worker` process on
 127.0.0.1 (host batches, resident data through DataLoader(resident=True), then batches uploaded
 once beforehand); or, with `--step tiny`, bench/remote_step.py's jitted
-tiny step (64 B upload, sum, scalar read). `--transport tcp` serves and connects over the raw TCP
+tiny step (64 B upload, sum, scalar read); with `--step upload`, its jitted 401 KB host-batch step
+(`jit_upload_step`: the small MLP's batch alone, a small op, a scalar read). `--transport tcp` serves and connects over the raw TCP
 transport (transport/tcp.py) instead of gRPC; the "gRPC" stages are then that transport's. The bench wraps methods of the client (in this
 process) and of the worker (its process starts with the same wrappers installed) to record
 `time.perf_counter_ns()` (CLOCK_MONOTONIC, shared by both processes) as each step passes, then
@@ -302,6 +303,9 @@ STAGES = [
     ("client: grpc write returns", "c.write", "c.written"),
     ("gRPC to the worker (from the start of the write)", "c.write", "w.recv"),
     ("worker: open, decode, expand, uploads", "w.recv", "w.submit"),
+    ("  pipelined (several blobs): client's first write to its last write returns", "c.write", "c.written$"),
+    ("  pipelined: the worker's last blob arrived to the batch whole", "w.recv$", "w.submit"),
+    ("  pipelined: the client's last write returns to the batch whole", "c.written$", "w.submit"),
     ("worker: to the batch being applied (inline: 0; else the device thread)", "w.submit", "w.apply"),
     ("worker: apply the batch", "w.apply", "w.applied"),
     ("  of which Executes (stage, copy, launch)", "w.execute", "w.executed"),
@@ -316,6 +320,11 @@ STAGES = [
 ]
 
 
+LAST = "$"
+"""A stage's mark with this after it is the mark's last time in the step, not its first (a host
+batch pipelined over tcp goes in several blobs: client/session.py's `Pipelined`)."""
+
+
 def durations(events: list[tuple[str, int]], warm: int) -> dict[str, list[float]]:
     """Per step (between consecutive c.step marks): each stage's µs; summed where a stage happens
     several times in a step (two Executes)."""
@@ -324,9 +333,10 @@ def durations(events: list[tuple[str, int]], warm: int) -> dict[str, list[float]
     out: dict[str, list[float]] = {name: [] for name, _, _ in STAGES + FINE_STAGES}
     for a, b in itertools.pairwise(starts[warm:]):
         window = events[a:b]
-        first: dict[str, int] = {}
+        first: dict[str, int] = {}  # each mark's first time in the step; "mark$": its last (LAST)
         for t, n in window:
             first.setdefault(t, n)
+            first[t + LAST] = n
         for name, begin, end in STAGES + FINE_STAGES:
             if begin in SUMMED:
                 total = 0
@@ -401,7 +411,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--transport", choices=("grpc", "tcp"), default="grpc")
-    parser.add_argument("--step", choices=("mlp", "tiny"), default="mlp")
+    parser.add_argument("--step", choices=("mlp", "tiny", "upload"), default="mlp")
     parser.add_argument("--local", action="store_true", help="also trace Device.cuda's replays in-process")
     parser.add_argument(
         "--cpus", choices=("split", "same", "any"), default="any", help="as bench/remote_step.py's --cpus"
@@ -427,17 +437,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "client.key"
         Identity.generate(os.urandom).save(key)
-        for feed in (gpu_step.HOST,) if args.step == "tiny" else gpu_step.FEEDS:
+        for feed in (gpu_step.HOST,) if args.step in ("tiny", "upload") else gpu_step.FEEDS:
             out = Path(tmp) / f"worker_{feed}.npy"
             with (
                 traced_worker(key, args.device, out) as (ticket, pid),
                 el.Device.remote(ticket, key=str(key)) as dev,
             ):
                 step: gpu_step.Step
-                if args.step == "tiny":
+                if args.step in ("tiny", "upload"):
                     import remote_step
 
-                    tiny = remote_step.jit_tiny_step(dev)
+                    make = remote_step.jit_tiny_step if args.step == "tiny" else remote_step.jit_upload_step
+                    tiny = make(dev)
 
                     def tiny_step(_: int, run: Any = tiny) -> Any:
                         return run()
@@ -470,7 +481,9 @@ def main() -> None:
                 rebind(dev)
             worker_events = [(str(t), int(n)) for t, n in np.load(out, allow_pickle=True)]
             stages = durations(client_events + worker_events, warm=10)
-            what = "tiny step" if args.step == "tiny" else f"small MLP, {FEED_NAMES[feed]}"
+            what = {"tiny": "tiny step", "upload": "401 KB host batch step"}.get(
+                args.step, f"small MLP, {FEED_NAMES[feed]}"
+            )
             print(f"\n| {what}, Device.remote jit over {args.transport}: stage | median µs |")
             print("|---|---:|")
             for name, _, _ in STAGES + (FINE_STAGES if os.environ.get(FINE_ENV) == "1" else []):

@@ -64,7 +64,9 @@ STAGE_FROM = 64 << 10
 by Device.tensor straight into a staging buffer (`host_array`), and the batch's later uploads
 after it while they fit: the batch's plaintext then needs no join before it is sealed."""
 STAGE_MAX = 1 << 20
-"""Staging buffers stop at this size (all of it travels inline, in the batch's one frame)."""
+"""Staging buffers stop at this size (all of it travels inline, in the batch's one frame; over raw
+TCP a host batch larger than the pipeline chunk goes in BULK frames instead, sealed from the
+staging buffer as from any array: client/session.py's `Pipelined`)."""
 STAGE_ROOM = 4096
 """Bytes left free before the staged uploads for the batch's head (a repeated step's is ~100)."""
 CLOSE_TIMEOUT = 2.0
@@ -288,16 +290,20 @@ class RemoteExecutor:
         self._flow = Flow(on_ack, on_dead)
 
         async def start() -> ClientSession:
-            session = ClientSession(
-                link,
-                channel,
-                limits,
-                self._graphs,
-                self.counters,
-                self._flow,
-                worker_node_id,
-                templates=self.replay,
-            )
+            try:
+                session = ClientSession(
+                    link,
+                    channel,
+                    limits,
+                    self._graphs,
+                    self.counters,
+                    self._flow,
+                    worker_node_id,
+                    templates=self.replay,
+                )
+            except BaseException:  # (e.g. a bad EMBERLINK_PIPELINE_CHUNK): the worker frees it at once
+                await link.close()
+                raise
             session.start()
             return session
 

@@ -28,18 +28,26 @@ import asyncio
 import functools
 import itertools
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, assert_never, cast
+from typing import Any, Protocol, assert_never, cast, runtime_checkable
 
 import numpy as np
 
 from emberlink.client.executor import ExecutorStats
 from emberlink.client.reconnect import Resumed, Resumer
-from emberlink.errors import EmberlinkError, ProtocolError, RemoteError, TransportError, WorkerLost
+from emberlink.errors import (
+    ConfigError,
+    EmberlinkError,
+    ProtocolError,
+    RemoteError,
+    TransportError,
+    WorkerLost,
+)
 from emberlink.protocol import messages as m
 from emberlink.protocol import session as s
 from emberlink.protocol.channel import CHUNK_SIZE, OVERHEAD, Channel, pack_frames
@@ -64,8 +72,45 @@ SEND_NOW_BYTES = 64 << 10
 """A batch with at most this many upload bytes is sealed and written where it is submitted when the
 sender task is idle and the link can write at once (`ClientSession._send_now`)."""
 DIRECT_BYTES = 1 << 20
-"""A batch with at most this many upload bytes (one blob) may be sent and answered on the thread
-that waits for it (`ClientSession.request_direct`): the MLP step's 400 KB host batch is."""
+"""A batch with at most this many upload bytes (one blob, or its pipelined chunks' blobs) may be
+sent and answered on the thread that waits for it (`ClientSession.request_direct`): the MLP step's
+400 KB host batch is."""
+PIPELINE_ENV = "EMBERLINK_PIPELINE_CHUNK"
+"""Bytes: the BULK chunk size of uploads over a link that pipelines them (`Pipelined`), instead of
+the link's own `pipeline_chunk`; 0: none smaller than the worker's (what gRPC and the relay use),
+for measuring what pipelining saves (bench/remote_step.py --upload)."""
+
+
+@runtime_checkable
+class Pipelined(Protocol):
+    """A link that hands each blob to the peer's session as it arrives and costs little per blob
+    (the raw TCP link's): a host batch goes over it in BULK frames of `pipeline_chunk` bytes, each
+    written as soon as it is sealed, so that the worker decrypts one while this side seals the
+    next (docs/internals.md, "Pipelined uploads"). Measured on the 2-core machine (client and
+    worker on a CPU each), the jitted step with a 401 KB host batch, a small op and a scalar read
+    (bench/remote_step.py --upload 9 --quick): 598 µs laid out in one MESSAGE frame, 570 µs
+    pipelined; the worker has the batch whole 72 instead of 109 µs after the client's last write."""
+
+    pipeline_chunk: int
+
+
+def pipeline_setting(link: Link) -> int:
+    """The BULK chunk size of uploads over `link` when it pipelines them (`PIPELINE_ENV` says
+    otherwise), else 0: the worker's chunk size goes."""
+    if not isinstance(link, Pipelined):
+        return 0
+    text = os.environ.get(PIPELINE_ENV)
+    if text is None or not text.strip():
+        return link.pipeline_chunk
+    try:
+        chunk = int(text)
+    except ValueError:
+        raise ConfigError(f"{PIPELINE_ENV} must be a number of bytes, got {text!r}") from None
+    if chunk and not s.MIN_CHUNK_SIZE <= chunk <= s.MAX_CHUNK_SIZE:
+        raise ConfigError(
+            f"{PIPELINE_ENV} must be 0 or between {s.MIN_CHUNK_SIZE} and {s.MAX_CHUNK_SIZE} bytes, got {text!r}"
+        )
+    return chunk
 
 
 @dataclass(slots=True)
@@ -143,6 +188,7 @@ class ClientSession:
         self._counters = counters
         self._flow = flow
         self._worker = worker
+        self._pipelined = False
         self._conn = s.ClientConnection(
             channel,
             s.chunk_size_of(limits, CHUNK_SIZE),
@@ -167,6 +213,15 @@ class ClientSession:
         # Resume: the reconnection in progress.
         self.resumer: Resumer | None = None
         self._resuming: asyncio.Task[None] | None = None
+        self._pipeline(link)
+
+    def _pipeline(self, link: Link) -> None:
+        """Lay uploads out for `link`: over one that pipelines them (`Pipelined`), in BULK chunks
+        of its size, each frame its own blob (sent as soon as sealed); else in the worker's
+        chunks, frames packed into blobs of BLOB_TARGET (gRPC and the relay stream fastest so)."""
+        chunk = pipeline_setting(link)
+        self._pipelined = 0 < chunk < self._conn.chunk_size
+        self._conn.pipeline_chunk = chunk if self._pipelined else 0
 
     @property
     def closing(self) -> bool:
@@ -244,7 +299,7 @@ class ClientSession:
         link's `send_nowait` writes nothing when it refuses; an owner's `write_direct` leaves what
         it could not write to the link itself)."""
         seq, _, frames = self._conn.next_frames_of()
-        blobs = pack_frames(frames)
+        blobs = self._blobs(frames)
         for blob in blobs:
             if not write(blob):
                 self._unsent = (seq, itertools.chain([blob], blobs) if retry_refused else blobs)
@@ -491,8 +546,14 @@ class ClientSession:
             return frames
         return _counted(frames, bar)
 
+    def _blobs(self, frames: Iterator[bytes | bytearray]) -> Iterator[bytes | bytearray]:
+        """The blobs that carry `frames`: over a link that pipelines uploads, each frame alone,
+        handed on as soon as it is sealed (`pack_frames` would seal the next before it gives
+        this one); else packed up to BLOB_TARGET."""
+        return frames if self._pipelined else pack_frames(frames)
+
     async def _send_frames(self, frames: Iterator[bytes | bytearray]) -> None:
-        for blob in pack_frames(frames):
+        for blob in self._blobs(frames):
             await self._link.send(blob)
             self._counters.bytes_sent += len(blob)
 
@@ -617,6 +678,7 @@ class ClientSession:
     def _take_up(self, resumed: Resumed) -> None:
         """Carry on over a resumed link: everything the worker had not applied goes again, in full."""
         self._link = resumed.link
+        self._pipeline(resumed.link)  # (the new link may be another transport's)
         self._unsent = None  # sealed for the old link: the batch goes again in full
         self._counters.path = resumed.path
         self._close_bars()  # a result cut short: the worker sends it again

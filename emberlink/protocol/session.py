@@ -26,8 +26,11 @@ Rules (everything that changes the state of a session's protocol lives in this f
   step after it still repeats the step before. A resent batch goes in full; a resume forgets both
   templates.
 - Layout: uploads (results) travel inline in the MESSAGE frame's plaintext, in message order, while
-  they fit in one chunk together; the rest follow in BULK frames of at most `chunk_size`, in
-  message order. A batch (reply) too large for one frame with its inline bytes goes all in BULK.
+  they fit in one chunk together; the rest follow in BULK frames of at most the chunk size, in
+  message order. The client's chunk size is `chunk_size` (the worker's), or `pipeline_chunk` for a
+  batch of at most PIPELINE_BATCH_BYTES over a link that pipelines uploads (the worker opens BULK
+  frames of any size, in order: nothing on its side depends on the client's chunk size). A batch
+  (reply) too large for one frame with its inline bytes goes all in BULK.
   A reply MESSAGE frame holds at most MAX_REPLY_FRAME_BYTES of msgpack and MAX_REPLY_MESSAGES
   messages; longer replies are split into several, each acking the same batch.
 - Flow control: a client has at most MAX_UNACKED_BATCHES batches and MAX_UNACKED_BYTES of upload
@@ -76,6 +79,9 @@ SMALL_REPLY_MESSAGES = 64
 """A reply of at most this many messages is encoded once, as one frame (the common case)."""
 SMALL_REPLY_BULK = 64 << 10
 """A reply whose results total at most this goes out as one blob, at once."""
+PIPELINE_BATCH_BYTES = 1 << 20
+"""A batch of at most this many upload bytes (a host batch, not a data set) is laid out in chunks
+of the connection's `pipeline_chunk`, where it has one; larger ones in `chunk_size` chunks."""
 
 
 Prediction = tuple[tuple[m.ClientMessage, ...], m.Repeat, tuple[m.ClientMessage, ...]] | None
@@ -327,7 +333,9 @@ class _Foreseen:
     """The client's next batch worked out ahead (`ClientConnection.predict`) from a prediction: if
     the batch framed next after `template` is `seq`, goes with `received`, and its messages are
     `raw` (as submitted: no upload marked inline), it goes as `head` (a Batch of `repeat` alone)
-    with its uploads' bytes inline after it, and is `messages` once laid out (the next template)."""
+    with its uploads' bytes inline after it, or, where `inline` says which go inline (one flag per
+    upload with bytes), the others in BULK frames after it; and is `messages` once laid out (the
+    next template)."""
 
     template: tuple[m.ClientMessage, ...]
     raw: tuple[m.ClientMessage, ...]
@@ -337,27 +345,34 @@ class _Foreseen:
     received: int
     chunk_size: int
     head: bytes
+    inline: tuple[bool, ...] | None  # None: every upload inline
 
 
 def _foresee(
     predicted: Prediction, template: tuple[m.ClientMessage, ...] | None, seq: int, received: int, room: int
 ) -> _Foreseen | None:
     """The batch `seq` that repeats `predicted` after `template`, sent with `received` and laid out
-    with `room` (chunk size): as `_frames` would send it, if every upload with bytes of it goes
-    inline by the layout rule (`_layout`); None otherwise."""
+    with `room` (chunk size): as `_frames` would send it, if each upload with bytes of it is laid
+    out as the template's was (inline where the layout rule, `_layout`, puts it inline; in BULK
+    frames where it does not: a host batch over a link that pipelines uploads); None otherwise."""
     if predicted is None or predicted[0] is not template:
         return None
     chunk_size = room
     raw: list[m.ClientMessage] = []
+    inline: list[bool] = []
     for msg in predicted[2]:
         if type(msg) is m.Upload and msg.nbytes:
-            if not msg.inline or msg.nbytes > room:
+            fits = msg.nbytes <= room
+            if msg.inline is not fits:
                 return None
-            room -= msg.nbytes
-            msg = m.Upload(msg.tid, msg.dtype, msg.shape, msg.nbytes)
+            if fits:
+                room -= msg.nbytes
+                msg = m.Upload(msg.tid, msg.dtype, msg.shape, msg.nbytes)
+            inline.append(fits)
         raw.append(msg)
     head = m.encode_batch(m.Batch(seq, (predicted[1],), received))
-    return _Foreseen(template, tuple(raw), predicted[2], predicted[1], seq, received, chunk_size, head)
+    flags = None if all(inline) else tuple(inline)
+    return _Foreseen(template, tuple(raw), predicted[2], predicted[1], seq, received, chunk_size, head, flags)
 
 
 class ClientConnection:
@@ -372,9 +387,13 @@ class ClientConnection:
         *,
         templates: bool = True,
         counters: ClientCounters | None = None,
+        pipeline_chunk: int = 0,
     ) -> None:
         self.channel = channel
         self.chunk_size = chunk_size
+        # The chunk size of a batch of at most PIPELINE_BATCH_BYTES (0: `chunk_size`): over a link
+        # that pipelines uploads (client/session.py), each of its BULK frames goes as it is sealed.
+        self.pipeline_chunk = pipeline_chunk
         self.templates = templates
         self.counters: ClientCounters = counters if counters is not None else _Counters()
         self.closing = False  # a Close was submitted: the session ends with it
@@ -448,6 +467,11 @@ class ClientConnection:
         self.counters.batches_sent += 1
         return batch.seq, batch.nbytes, self._frames(batch, resent)
 
+    def _chunk_of(self, nbytes: int) -> int:
+        """The chunk size of a batch of `nbytes` upload bytes (see `pipeline_chunk`)."""
+        pipeline = self.pipeline_chunk
+        return pipeline if pipeline and nbytes <= PIPELINE_BATCH_BYTES else self.chunk_size
+
     def _layout(
         self, batch: OutBatch, room: int
     ) -> tuple[tuple[m.ClientMessage, ...], list[memoryview], list[memoryview]]:
@@ -473,10 +497,11 @@ class ClientConnection:
         return tuple(messages), tail, later
 
     def _plan(
-        self, batch: OutBatch, resent: bool
+        self, batch: OutBatch, resent: bool, chunk: int
     ) -> tuple[tuple[m.ClientMessage, ...], list[memoryview], list[memoryview], m.Repeat | None, bytes]:
-        """How `batch` goes out: its messages laid out, its inline uploads' bytes and the others',
-        the Repeat it goes as (or None), and the encoded head of its MESSAGE frame."""
+        """How `batch` goes out with chunks of `chunk` bytes: its messages laid out, its inline
+        uploads' bytes and the others', the Repeat it goes as (or None), and the encoded head of
+        its MESSAGE frame."""
         template = self._template
         fast = self._foreseen
         if (
@@ -484,16 +509,22 @@ class ClientConnection:
             and fast.seq == batch.seq
             and fast.template is template
             and fast.received == self._received
-            and fast.chunk_size == self.chunk_size
+            and fast.chunk_size == chunk
             and self.templates
             and not resent
             and m.same_messages(fast.raw, tuple(batch.messages))
         ):
             # The batch `predict` worked out, checked: no layout, no search, no encoding.
-            tail = [_bytes_of(b) for b in batch.bulks]
+            later: list[memoryview] = []
+            if fast.inline is None:
+                tail = [_bytes_of(b) for b in batch.bulks]
+            else:
+                tail = []
+                for b, inline in zip(batch.bulks, fast.inline, strict=True):
+                    (tail if inline else later).append(_bytes_of(b))
             if len(fast.head) + sum(len(t) for t in tail) <= MAX_PLAINTEXT:
-                return fast.messages, tail, [], fast.repeat, fast.head
-        messages, tail, later = self._layout(batch, self.chunk_size)
+                return fast.messages, tail, later, fast.repeat, fast.head
+        messages, tail, later = self._layout(batch, chunk)
         wire = messages
         repeat = None
         if self.templates and not resent and template is not None:
@@ -513,7 +544,8 @@ class ClientConnection:
 
     def _frames(self, batch: OutBatch, resent: bool) -> Iterator[Frame]:
         channel = self.channel
-        messages, tail, later, repeat, head = self._plan(batch, resent)
+        chunk = self._chunk_of(batch.nbytes)
+        messages, tail, later, repeat, head = self._plan(batch, resent, chunk)
         self._foreseen = None
         if repeat is not None:
             self.counters.batches_repeated += 1
@@ -535,7 +567,7 @@ class ClientConnection:
                 parts = [head, *tail]
             yield channel.seal_parts(parts, MESSAGE)
         for data in later:
-            yield from channel.seal_chunks(data, self.chunk_size)
+            yield from channel.seal_chunks(data, chunk)
 
     def predict(self) -> None:
         """Work out, while nothing waits (the pump calls it once a batch is out), the batch that
@@ -553,8 +585,12 @@ class ClientConnection:
         (cold caches after the step's 400 KB write and the wait), the comparison ~1 µs."""
         predicted = self._predicted = _prediction(self._template, self._repeat, self._predicted)
         if self.templates:
+            template = self._template
+            uploads = 0
+            if predicted is not None and predicted[0] is template:
+                uploads = sum(x.nbytes for x in predicted[2] if type(x) is m.Upload)
             self._foreseen = _foresee(
-                predicted, self._template, self._next_seq, self._sent_seq, self.chunk_size
+                predicted, template, self._next_seq, self._sent_seq, self._chunk_of(uploads)
             )
         expected = _expected_reply(self._last_reply, self._sent_seq, self._template, len(self._unacked))
         self._expected = None if expected is None else self._expecting(*expected)

@@ -180,12 +180,17 @@ class Waiter:
 class Pair:
     """A ClientConnection and a MiniWorker joined by a lossless in-memory link."""
 
-    def __init__(self, chunk_size: int = 1 << 12, templates: bool = True) -> None:
+    def __init__(self, chunk_size: int = 1 << 12, templates: bool = True, pipeline_chunk: int = 0) -> None:
         client_channel, worker_channel = channels()
         self.graph_bodies: dict[bytes, bytes] = {}
         self.waiter = Waiter()
         self.client = s.ClientConnection(
-            client_channel, chunk_size, self.graph_bodies, self.waiter.target, templates=templates
+            client_channel,
+            chunk_size,
+            self.graph_bodies,
+            self.waiter.target,
+            templates=templates,
+            pipeline_chunk=pipeline_chunk,
         )
         self.worker = MiniWorker(s.WorkerConnection(worker_channel, chunk_size))
         self.wire_up: list[bytes | bytearray] = []  # blobs client -> worker not yet delivered

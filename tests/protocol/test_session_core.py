@@ -10,7 +10,7 @@ import pytest
 from emberlink.errors import ProtocolError
 from emberlink.protocol import messages as m
 from emberlink.protocol import session as s
-from emberlink.protocol.channel import MESSAGE, Channel, pack_frames, split_frames
+from emberlink.protocol.channel import BULK, MESSAGE, Channel, pack_frames, split_frames
 from emberlink.protocol.limits import MAX_REPLY_FRAME_BYTES, MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 
 from .session_pair import Pair, Reply, channels
@@ -55,6 +55,38 @@ def test_uploads_go_inline_while_they_fit_one_chunk_together_then_in_bulk() -> N
     batch, start = m.decode_batch_prefix(plaintext)
     assert [u.inline for u in batch.messages if type(u) is m.Upload] == [True, True, False]
     assert len(plaintext) - start == CHUNK
+
+
+PIPE = 64
+
+
+@pytest.mark.parametrize("nbytes", [PIPE - 1, PIPE, PIPE + 1, 3 * PIPE, 3 * PIPE + 1, 4 * CHUNK + 1])
+def test_a_pipelined_upload_arrives_intact_around_the_frame_size(nbytes: int) -> None:
+    pair = Pair(chunk_size=CHUNK, pipeline_chunk=PIPE)
+    array = np.arange(nbytes, dtype=np.uint32).astype(np.uint8)
+    submit_roundtrip(pair, 1, 1, array)
+    pair.run()
+    (got,) = pair.waiter.answers[1]
+    np.testing.assert_array_equal(got, array)
+
+
+def bulk_sizes(pair: Pair) -> list[int]:
+    """The plaintext bytes of each BULK frame of the next batch, in order (its frames opened)."""
+    _, worker = channels()
+    frames = list(pair.client.next_frames() or ())
+    return [len(plain) for kind, plain in map(worker.open, frames) if kind is BULK]
+
+
+def test_a_batch_up_to_the_pipeline_bound_goes_in_pipeline_chunks_a_larger_one_in_the_workers() -> None:
+    pair = Pair(chunk_size=CHUNK, pipeline_chunk=PIPE)
+    small = np.zeros(3 * PIPE + 1, np.uint8)
+    pair.client.submit([upload(1, small)], [small], small.nbytes)
+    assert bulk_sizes(pair) == [PIPE, PIPE, PIPE, 1]
+    pair = Pair(chunk_size=CHUNK, pipeline_chunk=PIPE)
+    large = np.zeros(s.PIPELINE_BATCH_BYTES + 1, np.uint8)
+    pair.client.submit([upload(1, large)], [large], large.nbytes)
+    sizes = bulk_sizes(pair)
+    assert set(sizes[:-1]) == {CHUNK} and sum(sizes) == large.nbytes
 
 
 def test_acknowledged_frees_the_batches_and_their_upload_bytes() -> None:
@@ -612,24 +644,26 @@ def test_a_reply_foreseen_by_the_client_is_taken_without_decoding_and_a_differen
     assert [r.ack for r in decoded] == [1, 5, 8, 9]
 
 
+@pytest.mark.parametrize("pipeline_chunk", [0, 16], ids=["inline", "pipelined"])
 def test_a_batch_foreseen_by_the_client_goes_on_the_wire_as_the_one_worked_out_afresh(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, pipeline_chunk: int
 ) -> None:
     """`predict` works the next batch out ahead (layout, Repeat, encoded head); the batch that
     comes is sent from it only when it is that batch, and either way in exactly the bytes the
-    connection would work out for it when it arrives."""
+    connection would work out for it when it arrives. Pipelined in 16-byte chunks, the 16-byte
+    uploads go inline and the 32-byte ones in BULK frames: foreseen alike."""
     used: list[int] = []  # the seqs sent as foreseen
     plan = s.ClientConnection._plan
 
-    def planned(self: s.ClientConnection, batch: s.OutBatch, resent: bool) -> Any:
-        out = plan(self, batch, resent)
+    def planned(self: s.ClientConnection, batch: s.OutBatch, resent: bool, chunk: int) -> Any:
+        out = plan(self, batch, resent, chunk)
         fast = self._foreseen
         if fast is not None and out[-1] is fast.head:
             used.append(batch.seq)
         return out
 
     monkeypatch.setattr(s.ClientConnection, "_plan", planned)
-    seeing, blind = Pair(), Pair()
+    seeing, blind = Pair(pipeline_chunk=pipeline_chunk), Pair(pipeline_chunk=pipeline_chunk)
     pairs = (seeing, blind)
     # steps: (elements uploaded, whether the reply is taken in before the next batch is made)
     steps = [(4, True)] * 4 + [(8, True)] * 3 + [(8, False)] * 2 + [(8, True)] * 2
