@@ -27,7 +27,10 @@ got), and again given only its gRPC address (rows "over gRPC"); and the jitted r
 whole ticket, against a worker with `EMBERLINK_INLINE=0`, which applies every batch on its device
 thread (what applying on the event loop saves).
 
-Times are medians over blocks of 10 steps (per step: the block's time / 10), after warm-up.
+Times are medians over blocks of 10 steps (per step: the block's time / 10), after warm-up. Every
+row's device, session and weights stay open until all are measured, and the blocks are
+interleaved: 6 rounds each run a share of every row's blocks in turn, so a load that drifts
+during the run (the machine is shared) weighs on every row alike.
 "GPU time" is the kernel time of one step alone, measured with CUDA events around back-to-back
 replays of the step's captured graph (PyTorch's, and emberlink's from `Device.cuda` jit). Each
 row's first four losses, from fresh weights, are checked against the first emberlink row's.
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import itertools
 import os
 import pstats
@@ -48,7 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,6 +67,7 @@ from emberlink.server.session import INLINE_ENV
 LR = 0.01
 N_BATCHES = 4
 BLOCK = 10
+ROUNDS = 6
 
 
 @dataclass(frozen=True)
@@ -124,14 +129,42 @@ def ember_model(dev: el.Device, model: Model) -> el.nn.Module:
 # -- timing ------------------------------------------------------------------------------------------
 
 
-def measure(step: Step, model: Model, *, pipelined: bool = False) -> tuple[float, list[float]]:
-    """(median ms per step, the first N_BATCHES losses). With `pipelined` the step returns a read
-    future, resolved one step later (and the last one at the end of each block)."""
+@dataclass
+class Case:
+    """A row being measured: its step, open (its device, session, weights) until the table is made."""
+
+    name: str
+    group: str
+    step: Step
+    pipelined: bool = False  # the step returns a read future, resolved one step later
+    after: Callable[[], list[str]] | None = None  # its notes, once measured
+    losses: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+
+
+def block(case: Case, n: int = BLOCK) -> float:
+    """Run `n` steps of `case`; seconds per step. A pipelined step's read future is resolved one
+    step later, and the last one at the end of the block."""
+    t0 = time.perf_counter()
+    pending: Any = None
+    for i in range(n):
+        out = case.step(i % N_BATCHES)
+        if case.pipelined:
+            if pending is not None:
+                pending.item()
+            pending = out
+    if pending is not None:
+        pending.item()
+    return (time.perf_counter() - t0) / n
+
+
+def first_losses(case: Case) -> list[float]:
+    """The first N_BATCHES losses, from fresh weights: the ones every row must agree on."""
     losses: list[float] = []
     pending: Any = None
-    for k in range(N_BATCHES):  # fresh weights: the losses every row must agree on
-        out = step(k)
-        if pipelined:
+    for k in range(N_BATCHES):
+        out = case.step(k)
+        if case.pipelined:
             if pending is not None:
                 losses.append(float(pending.item()))
             pending = out
@@ -139,29 +172,39 @@ def measure(step: Step, model: Model, *, pipelined: bool = False) -> tuple[float
             losses.append(float(out))
     if pending is not None:
         losses.append(float(pending.item()))
-    times: list[float] = []
-    blocks = max(1, (model.warm + model.steps) // BLOCK)
-    warm_blocks = max(1, model.warm // BLOCK)
-    for b in range(blocks):
-        t0 = time.perf_counter()
-        pending = None
-        for i in range(BLOCK):
-            out = step(i % N_BATCHES)
-            if pipelined:
-                if pending is not None:
-                    pending.item()
-                pending = out
-        if pending is not None:
-            pending.item()
-        if b >= warm_blocks:
-            times.append((time.perf_counter() - t0) / BLOCK)
-    return statistics.median(times) * 1e3, losses
+    return losses
+
+
+def measure(cases: list[Case], model: Model) -> list[Row]:
+    """Every case's median ms per step, its blocks interleaved: after each case's first losses and
+    warm-up, ROUNDS rounds run a share of every case's timed blocks in turn (each share after one
+    untimed step). On a shared machine the load drifts over seconds; measured one row after the
+    other, a drift lands on some rows and not others and moves their ratios (two back-to-back
+    runs on the H200 put one row at 0.41 and 0.54 ms), while interleaved every row samples the
+    whole run."""
+    for c in cases:
+        c.losses = first_losses(c)
+        for _ in range(max(1, model.warm // BLOCK)):
+            block(c)
+    blocks = max(1, model.steps // BLOCK)
+    rounds = min(ROUNDS, blocks)
+    for r in range(rounds):
+        for c in cases:
+            block(c, 1)
+            for _ in range(blocks // rounds + (r < blocks % rounds)):
+                c.times.append(block(c))
+    return [
+        Row(c.name, statistics.median(c.times) * 1e3, c.losses, c.group, c.after() if c.after else [])
+        for c in cases
+    ]
 
 
 # -- PyTorch ------------------------------------------------------------------------------------------
 
 
-def torch_rows(model: Model, start: list[np.ndarray], data: list[tuple[np.ndarray, np.ndarray]]) -> list[Row]:
+def torch_cases(
+    model: Model, start: list[np.ndarray], data: list[tuple[np.ndarray, np.ndarray]]
+) -> list[Case]:
     import torch
 
     dev = torch.device("cuda:0")
@@ -244,22 +287,27 @@ def torch_rows(model: Model, start: list[np.ndarray], data: list[tuple[np.ndarra
 
         return step, gpu_ms
 
-    rows = [
-        Row("PyTorch eager, host batches", *measure(eager(host, True), model), "torch"),
-        Row("PyTorch eager, resident", *measure(eager(resident, False), model), "torch"),
+    host_graph, _ = graphed(True)
+    resident_graph, gpu_ms = graphed(False)
+    return [
+        Case("PyTorch eager, host batches", "torch", eager(host, True)),
+        Case("PyTorch eager, resident", "torch", eager(resident, False)),
+        Case("PyTorch, whole step one CUDA graph, host batches", "torch", host_graph),
+        Case(
+            "PyTorch, whole step one CUDA graph, resident",
+            "torch",
+            resident_graph,
+            after=lambda: [f"GPU time of PyTorch's captured step: {gpu_ms():.3f} ms"],
+        ),
     ]
-    step, gpu_ms = graphed(True)
-    rows.append(Row("PyTorch, whole step one CUDA graph, host batches", *measure(step, model), "torch"))
-    step, gpu_ms = graphed(False)
-    rows.append(Row("PyTorch, whole step one CUDA graph, resident", *measure(step, model), "torch"))
-    rows[-1].notes.append(f"GPU time of PyTorch's captured step: {gpu_ms():.3f} ms")
-    return rows
 
 
 # -- hand-written CuPy -------------------------------------------------------------------------------
 
 
-def cupy_rows(model: Model, start: list[np.ndarray], data: list[tuple[np.ndarray, np.ndarray]]) -> list[Row]:
+def cupy_cases(
+    model: Model, start: list[np.ndarray], data: list[tuple[np.ndarray, np.ndarray]]
+) -> list[Case]:
     import cupy as cp
 
     def make(resident: bool) -> Step:
@@ -301,8 +349,8 @@ def cupy_rows(model: Model, start: list[np.ndarray], data: list[tuple[np.ndarray
         return step
 
     return [
-        Row("hand-written CuPy, host batches", *measure(make(False), model), "cupy"),
-        Row("hand-written CuPy, resident", *measure(make(True), model), "cupy"),
+        Case("hand-written CuPy, host batches", "cupy", make(False)),
+        Case("hand-written CuPy, resident", "cupy", make(True)),
     ]
 
 
@@ -383,37 +431,42 @@ def captured_gpu_ms(dev: el.Device) -> float | None:
     return float(cp.cuda.get_elapsed_time(begin, end)) / 20
 
 
-def local_rows(
-    model: Model, data: list[tuple[np.ndarray, np.ndarray]], profile: bool, device: str
-) -> list[Row]:
-    rows: list[Row] = []
-    # The remote rows' cases on Device.cuda, but for reading late from batches uploaded beforehand.
-    cases = [
-        (f"Device.cuda {n}", jit, feed, lazy)
-        for n, jit, feed, lazy in REMOTE_CASES
-        if not (feed == UPLOADED and lazy)
-    ]
-    for name, jit, feed, lazy in cases:
-        with (
-            el.Device.cpu() if device == "cpu" else el.Device.cuda(int(device.partition(":")[2] or 0)) as dev
-        ):
-            step = ember_step(dev, model, data, jit=jit, feed=feed, lazy=lazy)
-            row = Row(name, *measure(step, model, pipelined=lazy), "cuda")
-            row.notes.append(f"{dev.stats().get('captured_replays', 0)} captured replays")
-            if jit and feed == LOADER and not lazy:
-                gpu = captured_gpu_ms(dev)
-                if gpu is not None:
-                    row.notes.append(f"GPU time of emberlink's captured step: {gpu:.3f} ms")
-                if profile:
-                    print(f"\n## cProfile: {model.name} MLP, {name}, {model.steps} steps")
-                    prof = cProfile.Profile()
-                    prof.enable()
-                    for i in range(model.steps):
-                        step(i % N_BATCHES)
-                    prof.disable()
-                    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-            rows.append(row)
-    return rows
+def local_cases(
+    model: Model, data: list[tuple[np.ndarray, np.ndarray]], profile: bool, device: str, stack: ExitStack
+) -> list[Case]:
+    """The remote rows' cases on Device.cuda (each its own device, open on `stack`), but for
+    reading late from batches uploaded beforehand."""
+    out: list[Case] = []
+    for name, jit, feed, lazy in REMOTE_CASES:
+        if feed == UPLOADED and lazy:
+            continue
+        dev = stack.enter_context(
+            el.Device.cpu() if device == "cpu" else el.Device.cuda(int(device.partition(":")[2] or 0))
+        )
+        step = ember_step(dev, model, data, jit=jit, feed=feed, lazy=lazy)
+        gpu_time = jit and feed == LOADER and not lazy
+        after = functools.partial(local_notes, dev, step, model, f"Device.cuda {name}", gpu_time, profile)
+        out.append(Case(f"Device.cuda {name}", "cuda", step, lazy, after))
+    return out
+
+
+def local_notes(
+    dev: el.Device, step: Step, model: Model, name: str, gpu_time: bool, profile: bool
+) -> list[str]:
+    notes = [f"{dev.stats().get('captured_replays', 0)} captured replays"]
+    if gpu_time:
+        gpu = captured_gpu_ms(dev)
+        if gpu is not None:
+            notes.append(f"GPU time of emberlink's captured step: {gpu:.3f} ms")
+        if profile:
+            print(f"\n## cProfile: {model.name} MLP, {name}, {model.steps} steps")
+            prof = cProfile.Profile()
+            prof.enable()
+            for i in range(model.steps):
+                step(i % N_BATCHES)
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    return notes
 
 
 @contextmanager
@@ -430,7 +483,14 @@ def cuda_worker(
         allow.write_text(client.node_id + "\n")
         cmd = [sys.executable] + (["-m", "cProfile", "-o", str(profile_to)] if profile_to else [])
         cmd += ["-m", "emberlink", "worker", "--listen", "127.0.0.1:0", "--key", str(key)]
-        cmd += ["--allow", str(allow), "--device", device]  # raw tcp too, by default: port 0 beside port 0
+        cmd += [
+            "--allow",
+            str(allow),
+            "--device",
+            device,
+            "--max-client-sessions",
+            "64",
+        ]  # raw tcp too, by default: port 0 beside port 0
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
         try:
             assert proc.stdout is not None
@@ -451,41 +511,56 @@ def only(ticket: str, transport: str) -> str:
     return str(Ticket(t.node_id, (), tcp=t.tcp) if transport == "tcp" else Ticket(t.node_id, t.addrs))
 
 
-def remote_rows(
+def remote_cases(
     model: Model,
     data: list[tuple[np.ndarray, np.ndarray]],
     ticket: str,
     key: Path,
     tag: str,
     cases: list[Any],
+    stack: ExitStack,
     profile: bool = False,
-) -> list[Row]:
-    rows: list[Row] = []
+) -> list[Case]:
+    """The `cases` on `Device.remote(ticket)`, each its own session, open on `stack`."""
+    out: list[Case] = []
     for name, jit, feed, lazy in cases:
-        with el.Device.remote(ticket, key=str(key)) as dev:
-            step = ember_step(dev, model, data, jit=jit, feed=feed, lazy=lazy)
-            row = Row(f"Device.remote{tag}, {name}", *measure(step, model, pipelined=lazy), "remote")
-            before = dev.stats()
-            prof = cProfile.Profile() if profile else None
-            if prof is not None:
-                prof.enable()
-            for i in range(BLOCK):
-                out = step(i % N_BATCHES)
-                float(out.item() if lazy else out)
-            if prof is not None:
-                prof.disable()
-                print(f"\n## cProfile, client main thread: {model.name} MLP, {row.name}, {BLOCK} steps")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(15)
-            after = dev.stats()
-            worker = dev._executor.worker_stats()  # type: ignore[attr-defined]
-            batches = max(1, int(worker.get("session_batches", 0)))
-            sent = (int(after["bytes_sent"]) - int(before["bytes_sent"])) // BLOCK
-            row.notes.append(
-                f"path {after['path']}, {sent} bytes sent a step, {worker.get('session_captured_replays', 0)} captured replays, "
-                f"{int(worker.get('session_applied_on_loop', 0)) * 100 // batches}% of batches applied on the loop"
+        dev = stack.enter_context(el.Device.remote(ticket, key=str(key)))
+        step = ember_step(dev, model, data, jit=jit, feed=feed, lazy=lazy)
+        full = f"Device.remote{tag}, {name}"
+        out.append(
+            Case(
+                full,
+                "remote",
+                step,
+                lazy,
+                functools.partial(remote_notes, dev, step, lazy, model, full, profile),
             )
-            rows.append(row)
-    return rows
+        )
+    return out
+
+
+def remote_notes(dev: el.Device, step: Step, lazy: bool, model: Model, name: str, profile: bool) -> list[str]:
+    """A block more of `step`, counted (and profiled, with `profile`): bytes a step, captured
+    replays, where the worker applied its batches."""
+    before = dev.stats()
+    prof = cProfile.Profile() if profile else None
+    if prof is not None:
+        prof.enable()
+    for i in range(BLOCK):
+        out = step(i % N_BATCHES)
+        float(out.item() if lazy else out)
+    if prof is not None:
+        prof.disable()
+        print(f"\n## cProfile, client main thread: {model.name} MLP, {name}, {BLOCK} steps")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    after = dev.stats()
+    worker = dev._executor.worker_stats()  # type: ignore[attr-defined]
+    batches = max(1, int(worker.get("session_batches", 0)))
+    sent = (int(after["bytes_sent"]) - int(before["bytes_sent"])) // BLOCK
+    replays = worker.get("session_captured_replays", 0)
+    on_loop = int(worker.get("session_applied_on_loop", 0)) * 100 // batches
+    note = f"path {after['path']}, {sent} bytes sent a step, {replays} captured replays, "
+    return [note + f"{on_loop}% of batches applied on the loop"]
 
 
 def profile_worker(model: Model, data: list[tuple[np.ndarray, np.ndarray]], key: Path, device: str) -> None:
@@ -495,7 +570,11 @@ def profile_worker(model: Model, data: list[tuple[np.ndarray, np.ndarray]], key:
         out = Path(tmp) / "worker.prof"
         with cuda_worker(key, device, {INLINE_ENV: "1"}, profile_to=out) as ticket:
             cases = [c for c in REMOTE_CASES if c[1] and not c[3]]
-            rows = remote_rows(model, data, ticket, key, " (worker under cProfile)", cases, profile=True)
+            with ExitStack() as stack:
+                rows = measure(
+                    remote_cases(model, data, ticket, key, " (worker under cProfile)", cases, stack, True),
+                    model,
+                )
         for r in rows:
             print(f"- {r.name}: {r.ms:.3f} ms a step; {'; '.join(r.notes)}")
         print(f"\n## cProfile, worker's main thread (event loop): {model.name} MLP, the rows above")
@@ -589,22 +668,28 @@ def goals(small: list[Row], big: list[Row]) -> None:
 def run_model(model: Model, args: argparse.Namespace, key: Path, tickets: dict[str, str]) -> list[Row]:
     data = batches(model)
     start = start_weights(model)
-    rows: list[Row] = []
+    cases: list[Case] = []
     notes: list[str] = []
     try:
         import torch
 
         if args.device == "cpu" or not torch.cuda.is_available():
             raise ImportError("torch sees no CUDA device")
-        rows += torch_rows(model, start, data)
+        cases += torch_cases(model, start, data)
     except ImportError as e:
         notes.append(f"no PyTorch rows: torch does not import here ({e})")
     if args.device != "cpu":
-        rows += cupy_rows(model, start, data)
-    rows += local_rows(model, data, args.profile, args.device)
-    rows += remote_rows(model, data, tickets["inline"], key, "", REMOTE_CASES)
-    rows += remote_rows(model, data, only(tickets["inline"], "grpc"), key, OVER_GRPC, REMOTE_CASES)
-    rows += remote_rows(model, data, tickets["thread"], key, f" ({INLINE_ENV}=0)", DEVICE_THREAD_CASES)
+        cases += cupy_cases(model, start, data)
+    with ExitStack() as stack:  # every row's device and session open until all are measured
+        cases += local_cases(model, data, args.profile, args.device, stack)
+        cases += remote_cases(model, data, tickets["inline"], key, "", REMOTE_CASES, stack)
+        cases += remote_cases(
+            model, data, only(tickets["inline"], "grpc"), key, OVER_GRPC, REMOTE_CASES, stack
+        )
+        cases += remote_cases(
+            model, data, tickets["thread"], key, f" ({INLINE_ENV}=0)", DEVICE_THREAD_CASES, stack
+        )
+        rows = measure(cases, model)
     table(model, rows, notes)
     if args.profile:
         profile_worker(model, data, key, args.device)
