@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 import numpy as np
 
+from emberlink.client.jit import jit
 from emberlink.client.tensor import Tensor
 from emberlink.errors import ShapeError
 
@@ -108,31 +109,83 @@ class DataLoader(Generic[Batch]):
         self._index_dtype = np.int32 if self._rows <= np.iinfo(np.int32).max else np.int64
         # Uploaded once: every epoch gathers from these (they live as long as the loader).
         self._data = tuple(device.tensor(a) for a in self.arrays) if self.resident else ()
+        data = self._data
+        self._take = jit(lambda idx: tuple(t.take(idx, axis=0) for t in data))
+        # (order, [its first bound], its first batch): the next epoch, drawn and gathered while
+        # the last one's last step was read (resident data only; taken by the next `iter()`).
+        self._following: tuple[np.ndarray | None, list[tuple[int, int]], _Ahead[Batch]] | None = None
 
     def __len__(self) -> int:
         full, rest = divmod(self._rows, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
     def __iter__(self) -> Iterator[Batch]:
-        order = self._rng.permutation(self._rows) if self.shuffle else None
         bounds = [(k * self.batch_size, min((k + 1) * self.batch_size, self._rows)) for k in range(len(self))]
+        following, self._following = self._following, None
+        first: _Ahead[Batch] | None = None
+        if following is not None:  # this epoch's order, drawn (and its first batch gathered) ahead
+            order, first = following[0], following[2] if following[1] == bounds[:1] else None
+        else:
+            order = self._rng.permutation(self._rows) if self.shuffle else None
         if self.resident:
-            return self._gathered(order, bounds)
+            return self._gathered(order, bounds, first)
         return self._uploaded(order, bounds)
 
-    def _gathered(self, order: np.ndarray | None, bounds: list[tuple[int, int]]) -> Iterator[Batch]:
+    def _gathered(
+        self, order: np.ndarray | None, bounds: list[tuple[int, int]], first: _Ahead[Batch] | None
+    ) -> Iterator[Batch]:
+        if not bounds:
+            return
         device = self.device
-        for start, stop in bounds:
-            rows = np.arange(start, stop) if order is None else order[start:stop]
+        device.flush()
+        current = first.take() if first is not None else self._gather(order, bounds[0])
+        first = None  # the batch is `current`'s alone, dropped with it
+        # A private seam on purpose: the loader is the only caller that records work into
+        # somebody's read (`_before_read`).
+        hook: Callable[[], None] | None = None
+        try:
+            for following in bounds[1:]:
+                ahead = _Ahead(functools.partial(self._gather_ahead, order, following))
+                hook = ahead.run
+                device._before_read.append(hook)
+                yield current
+                del current  # (dropped now if the user is done with it: at every step alike)
+                device.flush()  # the step before the next batch is its own graph
+                current = ahead.take()
+            hook = self._next_epoch  # the next epoch's first batch, gathered at the last step's read
+            device._before_read.append(hook)
+            yield current
+            del current
             device.flush()
-            yield self._gather(rows)
+        finally:
+            if hook is not None and hook in device._before_read:  # not read, or the loop was left
+                device._before_read.remove(hook)
 
-    def _gather(self, rows: np.ndarray) -> Batch:
-        """The batch of these rows, gathered on the device. Its index tensor is dropped on return,
-        not when the loop's next turn or an epoch's end rebinds it, so that every step's batch is
-        the one before with ids shifted, an epoch's first too (it goes as a Repeat)."""
+    def _gather_ahead(self, order: np.ndarray | None, bound: tuple[int, int]) -> Batch:
+        batch = self._gather(order, bound)
+        self.device.flush()  # into the read's batch, after the step and ahead of the read
+        return batch
+
+    def _next_epoch(self) -> None:
+        """Draw the next epoch's order now and gather its first batch; the next `iter()` takes
+        both (a failure to gather is raised by its first `next()`). Once per epoch: with several
+        iterators of one loader, the next order is drawn by the first to end."""
+        if self._following is not None:
+            return
+        order = self._rng.permutation(self._rows) if self.shuffle else None
+        bound = (0, min(self.batch_size, self._rows))
+        first: _Ahead[Batch] = _Ahead(functools.partial(self._gather_ahead, order, bound))
+        self._following = (order, [bound], first)
+        first.run()
+
+    def _gather(self, order: np.ndarray | None, bound: tuple[int, int]) -> Batch:
+        """The batch of rows `bound` of `order`, gathered on the device by one jitted replay. Its
+        index tensor is dropped on return, so that every step's batch is the one before with ids
+        shifted (it goes as a Repeat)."""
+        start, stop = bound
+        rows = np.arange(start, stop) if order is None else order[start:stop]
         idx = self.device.tensor(rows.astype(self._index_dtype))
-        return self._pack(tuple(t.take(idx, axis=0) for t in self._data))
+        return self._pack(self._take(idx))
 
     def _uploaded(self, order: np.ndarray | None, bounds: list[tuple[int, int]]) -> Iterator[Batch]:
         if not bounds:
@@ -220,7 +273,10 @@ class _Ahead(Generic[T]):
                 self._error = e
 
     def take(self) -> T:
+        """The thing made (kept no longer here: the loader's loop holds it only as long as the
+        user's batch is current), or what making it raised."""
         self.run()
         if self._error is not None:
             raise self._error
-        return cast(T, self._made)
+        made, self._made = self._made, None
+        return cast(T, made)

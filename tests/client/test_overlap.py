@@ -327,7 +327,7 @@ def test_resident_batches_upload_only_their_indices(dev: Device) -> None:
         for xb, yb in loader:
             before = uploaded(dev)
             futures.append(train(model, opt, xb, yb).read_async())
-            assert uploaded(dev) - before == 0  # the step itself uploads nothing
+            assert uploaded(dev) - before == 16 * 4  # the step uploads the next batch's indices only
             if len(futures) == 1:  # the first step registers its graph: count from the second
                 futures[0].result(timeout=30)
                 dev.sync()
@@ -336,8 +336,9 @@ def test_resident_batches_upload_only_their_indices(dev: Device) -> None:
     # Seven steps on the wire (each with its indices) and a sync: fewer bytes than one batch of data.
     if dev.name.startswith("remote"):
         assert int(dev.stats()["bytes_sent"]) - sent < x[:16].nbytes + y[:16].nbytes
-    # 8 batches: the indices, 16 int32 each, are all that was uploaded after the data set
-    assert uploaded(dev) - start == x.nbytes + y.nbytes + 8 * 16 * 4
+    # 8 batches and the next epoch's first (gathered at the last step's read): the indices, 16
+    # int32 each, are all that was uploaded after the data set
+    assert uploaded(dev) - start == x.nbytes + y.nbytes + 9 * 16 * 4
     assert all(np.isfinite(f.item(timeout=30)) for f in futures)
 
 
@@ -358,6 +359,104 @@ def test_resident_steps_replay_one_graph_where_slices_would_make_one_per_batch(d
         float(train(model, opt, xs[start : start + 8], ys[start : start + 8]))
         sliced.append(int(dev.stats()["graphs_built"]))
     assert sliced == list(range(sliced[0], sliced[0] + 5))  # one new graph per batch
+
+
+def test_resident_loader_gathers_the_next_batch_in_the_steps_read_after_the_step(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, y = data
+    it = iter(DataLoader(data, batch_size=4, device=dev, resident=True))
+    xb, _ = next(it)
+    calls = spy_on(dev, monkeypatch)
+    assert float((xb * 2.0).sum()) == pytest.approx(2.0 * float(x[:4].sum()), rel=1e-5)
+    # The step, then batch 1's indices and its gather, then the read: one batch on the wire.
+    assert calls == ["execute", "upload", "execute", "read"]
+    xb1, yb1 = next(it)  # already gathered: nothing more is sent for it
+    assert calls[4:] == []
+    np.testing.assert_array_equal(xb1.numpy(), x[4:8])
+    np.testing.assert_array_equal(yb1.numpy(), y[4:8])
+
+
+def test_resident_loader_gathers_at_next_after_a_step_that_reads_nothing(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, _ = data
+    it = iter(DataLoader(data, batch_size=4, device=dev, resident=True))
+    xb, _ = next(it)
+    calls = spy_on(dev, monkeypatch)
+    a = xb * 2.0  # the user's step, never read
+    xb1, _ = next(it)  # the step flushed as its own graph, then batch 1 gathered after it
+    assert calls == ["execute", "upload", "execute"]
+    assert dev.stats()["pending_nodes"] == 0
+    np.testing.assert_array_equal(a.numpy(), x[:4] * 2.0)
+    np.testing.assert_array_equal(xb1.numpy(), x[4:8])
+
+
+def test_the_last_steps_read_gathers_the_next_epochs_first_batch_in_the_seeds_order(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    loader = DataLoader(data, batch_size=4, shuffle=True, seed=11, device=dev, resident=True)
+    want = expected_batches(data, 4, 11, 2)
+    sent = []
+    got = []
+    for xb, _ in loader:
+        before = uploaded(dev)
+        got.append(xb.numpy())  # each read gathers the batch after it, the last the next epoch's first
+        sent.append(uploaded(dev) - before)
+    assert sent == [4 * 4, 2 * 4, 4 * 4]  # int32 indices of batches 1 and 2, then of epoch 2's first
+    before = uploaded(dev)
+    xb, _ = next(iter(loader))  # epoch 2's first batch: gathered already, nothing more is sent
+    assert uploaded(dev) == before
+    got.append(xb.numpy())
+    for g, (wx, _) in zip(got, want[:4], strict=True):
+        np.testing.assert_array_equal(g, wx)
+
+
+def test_a_resident_loop_left_early_holds_nothing_once_the_loader_is_dropped(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    base = dev.memory_stats()["in_use_bytes"]
+    loader = DataLoader(data, batch_size=4, shuffle=True, seed=3, device=dev, resident=True)
+    for xb, yb in loader:
+        float(xb.sum())  # the last read gathers the next epoch's first batch too
+    for xb, yb in loader:
+        float(xb.sum())  # batch 1 gathered ahead, then the loop is left
+        break
+    assert dev.memory_stats()["in_use_bytes"] > base
+    del loader, xb, yb
+    assert dev.memory_stats()["in_use_bytes"] == base
+    assert dev._before_read == []
+
+
+def test_a_resident_batch_that_cannot_be_gathered_ahead_fails_at_next_not_in_the_read(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, _ = data
+    loader = DataLoader(data, batch_size=4, device=dev, resident=True)
+    it = iter(loader)
+    xb, _ = next(it)
+
+    def broken(order: np.ndarray | None, bound: tuple[int, int]) -> Any:
+        raise el.DeviceError("no room for the next batch")
+
+    monkeypatch.setattr(loader, "_gather", broken)
+    assert float(xb.sum()) == pytest.approx(float(x[:4].sum()), rel=1e-5)  # step 0's read still answers
+    with pytest.raises(el.DeviceError, match="no room for the next batch"):
+        next(it)
+
+
+def test_several_resident_loaders_at_once_each_give_their_own_batches(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    x, _ = data
+    shuffled = DataLoader(data, batch_size=4, shuffle=True, seed=7, device=dev, resident=True)
+    plain = DataLoader(x * 10.0, batch_size=3, device=dev, resident=True)
+    got = [(a.numpy(), b.numpy()) for (a, _), b in zip(shuffled, plain, strict=False)]
+    want = expected_batches(data, 4, 7, 1)
+    assert len(got) == 3
+    for k, ((ga, gb), (wa, _)) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_array_equal(ga, wa)
+        np.testing.assert_array_equal(gb, x[3 * k : 3 * k + 3] * 10.0)
 
 
 @pytest.mark.parametrize("resident", [False, True], ids=["host", "resident"])
