@@ -138,7 +138,7 @@ class DataLoader(Generic[Batch]):
             return
         device = self.device
         device.flush()
-        current = first.take() if first is not None else self._gather(order, bounds[0])
+        current = first.take() if first is not None else self._gather(order, bounds[0], jitted=False)
         first = None  # the batch is `current`'s alone, dropped with it
         # A private seam on purpose: the loader is the only caller that records work into
         # somebody's read (`_before_read`).
@@ -146,13 +146,14 @@ class DataLoader(Generic[Batch]):
         try:
             for following in bounds[1:]:
                 ahead = _Ahead(functools.partial(self._gather_ahead, order, following))
-                hook = ahead.run
+                hook = functools.partial(self._if_jitted, device._jit_replays, ahead.run)
                 device._before_read.append(hook)
                 yield current
                 del current  # (dropped now if the user is done with it: at every step alike)
                 device.flush()  # the step before the next batch is its own graph
-                current = ahead.take()
-            hook = self._next_epoch  # the next epoch's first batch, gathered at the last step's read
+                current = ahead.take() if ahead.done else self._gather(order, following, jitted=False)
+            # The next epoch's first batch, gathered at the last step's read.
+            hook = functools.partial(self._if_jitted, device._jit_replays, self._next_epoch)
             device._before_read.append(hook)
             yield current
             del current
@@ -161,8 +162,15 @@ class DataLoader(Generic[Batch]):
             if hook is not None and hook in device._before_read:  # not read, or the loop was left
                 device._before_read.remove(hook)
 
+    def _if_jitted(self, replays: int, gather: Callable[[], None]) -> None:
+        """Gather now (in a read) if the step since the batch was handed out was an
+        `emberlink.jit` replay; after an eager step the next batch's take is recorded when it is
+        asked for, into the next step's own graph."""
+        if self.device._jit_replays != replays:
+            gather()
+
     def _gather_ahead(self, order: np.ndarray | None, bound: tuple[int, int]) -> Batch:
-        batch = self._gather(order, bound)
+        batch = self._gather(order, bound, jitted=True)
         self.device.flush()  # into the read's batch, after the step and ahead of the read
         return batch
 
@@ -178,14 +186,16 @@ class DataLoader(Generic[Batch]):
         self._following = (order, [bound], first)
         first.run()
 
-    def _gather(self, order: np.ndarray | None, bound: tuple[int, int]) -> Batch:
-        """The batch of rows `bound` of `order`, gathered on the device by one jitted replay. Its
-        index tensor is dropped on return, so that every step's batch is the one before with ids
-        shifted (it goes as a Repeat)."""
+    def _gather(self, order: np.ndarray | None, bound: tuple[int, int], *, jitted: bool) -> Batch:
+        """The batch of rows `bound` of `order`, gathered on the device: by one replay of a jitted
+        gather (`jitted`), or recorded into the pending step. Its index tensor is dropped on
+        return, so that every step's batch is the one before with ids shifted (a Repeat)."""
         start, stop = bound
         rows = np.arange(start, stop) if order is None else order[start:stop]
         idx = self.device.tensor(rows.astype(self._index_dtype))
-        return self._pack(self._take(idx))
+        if jitted:
+            return self._pack(self._take(idx))
+        return self._pack(tuple(t.take(idx, axis=0) for t in self._data))
 
     def _uploaded(self, order: np.ndarray | None, bounds: list[tuple[int, int]]) -> Iterator[Batch]:
         if not bounds:
@@ -263,6 +273,11 @@ class _Ahead(Generic[T]):
         self._make: Callable[[], T] | None = make
         self._made: T | None = None
         self._error: Exception | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether `run` has been called."""
+        return self._make is None
 
     def run(self) -> None:
         make, self._make = self._make, None

@@ -327,7 +327,7 @@ def test_resident_batches_upload_only_their_indices(dev: Device) -> None:
         for xb, yb in loader:
             before = uploaded(dev)
             futures.append(train(model, opt, xb, yb).read_async())
-            assert uploaded(dev) - before == 16 * 4  # the step uploads the next batch's indices only
+            assert uploaded(dev) - before == 0  # an eager step uploads nothing (its take was recorded)
             if len(futures) == 1:  # the first step registers its graph: count from the second
                 futures[0].result(timeout=30)
                 dev.sync()
@@ -336,9 +336,8 @@ def test_resident_batches_upload_only_their_indices(dev: Device) -> None:
     # Seven steps on the wire (each with its indices) and a sync: fewer bytes than one batch of data.
     if dev.name.startswith("remote"):
         assert int(dev.stats()["bytes_sent"]) - sent < x[:16].nbytes + y[:16].nbytes
-    # 8 batches and the next epoch's first (gathered at the last step's read): the indices, 16
-    # int32 each, are all that was uploaded after the data set
-    assert uploaded(dev) - start == x.nbytes + y.nbytes + 9 * 16 * 4
+    # 8 batches: the indices, 16 int32 each, are all that was uploaded after the data set
+    assert uploaded(dev) - start == x.nbytes + y.nbytes + 8 * 16 * 4
     assert all(np.isfinite(f.item(timeout=30)) for f in futures)
 
 
@@ -361,23 +360,48 @@ def test_resident_steps_replay_one_graph_where_slices_would_make_one_per_batch(d
     assert sliced == list(range(sliced[0], sliced[0] + 5))  # one new graph per batch
 
 
-def test_resident_loader_gathers_the_next_batch_in_the_steps_read_after_the_step(
+def doubled_sum() -> Callable[[el.Tensor], el.Tensor]:
+    """A jitted step: what the resident loader gathers ahead for (its first two calls trace, the
+    next ones replay)."""
+    return el.jit(lambda t: (t * 2.0).sum())
+
+
+def test_resident_loader_gathers_the_next_batch_in_a_jitted_steps_read_after_the_step(
     dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x, y = data
+    total = doubled_sum()
+    it = iter(DataLoader(data, batch_size=2, device=dev, resident=True))
+    for _ in range(3):  # two calls trace, the third replays (and batch 3 is gathered in its read)
+        float(total(next(it)[0]))
+    xb, _ = next(it)
+    calls = spy_on(dev, monkeypatch)
+    assert float(total(xb)) == pytest.approx(2.0 * float(x[6:8].sum()), rel=1e-5)
+    # The step, then batch 4's indices and its gather, then the read: one batch on the wire.
+    assert calls == ["execute", "upload", "execute", "read"]
+    xb4, yb4 = next(it)  # already gathered: nothing more is sent for it
+    assert calls[4:] == []
+    np.testing.assert_array_equal(xb4.numpy(), x[8:10])
+    np.testing.assert_array_equal(yb4.numpy(), y[8:10])
+
+
+def test_after_an_eager_step_the_next_batchs_take_joins_the_next_steps_graph(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, _ = data
     it = iter(DataLoader(data, batch_size=4, device=dev, resident=True))
     xb, _ = next(it)
     calls = spy_on(dev, monkeypatch)
-    assert float((xb * 2.0).sum()) == pytest.approx(2.0 * float(x[:4].sum()), rel=1e-5)
-    # The step, then batch 1's indices and its gather, then the read: one batch on the wire.
-    assert calls == ["execute", "upload", "execute", "read"]
-    xb1, yb1 = next(it)  # already gathered: nothing more is sent for it
-    assert calls[4:] == []
-    np.testing.assert_array_equal(xb1.numpy(), x[4:8])
-    np.testing.assert_array_equal(yb1.numpy(), y[4:8])
+    float((xb * 2.0).sum())  # an eager step: nothing is gathered in its read
+    assert calls == ["execute", "read"]
+    xb1, _ = next(it)  # batch 1's indices go, its take is recorded...
+    assert calls[2:] == ["upload"]
+    assert dev.stats()["pending_nodes"] == 2  # (x's take and y's)
+    assert float((xb1 * 2.0).sum()) == pytest.approx(2.0 * float(x[4:8].sum()), rel=1e-5)
+    assert calls[3:] == ["execute", "read"]  # ...and runs in the step's own graph
 
 
-def test_resident_loader_gathers_at_next_after_a_step_that_reads_nothing(
+def test_resident_loader_flushes_a_step_that_reads_nothing_before_the_next_take(
     dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x, _ = data
@@ -385,9 +409,8 @@ def test_resident_loader_gathers_at_next_after_a_step_that_reads_nothing(
     xb, _ = next(it)
     calls = spy_on(dev, monkeypatch)
     a = xb * 2.0  # the user's step, never read
-    xb1, _ = next(it)  # the step flushed as its own graph, then batch 1 gathered after it
-    assert calls == ["execute", "upload", "execute"]
-    assert dev.stats()["pending_nodes"] == 0
+    xb1, _ = next(it)  # the step flushed as its own graph, then batch 1's take recorded after it
+    assert calls == ["execute", "upload"]
     np.testing.assert_array_equal(a.numpy(), x[:4] * 2.0)
     np.testing.assert_array_equal(xb1.numpy(), x[4:8])
 
@@ -396,31 +419,34 @@ def test_the_last_steps_read_gathers_the_next_epochs_first_batch_in_the_seeds_or
     dev: Device, data: tuple[np.ndarray, np.ndarray]
 ) -> None:
     loader = DataLoader(data, batch_size=4, shuffle=True, seed=11, device=dev, resident=True)
-    want = expected_batches(data, 4, 11, 2)
+    want = expected_batches(data, 4, 11, 4)
+    total = doubled_sum()
+    for _ in range(2):  # the 4-row and the 2-row step, each traced, then replayed
+        for xb, _ in loader:
+            float(total(xb))
     sent = []
-    got = []
-    for xb, _ in loader:
+    for k, (xb, _) in enumerate(loader):  # epoch 3
         before = uploaded(dev)
-        got.append(xb.numpy())  # each read gathers the batch after it, the last the next epoch's first
+        assert float(total(xb)) == pytest.approx(2.0 * float(want[6 + k][0].sum()), rel=1e-5)
         sent.append(uploaded(dev) - before)
-    assert sent == [4 * 4, 2 * 4, 4 * 4]  # int32 indices of batches 1 and 2, then of epoch 2's first
+    # Each read gathers the batch after it, the last one epoch 4's first: int32 indices only.
+    assert sent == [4 * 4, 2 * 4, 4 * 4]
     before = uploaded(dev)
-    xb, _ = next(iter(loader))  # epoch 2's first batch: gathered already, nothing more is sent
+    xb, _ = next(iter(loader))  # epoch 4's first batch: gathered already, nothing more is sent
     assert uploaded(dev) == before
-    got.append(xb.numpy())
-    for g, (wx, _) in zip(got, want[:4], strict=True):
-        np.testing.assert_array_equal(g, wx)
+    np.testing.assert_array_equal(xb.numpy(), want[9][0])
 
 
 def test_a_resident_loop_left_early_holds_nothing_once_the_loader_is_dropped(
     dev: Device, data: tuple[np.ndarray, np.ndarray]
 ) -> None:
+    total = doubled_sum()
     base = dev.memory_stats()["in_use_bytes"]
     loader = DataLoader(data, batch_size=4, shuffle=True, seed=3, device=dev, resident=True)
     for xb, yb in loader:
-        float(xb.sum())  # the last read gathers the next epoch's first batch too
+        float(total(xb))  # the last read gathers the next epoch's first batch too
     for xb, yb in loader:
-        float(xb.sum())  # batch 1 gathered ahead, then the loop is left
+        float(total(xb))  # batch 1 gathered ahead, then the loop is left
         break
     assert dev.memory_stats()["in_use_bytes"] > base
     del loader, xb, yb
@@ -432,15 +458,19 @@ def test_a_resident_batch_that_cannot_be_gathered_ahead_fails_at_next_not_in_the
     dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x, _ = data
-    loader = DataLoader(data, batch_size=4, device=dev, resident=True)
+    total = doubled_sum()
+    loader = DataLoader(data, batch_size=2, device=dev, resident=True)
     it = iter(loader)
+    for _ in range(2):  # traced
+        float(total(next(it)[0]))
     xb, _ = next(it)
 
-    def broken(order: np.ndarray | None, bound: tuple[int, int]) -> Any:
+    def broken(order: np.ndarray | None, bound: tuple[int, int], *, jitted: bool) -> Any:
         raise el.DeviceError("no room for the next batch")
 
     monkeypatch.setattr(loader, "_gather", broken)
-    assert float(xb.sum()) == pytest.approx(float(x[:4].sum()), rel=1e-5)  # step 0's read still answers
+    # step 2's read still answers; the gather that failed in it is raised where batch 3 is asked for
+    assert float(total(xb)) == pytest.approx(2.0 * float(x[4:6].sum()), rel=1e-5)
     with pytest.raises(el.DeviceError, match="no room for the next batch"):
         next(it)
 
@@ -449,9 +479,13 @@ def test_several_resident_loaders_at_once_each_give_their_own_batches(
     dev: Device, data: tuple[np.ndarray, np.ndarray]
 ) -> None:
     x, _ = data
+    total = doubled_sum()
     shuffled = DataLoader(data, batch_size=4, shuffle=True, seed=7, device=dev, resident=True)
     plain = DataLoader(x * 10.0, batch_size=3, device=dev, resident=True)
-    got = [(a.numpy(), b.numpy()) for (a, _), b in zip(shuffled, plain, strict=False)]
+    got = []
+    for (a, _), b in zip(shuffled, plain, strict=False):
+        float(total(a))  # (a replay from the second step on: both loaders gather ahead in it)
+        got.append((a.numpy(), b.numpy()))
     want = expected_batches(data, 4, 7, 1)
     assert len(got) == 3
     for k, ((ga, gb), (wa, _)) in enumerate(zip(got, want, strict=True)):
