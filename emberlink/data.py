@@ -58,6 +58,12 @@ class DataLoader(Generic[Batch]):
     docstring); `len(loader)` is the number of batches in an epoch.
     """
 
+    _gather_in_read: bool = False
+    """Resident data after a jitted step: gather batch k+1 inside step k's first read (after the
+    step, before the read, in the same batch) instead of when it is asked for. Off: measured
+    slower on a NumPy worker (see the module docstring); the benches turn it on to compare on a
+    GPU worker, where the gather's host work would run while the step's kernels do."""
+
     @overload
     def __init__(
         self: DataLoader[Tensor],
@@ -114,6 +120,7 @@ class DataLoader(Generic[Batch]):
         # (order, [its first bound], its first batch): the next epoch, drawn and gathered while
         # the last one's last step was read (resident data only; taken by the next `iter()`).
         self._following: tuple[np.ndarray | None, list[tuple[int, int]], _Ahead[Batch]] | None = None
+        self._replays: int | None = None  # the device's jit replays when the last batch was handed out
 
     def __len__(self) -> int:
         full, rest = divmod(self._rows, self.batch_size)
@@ -138,23 +145,32 @@ class DataLoader(Generic[Batch]):
             return
         device = self.device
         device.flush()
-        current = first.take() if first is not None else self._gather(order, bounds[0], jitted=False)
+        current = (
+            first.take() if first is not None else self._gather(order, bounds[0], jitted=self._after_jit())
+        )
         first = None  # the batch is `current`'s alone, dropped with it
         # A private seam on purpose: the loader is the only caller that records work into
         # somebody's read (`_before_read`).
         hook: Callable[[], None] | None = None
         try:
             for following in bounds[1:]:
-                ahead = _Ahead(functools.partial(self._gather_ahead, order, following))
-                hook = functools.partial(self._if_jitted, device._jit_replays, ahead.run)
-                device._before_read.append(hook)
+                ahead: _Ahead[Batch] | None = None
+                if self._gather_in_read:
+                    ahead = _Ahead(functools.partial(self._gather_ahead, order, following))
+                    hook = functools.partial(self._if_jitted, device._jit_replays, ahead.run)
+                    device._before_read.append(hook)
+                self._replays = device._jit_replays
                 yield current
                 del current  # (dropped now if the user is done with it: at every step alike)
                 device.flush()  # the step before the next batch is its own graph
-                current = ahead.take() if ahead.done else self._gather(order, following, jitted=False)
-            # The next epoch's first batch, gathered at the last step's read.
-            hook = functools.partial(self._if_jitted, device._jit_replays, self._next_epoch)
-            device._before_read.append(hook)
+                if ahead is not None and ahead.done:
+                    current = ahead.take()
+                else:
+                    current = self._gather(order, following, jitted=self._after_jit())
+            if self._gather_in_read:  # the next epoch's first batch, gathered at the last step's read
+                hook = functools.partial(self._if_jitted, device._jit_replays, self._next_epoch)
+                device._before_read.append(hook)
+            self._replays = device._jit_replays
             yield current
             del current
             device.flush()
@@ -162,10 +178,15 @@ class DataLoader(Generic[Batch]):
             if hook is not None and hook in device._before_read:  # not read, or the loop was left
                 device._before_read.remove(hook)
 
+    def _after_jit(self) -> bool:
+        """Whether the step since the last batch was handed out replayed an `emberlink.jit`
+        function (the next gather is then a replay too; after an eager step it is recorded, into
+        the next step's own graph)."""
+        return self._replays is not None and self.device._jit_replays != self._replays
+
     def _if_jitted(self, replays: int, gather: Callable[[], None]) -> None:
-        """Gather now (in a read) if the step since the batch was handed out was an
-        `emberlink.jit` replay; after an eager step the next batch's take is recorded when it is
-        asked for, into the next step's own graph."""
+        """`_gather_in_read`: gather now, in a read, if the step since the batch was handed out
+        was an `emberlink.jit` replay."""
         if self.device._jit_replays != replays:
             gather()
 

@@ -366,9 +366,29 @@ def doubled_sum() -> Callable[[el.Tensor], el.Tensor]:
     return el.jit(lambda t: (t * 2.0).sum())
 
 
-def test_resident_loader_gathers_the_next_batch_in_a_jitted_steps_read_after_the_step(
+def test_after_a_jitted_step_the_next_batch_is_gathered_by_one_replay_when_asked_for(
     dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    x, y = data
+    total = doubled_sum()
+    it = iter(DataLoader(data, batch_size=1, device=dev, resident=True))
+    for _ in range(5):  # the step's and then the loader's jitted gather's first two calls trace
+        float(total(next(it)[0]))
+    xb, _ = next(it)
+    calls = spy_on(dev, monkeypatch)
+    assert float(total(xb)) == pytest.approx(2.0 * float(x[5].sum()), rel=1e-5)
+    assert calls == ["execute", "read"]
+    xb6, yb6 = next(it)  # its indices, then one Execute: nothing is left to record
+    assert calls[2:] == ["upload", "execute"]
+    assert dev.stats()["pending_nodes"] == 0
+    np.testing.assert_array_equal(xb6.numpy(), x[6:7])
+    np.testing.assert_array_equal(yb6.numpy(), y[6:7])
+
+
+def test_gathering_in_reads_puts_the_next_batch_in_a_jitted_steps_read_after_the_step(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(DataLoader, "_gather_in_read", True)
     x, y = data
     total = doubled_sum()
     it = iter(DataLoader(data, batch_size=2, device=dev, resident=True))
@@ -385,9 +405,11 @@ def test_resident_loader_gathers_the_next_batch_in_a_jitted_steps_read_after_the
     np.testing.assert_array_equal(yb4.numpy(), y[8:10])
 
 
+@pytest.mark.parametrize("in_read", [False, True], ids=["when-asked", "in-read"])
 def test_after_an_eager_step_the_next_batchs_take_joins_the_next_steps_graph(
-    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch, in_read: bool
 ) -> None:
+    monkeypatch.setattr(DataLoader, "_gather_in_read", in_read)
     x, _ = data
     it = iter(DataLoader(data, batch_size=4, device=dev, resident=True))
     xb, _ = next(it)
@@ -415,9 +437,10 @@ def test_resident_loader_flushes_a_step_that_reads_nothing_before_the_next_take(
     np.testing.assert_array_equal(xb1.numpy(), x[4:8])
 
 
-def test_the_last_steps_read_gathers_the_next_epochs_first_batch_in_the_seeds_order(
-    dev: Device, data: tuple[np.ndarray, np.ndarray]
+def test_gathering_in_reads_gathers_the_next_epochs_first_batch_in_the_seeds_order(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(DataLoader, "_gather_in_read", True)
     loader = DataLoader(data, batch_size=4, shuffle=True, seed=11, device=dev, resident=True)
     want = expected_batches(data, 4, 11, 4)
     total = doubled_sum()
@@ -437,9 +460,11 @@ def test_the_last_steps_read_gathers_the_next_epochs_first_batch_in_the_seeds_or
     np.testing.assert_array_equal(xb.numpy(), want[9][0])
 
 
+@pytest.mark.parametrize("in_read", [False, True], ids=["when-asked", "in-read"])
 def test_a_resident_loop_left_early_holds_nothing_once_the_loader_is_dropped(
-    dev: Device, data: tuple[np.ndarray, np.ndarray]
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch, in_read: bool
 ) -> None:
+    monkeypatch.setattr(DataLoader, "_gather_in_read", in_read)
     total = doubled_sum()
     base = dev.memory_stats()["in_use_bytes"]
     loader = DataLoader(data, batch_size=4, shuffle=True, seed=3, device=dev, resident=True)
@@ -454,9 +479,10 @@ def test_a_resident_loop_left_early_holds_nothing_once_the_loader_is_dropped(
     assert dev._before_read == []
 
 
-def test_a_resident_batch_that_cannot_be_gathered_ahead_fails_at_next_not_in_the_read(
+def test_a_resident_batch_that_cannot_be_gathered_in_a_read_fails_at_next_not_in_the_read(
     dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(DataLoader, "_gather_in_read", True)
     x, _ = data
     total = doubled_sum()
     loader = DataLoader(data, batch_size=2, device=dev, resident=True)
@@ -475,16 +501,18 @@ def test_a_resident_batch_that_cannot_be_gathered_ahead_fails_at_next_not_in_the
         next(it)
 
 
+@pytest.mark.parametrize("in_read", [False, True], ids=["when-asked", "in-read"])
 def test_several_resident_loaders_at_once_each_give_their_own_batches(
-    dev: Device, data: tuple[np.ndarray, np.ndarray]
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch, in_read: bool
 ) -> None:
+    monkeypatch.setattr(DataLoader, "_gather_in_read", in_read)
     x, _ = data
     total = doubled_sum()
     shuffled = DataLoader(data, batch_size=4, shuffle=True, seed=7, device=dev, resident=True)
     plain = DataLoader(x * 10.0, batch_size=3, device=dev, resident=True)
     got = []
     for (a, _), b in zip(shuffled, plain, strict=False):
-        float(total(a))  # (a replay from the second step on: both loaders gather ahead in it)
+        float(total(a))  # (a replay from the third step on: in-read, both loaders gather in it)
         got.append((a.numpy(), b.numpy()))
     want = expected_batches(data, 4, 7, 1)
     assert len(got) == 3
