@@ -17,10 +17,30 @@ PyTorch's `DataLoader` over a `TensorDataset`, with the device named, in one of 
   on the step's reply, the step still a Repeat): 857-864 -> 621-629 µs a step, the client's I/O
   thread 318-334 -> 0 µs of CPU a step.
 - Resident data (`resident=True`): the arrays are uploaded once, when the loader is made, and a
-  batch is `data.take(idx, axis=0)` recorded on the device, so per batch only `idx` (batch_size
-  int32 indices; int64 past 2**31 rows) travels. The index is a tensor on purpose: a slice's
-  bounds are attributes of the op, so `data[start:stop]` would be a new graph every batch, while
-  an index tensor of one shape keeps every step the same graph.
+  batch is `data.take(idx, axis=0)` on the device, so per batch only `idx` (batch_size int32
+  indices; int64 past 2**31 rows) travels. The index is a tensor on purpose: a slice's bounds are
+  attributes of the op, so `data[start:stop]` would be a new graph every batch, while an index
+  tensor of one shape keeps every step the same graph. A batch is gathered when it is asked for,
+  into the batch the next step goes in (one batch a step on the wire, a Repeat of the one before):
+  after an eager step its take is recorded, so it joins that step's own graph; after a step that
+  replayed an `emberlink.jit` function (which takes its arguments as buffers: the take is its own
+  Execute either way) it is one replay of the loader's own jitted gather, with no recording and
+  no segment to build. Measured on the 2-core machine (`bench/remote_step.py --loader 7`, a
+  jitted MLP over tcp, client and worker on a core each, NumPy worker, medians, µs a step),
+  against the same step on batches uploaded beforehand: 784-64-10, 1056 uploaded, 1126 -> 1118
+  resident (the loader before this -> now); 64-32-10, 655 uploaded, 722 -> 710; the client's
+  part, `next()` and the jitted call, 42 -> 37.5. What is left is the worker's: the gather is an
+  Execute and an Upload more a step (~55 µs of a NumPy worker's time here).
+  Tried and measured slower here: gathering batch k+1 in a batch of its own right after step
+  k's read is sent, as host data goes (the two batches alternate, so neither is a Repeat, and a
+  batch costs each side ~60 µs: 849 -> 862-944 µs at 784-16-10, 650 -> 764 at 16-16-10); and
+  gathering it inside step k's read, after the step and before the read, in the same batch
+  (`_gather_in_read`: 1126 -> 1159 and 722 -> 742 above, up to ~120 µs a step worse when the step
+  drops its batch before its read). The second stays as a switch for a GPU worker, where the
+  gather's host work (its index check, staging, launch: ~60 µs of a 484 µs H200 step) would
+  run while the step's kernels do rather than before the step's launch; indices computed on the
+  worker instead of uploaded would not serve there (a take with device-made indices cannot be
+  captured, graph_replay/capture.py).
 
 Each batch handed out also flushes what the device has recorded (a step boundary), so a loop
 that does not read every step still runs one graph a step, not a run of steps cut at random.
@@ -60,9 +80,11 @@ class DataLoader(Generic[Batch]):
 
     _gather_in_read: bool = False
     """Resident data after a jitted step: gather batch k+1 inside step k's first read (after the
-    step, before the read, in the same batch) instead of when it is asked for. Off: measured
-    slower on a NumPy worker (see the module docstring); the benches turn it on to compare on a
-    GPU worker, where the gather's host work would run while the step's kernels do."""
+    step, before the read, in the same batch) instead of when it is asked for. Off: slower on
+    the 2-core machine's NumPy worker (the module docstring's figures); kept so that a GPU worker
+    can be measured (`bench/step_trace.py --gather-in-read`), where the gather's host work would
+    run while the step's kernels do. The last step's read of an epoch then draws the next
+    epoch's order and gathers its first batch (the next `iter()` takes both)."""
 
     @overload
     def __init__(
