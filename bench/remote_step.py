@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/remote_step.py [--quick] [--worker process|thread] [--tiny N] [--cpus split|same|any]
     .venv/bin/python bench/remote_step.py --upload N [--quick] [--device cuda:0]   # only the host-batch rows
+    .venv/bin/python bench/remote_step.py --loader N [--loader-from OTHER/emberlink/data.py]
     EMBERLINK_UVLOOP=0 .venv/bin/python bench/remote_step.py   # asyncio's loop even where uvloop is installed
 
 Rows, each a median over interleaved repeats so machine noise hits both sides alike:
@@ -27,6 +28,12 @@ Rows, each a median over interleaved repeats so machine noise hits both sides al
   in its own session, interleaved; then 64 MiB each way over tcp both ways and over gRPC.
 - what bounds the tiny step: the bare ping-pong (server in another process) plus only the work a
   tiny step cannot skip, in three steps (see `floor_rows`).
+- `--loader N` (alone): a small jitted MLP step (batch 128, 784-64-10 or `--loader-sizes`, SGD;
+  NumPy's compute small enough not to hide the feed) over tcp, fed by `DataLoader(resident=True)`
+  (each batch gathered when asked for, and, a second row, inside the step's read:
+  `DataLoader._gather_in_read`) against the same step on batches uploaded beforehand, N
+  interleaved repeats, every row's losses checked equal; `--loader-from` adds the resident row
+  through the DataLoader of another tree's data.py (an A/B of the loader in one run).
 
 Both sides run on the event loop emberlink picks (transport/loop.py: uvloop where installed, unless
 EMBERLINK_UVLOOP=0); the bare servers in other processes too. The worker runs as an `emberlink worker` process (default; as a user would run it) or in this
@@ -44,6 +51,7 @@ so a ratio against it said more about the scheduler than about emberlink.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import subprocess
@@ -301,6 +309,87 @@ def upload_only(repeats: int, n: int, worker: str, device: str) -> None:
         print(f"| {k} | {shown} | {v / first:.2f}x |")
 
 
+def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes: tuple[int, ...]) -> None:
+    """The jitted small MLP over tcp, batches from a resident DataLoader (this tree's, gathering
+    when asked for and in reads, and `others`' if given) against batches uploaded beforehand, each
+    in its own session; medians of interleaved blocks of steps. Every row's losses are checked
+    against the uploaded row's."""
+    import importlib.util
+
+    in_read = type("InRead", (el.data.DataLoader,), {"_gather_in_read": True})
+    loaders: dict[str, Any] = {
+        "resident loader": el.data.DataLoader,
+        "resident loader, gathered in reads": in_read,
+    }
+    for n, other in enumerate(others):
+        spec = importlib.util.spec_from_file_location(f"other_data{n}", other)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        loaders[f"resident loader of {other}"] = mod.DataLoader
+    n_batches = 16
+    rng = np.random.default_rng(1)
+    xs = rng.standard_normal((n_batches * 128, sizes[0]), dtype=np.float32)
+    ys = rng.integers(0, sizes[-1], n_batches * 128)
+    client = Identity.generate(os.urandom)
+    with tempfile.TemporaryDirectory() as tmp:
+        key = Path(tmp) / "client.key"
+        client.save(key)
+        with (worker_process if worker == "process" else worker_thread)(client) as ticket:
+            _, tcp_ticket = split_ticket(ticket)
+            names = ["uploaded beforehand", *loaders]
+            devs = {k: el.Device.remote(tcp_ticket, key=str(key)) for k in names}
+            nn = el.nn
+            steps_of: dict[str, Callable[[], float]] = {}
+            for name, dev in devs.items():
+                model = nn.Sequential(
+                    nn.Linear(sizes[0], sizes[1], seed=0),
+                    nn.ReLU(),
+                    nn.Linear(sizes[1], sizes[2], seed=1),
+                ).to(dev)
+                opt = el.optim.SGD(model.parameters(), lr=0.01)
+
+                def train(x: el.Tensor, y: el.Tensor, model: Any = model, opt: Any = opt) -> el.Tensor:
+                    loss = nn.functional.cross_entropy(model(x), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    return loss
+
+                fn = el.jit(train)
+                if name in loaders:
+                    loader = loaders[name]((xs, ys), batch_size=128, device=dev, resident=True)
+                    batches = itertools.chain.from_iterable(itertools.repeat(loader))
+                else:
+                    cut = [
+                        (dev.tensor(xs[k : k + 128]), dev.tensor(ys[k : k + 128]))
+                        for k in range(0, len(xs), 128)
+                    ]
+                    batches = itertools.cycle(cut)
+                steps_of[name] = lambda fn=fn, batches=batches: float(fn(*next(batches)))
+            losses = {k: [step() for _ in range(3 * n_batches)] for k, step in steps_of.items()}
+            for k, got in losses.items():  # the same batches in the same order: the same losses
+                assert got == losses["uploaded beforehand"], f"{k}: losses differ"
+            times: dict[str, list[float]] = {k: [] for k in steps_of}
+            for _ in range(repeats):
+                for k, step in steps_of.items():
+                    times[k].append(median_us(step, steps))
+            repeated = {
+                k: dev.stats()["batches_repeated"] / dev.stats()["round_trips"] for k, dev in devs.items()
+            }
+            for dev in devs.values():
+                dev.close()
+    base = statistics.median(times["uploaded beforehand"])
+    print(
+        f"{repeats} interleaved repeat(s) of {steps} steps, jitted MLP 128x{'-'.join(map(str, sizes))} over tcp"
+    )
+    print("| feed | median µs | vs uploaded beforehand | batches sent as a Repeat, per step |")
+    print("|---|---:|---:|---:|")
+    for k, v in times.items():
+        med = statistics.median(v)
+        print(f"| {k} | {med:.0f} | {med / base:.2f}x | {repeated[k]:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples, one repeat")
@@ -328,10 +417,28 @@ def main() -> None:
     parser.add_argument(
         "--device", default="cpu", help="with --upload: the worker's device, e.g. cuda:0 (default: cpu)"
     )
+    parser.add_argument(
+        "--loader",
+        type=int,
+        metavar="REPEATS",
+        help="only the jitted small MLP fed by a resident DataLoader against batches uploaded beforehand",
+    )
+    parser.add_argument(
+        "--loader-from",
+        metavar="DATA_PY",
+        action="append",
+        default=[],
+        help="with --loader: another data.py too",
+    )
+    parser.add_argument("--loader-sizes", default="784-64-10", help="with --loader: the MLP's layer sizes")
     args = parser.parse_args()
     print(bare.place(args.cpus))
     if args.upload:
         upload_only(args.upload, 200 if args.quick else 500, args.worker, args.device)
+        return
+    if args.loader:
+        sizes = tuple(int(d) for d in args.loader_sizes.split("-"))
+        loader_only(args.loader, 300 if args.quick else 1000, args.worker, args.loader_from, sizes)
         return
     if args.tiny:
         tiny_only(args.tiny, 500 if args.quick else 1000, args.worker)

@@ -333,7 +333,7 @@ def test_resident_batches_upload_only_their_indices(dev: Device) -> None:
         for xb, yb in loader:
             before = uploaded(dev)
             futures.append(train(model, opt, xb, yb).read_async())
-            assert uploaded(dev) - before == 0  # the step itself uploads nothing
+            assert uploaded(dev) - before == 0  # an eager step uploads nothing (its take was recorded)
             if len(futures) == 1:  # the first step registers its graph: count from the second
                 futures[0].result(timeout=30)
                 dev.sync()
@@ -364,6 +364,167 @@ def test_resident_steps_replay_one_graph_where_slices_would_make_one_per_batch(d
         float(train(model, opt, xs[start : start + 8], ys[start : start + 8]))
         sliced.append(int(dev.stats()["graphs_built"]))
     assert sliced == list(range(sliced[0], sliced[0] + 5))  # one new graph per batch
+
+
+def doubled_sum() -> Callable[[el.Tensor], el.Tensor]:
+    """A jitted step: what the resident loader gathers ahead for (its first two calls trace, the
+    next ones replay)."""
+    return el.jit(lambda t: (t * 2.0).sum())
+
+
+def test_after_a_jitted_step_the_next_batch_is_gathered_by_one_replay_when_asked_for(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, y = data
+    total = doubled_sum()
+    it = iter(DataLoader(data, batch_size=1, device=dev, resident=True))
+    for _ in range(5):  # the step's and then the loader's jitted gather's first two calls trace
+        float(total(next(it)[0]))
+    xb, _ = next(it)
+    calls = spy_on(dev, monkeypatch)
+    assert float(total(xb)) == pytest.approx(2.0 * float(x[5].sum()), rel=1e-5)
+    assert calls == ["execute", "read"]
+    xb6, yb6 = next(it)  # its indices, then one Execute: nothing is left to record
+    assert calls[2:] == ["upload", "execute"]
+    assert dev.stats()["pending_nodes"] == 0
+    np.testing.assert_array_equal(xb6.numpy(), x[6:7])
+    np.testing.assert_array_equal(yb6.numpy(), y[6:7])
+
+
+def test_gathering_in_reads_puts_the_next_batch_in_a_jitted_steps_read_after_the_step(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(DataLoader, "_gather_in_read", True)
+    x, y = data
+    total = doubled_sum()
+    it = iter(DataLoader(data, batch_size=2, device=dev, resident=True))
+    for _ in range(3):  # two calls trace, the third replays (and batch 3 is gathered in its read)
+        float(total(next(it)[0]))
+    xb, _ = next(it)
+    calls = spy_on(dev, monkeypatch)
+    assert float(total(xb)) == pytest.approx(2.0 * float(x[6:8].sum()), rel=1e-5)
+    # The step, then batch 4's indices and its gather, then the read: one batch on the wire.
+    assert calls == ["execute", "upload", "execute", "read"]
+    xb4, yb4 = next(it)  # already gathered: nothing more is sent for it
+    assert calls[4:] == []
+    np.testing.assert_array_equal(xb4.numpy(), x[8:10])
+    np.testing.assert_array_equal(yb4.numpy(), y[8:10])
+
+
+@pytest.mark.parametrize("in_read", [False, True], ids=["when-asked", "in-read"])
+def test_after_an_eager_step_the_next_batchs_take_joins_the_next_steps_graph(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch, in_read: bool
+) -> None:
+    monkeypatch.setattr(DataLoader, "_gather_in_read", in_read)
+    x, _ = data
+    it = iter(DataLoader(data, batch_size=4, device=dev, resident=True))
+    xb, _ = next(it)
+    calls = spy_on(dev, monkeypatch)
+    float((xb * 2.0).sum())  # an eager step: nothing is gathered in its read
+    assert calls == ["execute", "read"]
+    xb1, _ = next(it)  # batch 1's indices go, its take is recorded...
+    assert calls[2:] == ["upload"]
+    assert dev.stats()["pending_nodes"] == 2  # (x's take and y's)
+    assert float((xb1 * 2.0).sum()) == pytest.approx(2.0 * float(x[4:8].sum()), rel=1e-5)
+    assert calls[3:] == ["execute", "read"]  # ...and runs in the step's own graph
+
+
+def test_resident_loader_flushes_a_step_that_reads_nothing_before_the_next_take(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, _ = data
+    it = iter(DataLoader(data, batch_size=4, device=dev, resident=True))
+    xb, _ = next(it)
+    calls = spy_on(dev, monkeypatch)
+    a = xb * 2.0  # the user's step, never read
+    xb1, _ = next(it)  # the step flushed as its own graph, then batch 1's take recorded after it
+    assert calls == ["execute", "upload"]
+    np.testing.assert_array_equal(a.numpy(), x[:4] * 2.0)
+    np.testing.assert_array_equal(xb1.numpy(), x[4:8])
+
+
+def test_gathering_in_reads_gathers_the_next_epochs_first_batch_in_the_seeds_order(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(DataLoader, "_gather_in_read", True)
+    loader = DataLoader(data, batch_size=4, shuffle=True, seed=11, device=dev, resident=True)
+    want = expected_batches(data, 4, 11, 4)
+    total = doubled_sum()
+    for _ in range(2):  # the 4-row and the 2-row step, each traced, then replayed
+        for xb, _ in loader:
+            float(total(xb))
+    sent = []
+    for k, (xb, _) in enumerate(loader):  # epoch 3
+        before = uploaded(dev)
+        assert float(total(xb)) == pytest.approx(2.0 * float(want[6 + k][0].sum()), rel=1e-5)
+        sent.append(uploaded(dev) - before)
+    # Each read gathers the batch after it, the last one epoch 4's first: int32 indices only.
+    assert sent == [4 * 4, 2 * 4, 4 * 4]
+    before = uploaded(dev)
+    xb, _ = next(iter(loader))  # epoch 4's first batch: gathered already, nothing more is sent
+    assert uploaded(dev) == before
+    np.testing.assert_array_equal(xb.numpy(), want[9][0])
+
+
+@pytest.mark.parametrize("in_read", [False, True], ids=["when-asked", "in-read"])
+def test_a_resident_loop_left_early_holds_nothing_once_the_loader_is_dropped(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch, in_read: bool
+) -> None:
+    monkeypatch.setattr(DataLoader, "_gather_in_read", in_read)
+    total = doubled_sum()
+    base = dev.memory_stats()["in_use_bytes"]
+    loader = DataLoader(data, batch_size=4, shuffle=True, seed=3, device=dev, resident=True)
+    for xb, yb in loader:
+        float(total(xb))  # the last read gathers the next epoch's first batch too
+    for xb, yb in loader:
+        float(total(xb))  # batch 1 gathered ahead, then the loop is left
+        break
+    assert dev.memory_stats()["in_use_bytes"] > base
+    del loader, xb, yb
+    assert dev.memory_stats()["in_use_bytes"] == base
+    assert dev._before_read == []
+
+
+def test_a_resident_batch_that_cannot_be_gathered_in_a_read_fails_at_next_not_in_the_read(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(DataLoader, "_gather_in_read", True)
+    x, _ = data
+    total = doubled_sum()
+    loader = DataLoader(data, batch_size=2, device=dev, resident=True)
+    it = iter(loader)
+    for _ in range(2):  # traced
+        float(total(next(it)[0]))
+    xb, _ = next(it)
+
+    def broken(order: np.ndarray | None, bound: tuple[int, int], *, jitted: bool) -> Any:
+        raise el.DeviceError("no room for the next batch")
+
+    monkeypatch.setattr(loader, "_gather", broken)
+    # step 2's read still answers; the gather that failed in it is raised where batch 3 is asked for
+    assert float(total(xb)) == pytest.approx(2.0 * float(x[4:6].sum()), rel=1e-5)
+    with pytest.raises(el.DeviceError, match="no room for the next batch"):
+        next(it)
+
+
+@pytest.mark.parametrize("in_read", [False, True], ids=["when-asked", "in-read"])
+def test_several_resident_loaders_at_once_each_give_their_own_batches(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch, in_read: bool
+) -> None:
+    monkeypatch.setattr(DataLoader, "_gather_in_read", in_read)
+    x, _ = data
+    total = doubled_sum()
+    shuffled = DataLoader(data, batch_size=4, shuffle=True, seed=7, device=dev, resident=True)
+    plain = DataLoader(x * 10.0, batch_size=3, device=dev, resident=True)
+    got = []
+    for (a, _), b in zip(shuffled, plain, strict=False):
+        float(total(a))  # (a replay from the third step on: in-read, both loaders gather in it)
+        got.append((a.numpy(), b.numpy()))
+    want = expected_batches(data, 4, 7, 1)
+    assert len(got) == 3
+    for k, ((ga, gb), (wa, _)) in enumerate(zip(got, want, strict=True)):
+        np.testing.assert_array_equal(ga, wa)
+        np.testing.assert_array_equal(gb, x[3 * k : 3 * k + 3] * 10.0)
 
 
 @pytest.mark.parametrize("resident", [False, True], ids=["host", "resident"])
