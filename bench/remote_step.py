@@ -51,6 +51,7 @@ so a ratio against it said more about the scheduler than about emberlink.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import statistics
@@ -58,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -309,6 +310,10 @@ def upload_only(repeats: int, n: int, worker: str, device: str) -> None:
         print(f"| {k} | {shown} | {v / first:.2f}x |")
 
 
+def _loader_step(fn: Callable[..., el.Tensor], batches: Iterator[Any]) -> float:
+    return float(fn(*next(batches)))
+
+
 def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes: tuple[int, ...]) -> None:
     """The jitted small MLP over tcp, batches from a resident DataLoader (this tree's, gathering
     when asked for and in reads, and `others`' if given) against batches uploaded beforehand, each
@@ -357,6 +362,7 @@ def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes:
                     return loss
 
                 fn = el.jit(train)
+                batches: Iterator[Any]
                 if name in loaders:
                     loader = loaders[name]((xs, ys), batch_size=128, device=dev, resident=True)
                     batches = itertools.chain.from_iterable(itertools.repeat(loader))
@@ -366,7 +372,7 @@ def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes:
                         for k in range(0, len(xs), 128)
                     ]
                     batches = itertools.cycle(cut)
-                steps_of[name] = lambda fn=fn, batches=batches: float(fn(*next(batches)))
+                steps_of[name] = functools.partial(_loader_step, fn, batches)
             losses = {k: [step() for _ in range(3 * n_batches)] for k, step in steps_of.items()}
             for k, got in losses.items():  # the same batches in the same order: the same losses
                 assert got == losses["uploaded beforehand"], f"{k}: losses differ"
