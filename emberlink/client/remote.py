@@ -82,8 +82,9 @@ the tree before and after): the jitted step with a 401 KB host batch (bench/remo
 of a cold 401 KB source is 47-55 µs of that). The whole upload step, untraced, with this and
 channel.py's inlined seal checks against the tree before (four interleaved pairs of processes,
 medians of 2,000 steps): 561/570/557/567 -> 542/554/530/537 µs; the MLP step (400 steps, ~4.5 ms
-of NumPy on the worker) moved less than its noise. It saves no page faults: with malloc tuned (transport/malloc.py) a freed buffer's pages came back
-warm before too (0.1-0.16 minor faults a step, before and after)."""
+of NumPy on the worker) moved less than its noise. It saves no page faults: with malloc tuned
+(transport/malloc.py) a freed buffer's pages came back warm before too (0.1-0.16 minor faults a
+step, before and after)."""
 _STAGE_VIEWS = 8
 """Arrays a staging buffer keeps cut (offset, shape, dtype): a step's uploads are the same each time."""
 CLOSE_TIMEOUT = 2.0
