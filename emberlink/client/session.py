@@ -138,9 +138,10 @@ class Counters:
 
 @dataclass(slots=True)
 class Flow:
-    """Acknowledgement callbacks into the executor (which owns flow control on the user side)."""
+    """Acknowledgement callbacks into the executor (which owns flow control on the user side):
+    `on_ack(batches, upload bytes, staging buffers freed)`, on whichever thread takes the reply."""
 
-    on_ack: Callable[[int, int], None]
+    on_ack: Callable[[int, int, tuple[Staged, ...]], None]
     on_dead: Callable[[EmberlinkError], None]
     futures: dict[int, Future[Any]] = field(default_factory=dict)
     waited: set[int] = field(default_factory=set)  # rids of futures a thread waits for at once
@@ -587,7 +588,7 @@ class ClientSession:
         for event in events:
             match event:
                 case Acknowledged():
-                    self._flow.on_ack(event.batches, event.nbytes)
+                    self._flow.on_ack(event.batches, event.nbytes, event.staged)
                 case ResultArrived():
                     self._resolve(event.rid, event.value)
                 case ReplyReady():

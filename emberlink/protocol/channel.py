@@ -240,13 +240,23 @@ class Channel:
             yield self._seal_new(BULK, view[offset : offset + chunk_size])
 
     def _seal_new(self, kind: Kind, plaintext: BytesLike) -> bytes | bytearray:
-        """A frame sealed straight into a fresh, not zero-filled buffer (see _new_frame_buffer)."""
+        """A frame sealed straight into a fresh, not zero-filled buffer (see _new_frame_buffer).
+
+        The header's checks are `_next_send_header_fields`', inlined: this runs once per 64 KiB
+        chunk of a pipelined host batch, and a Python call costs ~1 µs with the caches cold
+        after a step's wait. Measured on the 2-core machine, a 401 KB batch sealed in 64 KiB
+        frames (`seal_chunks`) after a 300 µs sleep, the two versions taking turns (medians of
+        2,000, three runs): 67.6 -> 63.6, 58.2 -> 55.1, 58.3 -> 55.0 µs."""
         n = len(plaintext)
+        send = self._send
+        counter = send.counter
+        if n > MAX_PLAINTEXT or counter >= _COUNTER_LIMIT:
+            self._next_send_header_fields(kind, n)  # (raises, saying why)
         frame, out = _new_frame_buffer(HEADER_SIZE + n + TAG_SIZE)
-        HEADER.pack_into(out, 0, *self._next_send_header_fields(kind, n))
-        aead, new_key, nonce = self._send.next_key(n)
+        HEADER.pack_into(out, 0, VERSION, kind, self.session_id, counter, n + TAG_SIZE)
+        aead, new_key, nonce = send.next_key(n)
         aead.encrypt_into(nonce, plaintext, out[:HEADER_SIZE], out[HEADER_SIZE:])
-        self._send.commit(n, aead, new_key)
+        send.commit(n, aead, new_key)
         out.release()
         return frame
 

@@ -187,10 +187,13 @@ def _bytes_of(buffer: Buffer) -> memoryview:
 
 @dataclass(frozen=True, slots=True)
 class Acknowledged:
-    """A Reply's ack freed `batches` kept batches carrying `nbytes` upload bytes (client)."""
+    """A Reply's ack freed `batches` kept batches carrying `nbytes` upload bytes (client), and
+    the staging buffers of those that had one (`Staged`): no frame will be sealed from them
+    again, so their bytes are the caller's to reuse."""
 
     batches: int
     nbytes: int
+    staged: tuple[Staged, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -696,15 +699,24 @@ class ClientConnection:
 
     def _acknowledge(self, ack: int, events: list[ClientEvent]) -> None:
         batches = nbytes = 0
+        staged: list[Staged] = []
         unacked = self._unacked
         while unacked:
             seq = next(iter(unacked))
             if seq > ack:
                 break
-            nbytes += unacked.pop(seq).nbytes
+            batch = unacked.pop(seq)
+            nbytes += batch.nbytes
             batches += 1
+            # Its buffer is free once no frame of it can be sealed again: acknowledged (never
+            # resent, not on a resume either) and begun. A worker acks a batch only once it has
+            # all of it; one that acked a batch not yet begun would still be sent it, from that
+            # buffer, so that one is not freed (one that acks a batch half sent gets the rest of
+            # it from a buffer the client may have reused: bytes it was about to be sent anyway).
+            if batch.staged is not None and seq <= self._sent_upto:
+                staged.append(batch.staged)
         if batches:
-            events.append(Acknowledged(batches, nbytes))
+            events.append(Acknowledged(batches, nbytes, tuple(staged)))
 
     def _on_bulk(self, frame: memoryview, events: list[ClientEvent]) -> None:
         if not self._results:

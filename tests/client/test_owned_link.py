@@ -17,7 +17,7 @@ import pytest
 import emberlink as el
 import emberlink.testing
 from emberlink.client.device import Device
-from emberlink.client.remote import connect_ticket
+from emberlink.client.remote import RemoteExecutor, connect_ticket
 from emberlink.client.session import ClientSession
 from emberlink.data import DataLoader
 from emberlink.protocol.ticket import Ticket
@@ -259,6 +259,32 @@ def test_host_batches_of_steps_still_in_flight_arrive_each_with_its_own_values()
             assert [float(f.result()) for f in futures] == [128 * 784 * k for k in range(8)]
             for k in range(0, 8, 2):  # and steps that wait, reusing buffers in between
                 assert float(total(dev.tensor(xs[k]))) == 128 * 784 * k
+
+
+def test_a_step_reuses_the_staging_buffer_of_an_acknowledged_one_and_frees_it_with_the_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    handed: list[np.ndarray] = []  # where each host batch was staged (kept: no address is reused)
+    host_array = RemoteExecutor.host_array
+
+    def recorded(executor: RemoteExecutor, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
+        out = host_array(executor, shape, dtype)
+        if out is not None:
+            handed.append(out)
+        return out
+
+    monkeypatch.setattr(RemoteExecutor, "host_array", recorded)
+    total = el.jit(lambda x, y: x.sum() + y.sum())
+    with emberlink.testing.worker(tcp=True) as w, w.device(transport="tcp") as dev:
+        for i in range(6):
+            x = np.full((128, 784), i, np.float32)
+            y = np.arange(128, dtype=np.int64) + i
+            assert float(total(dev.tensor(x), dev.tensor(y.astype(np.float32)))) == float(x.sum() + y.sum())
+        executor = dev._executor
+        assert isinstance(executor, RemoteExecutor)
+        staged_x = handed[::2]
+        assert len(staged_x) == 6 and len({a.__array_interface__["data"][0] for a in staged_x}) < 6
+    assert executor._spares == [] and executor._lent == {}
 
 
 # -- the host DataLoader: the next batch goes from the thread that owns the link ---------------------

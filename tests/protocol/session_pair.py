@@ -148,6 +148,7 @@ class Waiter:
         self.answers: dict[int, list[Any]] = {}
         self.acked_batches = 0
         self.acked_bytes = 0
+        self.freed: list[s.Staged] = []  # staging buffers handed back by acks, in order
         self.ended: m.Error | None = None
         self.resent: list[int] = []
 
@@ -163,6 +164,7 @@ class Waiter:
                 case s.Acknowledged():
                     self.acked_batches += event.batches
                     self.acked_bytes += event.nbytes
+                    self.freed.extend(event.staged)
                 case s.ResultArrived():
                     self.answers.setdefault(event.rid, []).append(event.value)
                 case s.ReplyReady():

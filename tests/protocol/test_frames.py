@@ -256,6 +256,22 @@ def test_plaintext_over_the_limit_is_refused_when_sealing() -> None:
         client.seal(bytes(MAX_PLAINTEXT + 1))
 
 
+def test_a_large_frame_over_the_limit_is_refused_when_sealing_and_changes_nothing() -> None:
+    client, worker = pair()
+    with pytest.raises(ProtocolError, match="at most"):
+        client.seal_parts([bytes(MAX_PLAINTEXT), b"x"])  # (sealed into a fresh buffer: _seal_new)
+    assert worker.open(client.seal(b"next")) == (MESSAGE, b"next")  # still frame 0
+
+
+def test_no_frame_is_sealed_past_the_last_counter_chunked_or_large() -> None:
+    client, _ = pair()
+    client._send.counter = (1 << 64) - 1
+    with pytest.raises(ProtocolError, match="exhausted"):
+        next(client.seal_chunks(bytes(100), 64))
+    with pytest.raises(ProtocolError, match="exhausted"):
+        client.seal_parts([bytes(SMALL_FRAME), b"x"])
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_are_refused_with_protocol_error_only(blob: bytes) -> None:

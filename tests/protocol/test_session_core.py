@@ -612,6 +612,70 @@ def test_a_staged_batch_resent_after_a_drop_arrives_intact() -> None:
     assert pair.worker.applied == 3
 
 
+def test_an_ack_hands_back_the_staging_buffers_of_the_batches_it_acknowledges_only() -> None:
+    pair = Pair(chunk_size=1 << 20, pipeline_chunk=PIPE * 64)
+    arrays = [[np.full(20_000, k, np.float32)] for k in range(3)]
+    staged = []
+    for k in range(2):
+        views, where = staged_batch(arrays[k], 4096)
+        staged.append(where)
+        pair.waiter.wanted.add(k + 1)
+        pair.client.submit(step_batch(k, arrays[k]), views, 80_000, where)
+        pair.send_all()
+        pair.deliver_up()  # the worker applies it: its ack goes down with the next delivery
+    pair.client.submit(step_batch(2, arrays[2]), [arrays[2][0]], 80_000)  # not staged
+    pair.deliver_down()
+    assert [f.buffer for f in pair.waiter.freed] == [staged[0].buffer, staged[1].buffer]
+    pair.run()
+    assert len(pair.waiter.freed) == 2  # the unstaged batch's ack hands back nothing
+
+
+def test_an_ack_for_a_batch_not_yet_sent_does_not_free_its_staging_buffer() -> None:
+    pair = Pair(chunk_size=1 << 20)
+    arrays = [np.full(20_000, 1, np.float32)]
+    views, where = staged_batch(arrays, 4096)
+    pair.client.submit(step_batch(0, arrays), views, 80_000, where)  # queued, not sealed
+    # a worker that breaks the protocol: it acknowledges a batch it cannot have had
+    blobs = list(pair.worker.conn.reply(1, [], []))
+    for blob in blobs:
+        pair.waiter.on(pair.client.receive(blob))
+    assert pair.waiter.acked_batches == 1 and pair.waiter.freed == []
+
+
+def test_staging_buffers_overwritten_as_soon_as_freed_never_change_a_batch_sent_again() -> None:
+    # What the executor does with a freed buffer (the next batch's bytes in it), done at once:
+    # batches lost on a dropped link and resent after the resume still carry their own values.
+    pair = Pair(chunk_size=1 << 20, pipeline_chunk=PIPE * 64)
+    scribble = pair.waiter.on
+
+    def on(events: list[s.ClientEvent]) -> None:
+        scribble(events)
+        for freed in pair.waiter.freed:
+            np.frombuffer(freed.buffer, np.uint8)[:] = 0xFF
+        pair.waiter.freed.clear()
+
+    pair.waiter.on = on  # type: ignore[method-assign]
+    arrays: dict[int, list[np.ndarray]] = {
+        k: [np.full(20_000, k, np.float32), np.arange(3, dtype=np.int64) + k] for k in range(4)
+    }
+    for k in range(4):
+        views, where = staged_batch(arrays[k], 4096)
+        pair.waiter.wanted.add(k + 1)
+        pair.client.submit(step_batch(k, arrays[k]), views, 80_024, where)
+        if k == 0:
+            pair.run()
+        elif k == 1:
+            pair.send_all()
+            pair.deliver_up()  # applied; its reply is lost with the link
+    pair.send_all()  # batches 3 and 4 lost before the worker saw them
+    pair.resume()
+    pair.run()
+    for k in range(4):
+        (got,) = pair.waiter.answers[k + 1]
+        np.testing.assert_array_equal(got, arrays[k][0])
+    assert pair.worker.applied == 4
+
+
 def test_a_reply_foreseen_by_the_client_is_taken_without_decoding_and_a_different_one_is_decoded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
