@@ -30,10 +30,9 @@ Rows, each a median over interleaved repeats so machine noise hits both sides al
   tiny step cannot skip, in three steps (see `floor_rows`).
 - `--loader N` (alone): a small jitted MLP step (batch 128, 784-64-10 or `--loader-sizes`, SGD;
   NumPy's compute small enough not to hide the feed) over tcp, fed by `DataLoader(resident=True)`
-  (each batch gathered when asked for, and, a second row, inside the step's read:
-  `DataLoader._gather_in_read`) against the same step on batches uploaded beforehand, N
-  interleaved repeats, every row's losses checked equal; `--loader-from` adds the resident row
-  through the DataLoader of another tree's data.py (an A/B of the loader in one run).
+  against the same step on batches uploaded beforehand, N interleaved repeats, every row's losses
+  checked equal; `--loader-from` adds the resident row through the DataLoader of another tree's
+  data.py (an A/B of the loader in one run).
 
 Both sides run on the event loop emberlink picks (transport/loop.py: uvloop where installed, unless
 EMBERLINK_UVLOOP=0); the bare servers in other processes too. The worker runs as an `emberlink worker` process (default; as a user would run it) or in this
@@ -315,17 +314,12 @@ def _loader_step(fn: Callable[..., el.Tensor], batches: Iterator[Any]) -> float:
 
 
 def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes: tuple[int, ...]) -> None:
-    """The jitted small MLP over tcp, batches from a resident DataLoader (this tree's, gathering
-    when asked for and in reads, and `others`' if given) against batches uploaded beforehand, each
-    in its own session; medians of interleaved blocks of steps. Every row's losses are checked
-    against the uploaded row's."""
+    """The jitted small MLP over tcp, batches from a resident DataLoader (this tree's, and
+    `others`' if given) against batches uploaded beforehand, each in its own session; medians of
+    interleaved blocks of steps. Every row's losses are checked against the uploaded row's."""
     import importlib.util
 
-    in_read = type("InRead", (el.data.DataLoader,), {"_gather_in_read": True})
-    loaders: dict[str, Any] = {
-        "resident loader": el.data.DataLoader,
-        "resident loader, gathered in reads": in_read,
-    }
+    loaders: dict[str, Any] = {"resident loader": el.data.DataLoader}
     for n, other in enumerate(others):
         spec = importlib.util.spec_from_file_location(f"other_data{n}", other)
         assert spec is not None and spec.loader is not None

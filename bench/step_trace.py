@@ -1,7 +1,6 @@
 """Where a remote jitted step's time goes: timestamps on both sides of one step, by stage.
 
     python bench/step_trace.py [--device cuda:0] [--steps 300] [--transport grpc|tcp] [--step mlp|tiny|upload]
-                               [--gather-in-read]
 
 The small MLP step of bench/gpu_step.py, jitted, against an `emberlink worker` process on
 127.0.0.1 (host batches, resident data through DataLoader(resident=True), then batches uploaded
@@ -156,12 +155,9 @@ FEED_NAMES = {
     "host loader": "host batches from a DataLoader",
     "loader": "resident data",
     "uploaded": "batches uploaded beforehand",
-    "loader in reads": "resident data, gathered in reads (DataLoader._gather_in_read)",
 }
 """The rows' names for gpu_step's feeds (HOST, HOST_LOADER: DataLoader(resident=False), LOADER:
-DataLoader(resident=True), UPLOADED), and `--gather-in-read`'s extra row: LOADER with each batch
-gathered inside the step's read."""
-IN_READS = "loader in reads"
+DataLoader(resident=True), UPLOADED)."""
 
 FINE_ENV = "STEP_TRACE_FINE"
 GC_ENV = "STEP_TRACE_GC"
@@ -418,11 +414,6 @@ def main() -> None:
     parser.add_argument("--step", choices=("mlp", "tiny", "upload"), default="mlp")
     parser.add_argument("--local", action="store_true", help="also trace Device.cuda's replays in-process")
     parser.add_argument(
-        "--gather-in-read",
-        action="store_true",
-        help="also the resident DataLoader gathering each batch inside the step's read (_gather_in_read)",
-    )
-    parser.add_argument(
         "--cpus", choices=("split", "same", "any"), default="any", help="as bench/remote_step.py's --cpus"
     )
     args = parser.parse_args()
@@ -446,9 +437,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "client.key"
         Identity.generate(os.urandom).save(key)
-        feeds = (gpu_step.HOST,) if args.step in ("tiny", "upload") else gpu_step.FEEDS
-        for feed in (*feeds, IN_READS) if args.gather_in_read and args.step == "mlp" else feeds:
-            el.data.DataLoader._gather_in_read = feed == IN_READS
+        for feed in (gpu_step.HOST,) if args.step in ("tiny", "upload") else gpu_step.FEEDS:
             out = Path(tmp) / f"worker_{feed}.npy"
             with (
                 traced_worker(key, args.device, out) as (ticket, pid),
@@ -466,14 +455,7 @@ def main() -> None:
 
                     step = tiny_step
                 else:
-                    step = gpu_step.ember_step(
-                        dev,
-                        model,
-                        data,
-                        jit=True,
-                        feed=gpu_step.LOADER if feed == IN_READS else feed,
-                        lazy=False,
-                    )
+                    step = gpu_step.ember_step(dev, model, data, jit=True, feed=feed, lazy=False)
                 for i in range(30):
                     step(i % gpu_step.N_BATCHES)
                 cpu0 = cpu_ns(pid)

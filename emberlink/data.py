@@ -33,14 +33,10 @@ PyTorch's `DataLoader` over a `TensorDataset`, with the device named, in one of 
   Execute and an Upload more a step (~55 µs of a NumPy worker's time here).
   Tried and measured slower here: gathering batch k+1 in a batch of its own right after step
   k's read is sent, as host data goes (the two batches alternate, so neither is a Repeat, and a
-  batch costs each side ~60 µs: 849 -> 862-944 µs at 784-16-10, 650 -> 764 at 16-16-10); and
-  gathering it inside step k's read, after the step and before the read, in the same batch
-  (`_gather_in_read`: 1126 -> 1159 and 722 -> 742 above, up to ~120 µs a step worse when the step
-  drops its batch before its read). The second stays as a switch for a GPU worker, where the
-  gather's host work (its index check, staging, launch: ~60 µs of a 484 µs H200 step) would
-  run while the step's kernels do rather than before the step's launch; indices computed on the
-  worker instead of uploaded would not serve there (a take with device-made indices cannot be
-  captured, graph_replay/capture.py).
+  batch costs each side ~60 µs: 849 -> 862-944 µs at 784-16-10, 650 -> 764 at 16-16-10).
+  Gathering it inside step k's read, after the step and before the read, was tried too and
+  measured slower (the loader before this -> in the read: 1126 -> 1159 µs at 784-64-10 and
+  722 -> 742 at 64-32-10 on the 2-core machine), so batches are gathered when asked for.
 
 Each batch handed out also flushes what the device has recorded (a step boundary), so a loop
 that does not read every step still runs one graph a step, not a run of steps cut at random.
@@ -77,14 +73,6 @@ class DataLoader(Generic[Batch]):
     `resident=True` uploads the arrays once and gathers each batch on the device (see the module
     docstring); `len(loader)` is the number of batches in an epoch.
     """
-
-    _gather_in_read: bool = False
-    """Resident data after a jitted step: gather batch k+1 inside step k's first read (after the
-    step, before the read, in the same batch) instead of when it is asked for. Off: slower on
-    the 2-core machine's NumPy worker (the module docstring's figures); kept so that a GPU worker
-    can be measured (`bench/step_trace.py --gather-in-read`), where the gather's host work would
-    run while the step's kernels do. The last step's read of an epoch then draws the next
-    epoch's order and gathers its first batch (the next `iter()` takes both)."""
 
     @overload
     def __init__(
@@ -139,9 +127,6 @@ class DataLoader(Generic[Batch]):
         self._data = tuple(device.tensor(a) for a in self.arrays) if self.resident else ()
         data = self._data
         self._take = jit(lambda idx: tuple(t.take(idx, axis=0) for t in data))
-        # (order, [its first bound], its first batch): the next epoch, drawn and gathered while
-        # the last one's last step was read (resident data only; taken by the next `iter()`).
-        self._following: tuple[np.ndarray | None, list[tuple[int, int]], _Ahead[Batch]] | None = None
         self._replays: int | None = None  # the device's jit replays when the last batch was handed out
 
     def __len__(self) -> int:
@@ -150,19 +135,12 @@ class DataLoader(Generic[Batch]):
 
     def __iter__(self) -> Iterator[Batch]:
         bounds = [(k * self.batch_size, min((k + 1) * self.batch_size, self._rows)) for k in range(len(self))]
-        following, self._following = self._following, None
-        first: _Ahead[Batch] | None = None
-        if following is not None:  # this epoch's order, drawn (and its first batch gathered) ahead
-            order, first = following[0], following[2] if following[1] == bounds[:1] else None
-        else:
-            order = self._rng.permutation(self._rows) if self.shuffle else None
+        order = self._rng.permutation(self._rows) if self.shuffle else None
         if self.resident:
-            return self._gathered(order, bounds, first)
+            return self._gathered(order, bounds)
         return self._uploaded(order, bounds)
 
-    def _gathered(
-        self, order: np.ndarray | None, bounds: list[tuple[int, int]], first: _Ahead[Batch] | None
-    ) -> Iterator[Batch]:
+    def _gathered(self, order: np.ndarray | None, bounds: list[tuple[int, int]]) -> Iterator[Batch]:
         if not bounds:
             return
         device = self.device
@@ -170,65 +148,21 @@ class DataLoader(Generic[Batch]):
         # The batch to hand out next, in a one-slot list: the loop never holds a batch the user
         # has (measured: holding each until the next one is asked for, so that it is dropped a
         # step later, cost ~40 µs a step on a NumPy worker with 128x64 batches).
-        nxt = [
-            first.take() if first is not None else self._gather(order, bounds[0], jitted=self._after_jit())
-        ]
-        first = None
-        # A private seam on purpose: the loader is the only caller that records work into
-        # somebody's read (`_before_read`).
-        hook: Callable[[], None] | None = None
-        try:
-            for following in bounds[1:]:
-                ahead: _Ahead[Batch] | None = None
-                if self._gather_in_read:
-                    ahead = _Ahead(functools.partial(self._gather_ahead, order, following))
-                    hook = functools.partial(self._if_jitted, device._jit_replays, ahead.run)
-                    device._before_read.append(hook)
-                self._replays = device._jit_replays
-                yield nxt.pop()
-                device.flush()  # the step before the next batch is its own graph
-                if ahead is not None and ahead.done:
-                    nxt.append(ahead.take())
-                else:
-                    nxt.append(self._gather(order, following, jitted=self._after_jit()))
-            if self._gather_in_read:  # the next epoch's first batch, gathered at the last step's read
-                hook = functools.partial(self._if_jitted, device._jit_replays, self._next_epoch)
-                device._before_read.append(hook)
+        nxt = [self._gather(order, bounds[0], jitted=self._after_jit())]
+        for following in bounds[1:]:
             self._replays = device._jit_replays
             yield nxt.pop()
-            device.flush()
-        finally:
-            if hook is not None and hook in device._before_read:  # not read, or the loop was left
-                device._before_read.remove(hook)
+            device.flush()  # the step before the next batch is its own graph
+            nxt.append(self._gather(order, following, jitted=self._after_jit()))
+        self._replays = device._jit_replays
+        yield nxt.pop()
+        device.flush()
 
     def _after_jit(self) -> bool:
         """Whether the step since the last batch was handed out replayed an `emberlink.jit`
         function (the next gather is then a replay too; after an eager step it is recorded, into
         the next step's own graph)."""
         return self._replays is not None and self.device._jit_replays != self._replays
-
-    def _if_jitted(self, replays: int, gather: Callable[[], None]) -> None:
-        """`_gather_in_read`: gather now, in a read, if the step since the batch was handed out
-        was an `emberlink.jit` replay."""
-        if self.device._jit_replays != replays:
-            gather()
-
-    def _gather_ahead(self, order: np.ndarray | None, bound: tuple[int, int]) -> Batch:
-        batch = self._gather(order, bound, jitted=True)
-        self.device.flush()  # into the read's batch, after the step and ahead of the read
-        return batch
-
-    def _next_epoch(self) -> None:
-        """Draw the next epoch's order now and gather its first batch; the next `iter()` takes
-        both (a failure to gather is raised by its first `next()`). Once per epoch: with several
-        iterators of one loader, the next order is drawn by the first to end."""
-        if self._following is not None:
-            return
-        order = self._rng.permutation(self._rows) if self.shuffle else None
-        bound = (0, min(self.batch_size, self._rows))
-        first: _Ahead[Batch] = _Ahead(functools.partial(self._gather_ahead, order, bound))
-        self._following = (order, [bound], first)
-        first.run()
 
     def _gather(self, order: np.ndarray | None, bound: tuple[int, int], *, jitted: bool) -> Batch:
         """The batch of rows `bound` of `order`, gathered on the device: by one replay of a jitted
@@ -317,11 +251,6 @@ class _Ahead(Generic[T]):
         self._make: Callable[[], T] | None = make
         self._made: T | None = None
         self._error: Exception | None = None
-
-    @property
-    def done(self) -> bool:
-        """Whether `run` has been called."""
-        return self._make is None
 
     def run(self) -> None:
         make, self._make = self._make, None

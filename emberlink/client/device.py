@@ -87,10 +87,6 @@ class Device:
         # waits (emberlink.data's host loader uploads the next batch there: its bytes are sealed
         # and sent while this step runs, behind the step's own work on the wire).
         self._after_read_sent: list[Callable[[], None]] = []
-        # One-shot callables run on the reading thread right before a read joins the pending work,
-        # after what was recorded is flushed (emberlink.data's resident loader gathers the next
-        # batch there: in the read's own batch, after the step and before the read).
-        self._before_read: list[Callable[[], None]] = []
         self._new_segment()
 
     # -- constructors -----------------------------------------------------------------------------
@@ -301,18 +297,11 @@ class Device:
             _tensor.JIT_TRACE.refuse(self, "read")
         if v.node is not None:
             self.flush()
-        if self._before_read:
-            self._run_before_read()
         # Work queued for while the read is on its way (the DataLoader's next batch) runs on this
         # thread right after the read is sent; over the raw tcp link, where this thread may do the
         # round trip itself, it runs while the thread owns the link, whose batches go from there.
         then = self._run_after_read_sent if self._after_read_sent else None
         return self._executor.read(v.buf, wait=True, after_sent=then).result()  # type: ignore[arg-type]
-
-    def _run_before_read(self) -> None:
-        calls, self._before_read = self._before_read, []
-        for call in calls:
-            call()
 
     def _run_after_read_sent(self) -> None:
         calls, self._after_read_sent = self._after_read_sent, []
@@ -326,8 +315,6 @@ class Device:
         try:
             if v.node is not None:
                 self.flush()
-            if self._before_read:
-                self._run_before_read()
             fut = ArrayFuture(self._executor.read(v.buf), v.spec[1])  # type: ignore[arg-type]
         except RemoteError as e:
             return ArrayFuture.failed(e, v.spec[1])

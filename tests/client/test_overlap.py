@@ -367,8 +367,8 @@ def test_resident_steps_replay_one_graph_where_slices_would_make_one_per_batch(d
 
 
 def doubled_sum() -> Callable[[el.Tensor], el.Tensor]:
-    """A jitted step: what the resident loader gathers ahead for (its first two calls trace, the
-    next ones replay)."""
+    """A jitted step, after which the resident loader gathers through its own jitted gather (its
+    first two calls trace, the next ones replay)."""
     return el.jit(lambda t: (t * 2.0).sum())
 
 
@@ -391,36 +391,14 @@ def test_after_a_jitted_step_the_next_batch_is_gathered_by_one_replay_when_asked
     np.testing.assert_array_equal(yb6.numpy(), y[6:7])
 
 
-def test_gathering_in_reads_puts_the_next_batch_in_a_jitted_steps_read_after_the_step(
+def test_after_an_eager_step_the_next_batchs_take_joins_the_next_steps_graph(
     dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(DataLoader, "_gather_in_read", True)
-    x, y = data
-    total = doubled_sum()
-    it = iter(DataLoader(data, batch_size=2, device=dev, resident=True))
-    for _ in range(3):  # two calls trace, the third replays (and batch 3 is gathered in its read)
-        float(total(next(it)[0]))
-    xb, _ = next(it)
-    calls = spy_on(dev, monkeypatch)
-    assert float(total(xb)) == pytest.approx(2.0 * float(x[6:8].sum()), rel=1e-5)
-    # The step, then batch 4's indices and its gather, then the read: one batch on the wire.
-    assert calls == ["execute", "upload", "execute", "read"]
-    xb4, yb4 = next(it)  # already gathered: nothing more is sent for it
-    assert calls[4:] == []
-    np.testing.assert_array_equal(xb4.numpy(), x[8:10])
-    np.testing.assert_array_equal(yb4.numpy(), y[8:10])
-
-
-@pytest.mark.parametrize("in_read", [False, True], ids=["when-asked", "in-read"])
-def test_after_an_eager_step_the_next_batchs_take_joins_the_next_steps_graph(
-    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch, in_read: bool
-) -> None:
-    monkeypatch.setattr(DataLoader, "_gather_in_read", in_read)
     x, _ = data
     it = iter(DataLoader(data, batch_size=4, device=dev, resident=True))
     xb, _ = next(it)
     calls = spy_on(dev, monkeypatch)
-    float((xb * 2.0).sum())  # an eager step: nothing is gathered in its read
+    float((xb * 2.0).sum())  # an eager step: nothing is gathered yet
     assert calls == ["execute", "read"]
     xb1, _ = next(it)  # batch 1's indices go, its take is recorded...
     assert calls[2:] == ["upload"]
@@ -443,82 +421,32 @@ def test_resident_loader_flushes_a_step_that_reads_nothing_before_the_next_take(
     np.testing.assert_array_equal(xb1.numpy(), x[4:8])
 
 
-def test_gathering_in_reads_gathers_the_next_epochs_first_batch_in_the_seeds_order(
-    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(DataLoader, "_gather_in_read", True)
-    loader = DataLoader(data, batch_size=4, shuffle=True, seed=11, device=dev, resident=True)
-    want = expected_batches(data, 4, 11, 4)
-    total = doubled_sum()
-    for _ in range(2):  # the 4-row and the 2-row step, each traced, then replayed
-        for xb, _ in loader:
-            float(total(xb))
-    sent = []
-    for k, (xb, _) in enumerate(loader):  # epoch 3
-        before = uploaded(dev)
-        assert float(total(xb)) == pytest.approx(2.0 * float(want[6 + k][0].sum()), rel=1e-5)
-        sent.append(uploaded(dev) - before)
-    # Each read gathers the batch after it, the last one epoch 4's first: int32 indices only.
-    assert sent == [4 * 4, 2 * 4, 4 * 4]
-    before = uploaded(dev)
-    xb, _ = next(iter(loader))  # epoch 4's first batch: gathered already, nothing more is sent
-    assert uploaded(dev) == before
-    np.testing.assert_array_equal(xb.numpy(), want[9][0])
-
-
-@pytest.mark.parametrize("in_read", [False, True], ids=["when-asked", "in-read"])
 def test_a_resident_loop_left_early_holds_nothing_once_the_loader_is_dropped(
-    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch, in_read: bool
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
 ) -> None:
-    monkeypatch.setattr(DataLoader, "_gather_in_read", in_read)
     total = doubled_sum()
     base = dev.memory_stats()["in_use_bytes"]
     loader = DataLoader(data, batch_size=4, shuffle=True, seed=3, device=dev, resident=True)
     for xb, yb in loader:
-        float(total(xb))  # the last read gathers the next epoch's first batch too
+        float(total(xb))  # a whole epoch
     for xb, yb in loader:
-        float(total(xb))  # batch 1 gathered ahead, then the loop is left
+        float(total(xb))  # one step, then the loop is left
         break
     assert dev.memory_stats()["in_use_bytes"] > base
     del loader, xb, yb
     assert dev.memory_stats()["in_use_bytes"] == base
-    assert dev._before_read == []
 
 
-def test_a_resident_batch_that_cannot_be_gathered_in_a_read_fails_at_next_not_in_the_read(
-    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(DataLoader, "_gather_in_read", True)
-    x, _ = data
-    total = doubled_sum()
-    loader = DataLoader(data, batch_size=2, device=dev, resident=True)
-    it = iter(loader)
-    for _ in range(2):  # traced
-        float(total(next(it)[0]))
-    xb, _ = next(it)
-
-    def broken(order: np.ndarray | None, bound: tuple[int, int], *, jitted: bool) -> Any:
-        raise el.DeviceError("no room for the next batch")
-
-    monkeypatch.setattr(loader, "_gather", broken)
-    # step 2's read still answers; the gather that failed in it is raised where batch 3 is asked for
-    assert float(total(xb)) == pytest.approx(2.0 * float(x[4:6].sum()), rel=1e-5)
-    with pytest.raises(el.DeviceError, match="no room for the next batch"):
-        next(it)
-
-
-@pytest.mark.parametrize("in_read", [False, True], ids=["when-asked", "in-read"])
 def test_several_resident_loaders_at_once_each_give_their_own_batches(
-    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch, in_read: bool
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
 ) -> None:
-    monkeypatch.setattr(DataLoader, "_gather_in_read", in_read)
     x, _ = data
     total = doubled_sum()
     shuffled = DataLoader(data, batch_size=4, shuffle=True, seed=7, device=dev, resident=True)
     plain = DataLoader(x * 10.0, batch_size=3, device=dev, resident=True)
     got = []
     for (a, _), b in zip(shuffled, plain, strict=False):
-        float(total(a))  # (a replay from the third step on: in-read, both loaders gather in it)
+        float(total(a))  # (a replay from the third step on)
         got.append((a.numpy(), b.numpy()))
     want = expected_batches(data, 4, 7, 1)
     assert len(got) == 3
