@@ -30,7 +30,9 @@ thread (what applying on the event loop saves).
 Times are medians over blocks of 10 steps (per step: the block's time / 10), after warm-up. Every
 row's device, session and weights stay open until all are measured, and the blocks are
 interleaved: 6 rounds each run a share of every row's blocks in turn, so a load that drifts
-during the run (the machine is shared) weighs on every row alike.
+during the run (the machine is shared) weighs on every row alike. Each remote row has a worker
+process to itself, as a user's training loop has: a worker applies a captured replay on its
+event loop only while it serves one session (server/session.py, `_dispatch`).
 "GPU time" is the kernel time of one step alone, measured with CUDA events around back-to-back
 replays of the step's captured graph (PyTorch's, and emberlink's from `Device.cuda` jit). Each
 row's first four losses, from fresh weights, are checked against the first emberlink row's.
@@ -470,37 +472,41 @@ def local_notes(
 
 
 @contextmanager
-def cuda_worker(
-    client_key: Path, device: str, env: dict[str, str], profile_to: Path | None = None
-) -> Iterator[str]:
-    """An `emberlink worker --device DEVICE` process admitting the client key; yields its ticket.
-    With `profile_to`, the worker runs under cProfile (its event loop thread), saved there at exit."""
+def cuda_workers(
+    client_key: Path, device: str, envs: list[dict[str, str]], profile_to: Path | None = None
+) -> Iterator[list[str]]:
+    """An `emberlink worker --device DEVICE` process for each of `envs` (its environment's
+    additions), admitting the client key, all started at once; yields their tickets (each serves
+    raw tcp too, by default: port 0 beside port 0). With `profile_to` (one worker), it runs under
+    cProfile (its event loop thread), saved there at exit."""
     client = Identity.load(client_key)
+    procs: list[subprocess.Popen[str]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        key = Path(tmp) / "worker.key"
-        Identity.generate(os.urandom).save(key)
         allow = Path(tmp) / "allow"
         allow.write_text(client.node_id + "\n")
-        cmd = [sys.executable] + (["-m", "cProfile", "-o", str(profile_to)] if profile_to else [])
-        cmd += ["-m", "emberlink", "worker", "--listen", "127.0.0.1:0", "--key", str(key)]
-        cmd += [
-            "--allow",
-            str(allow),
-            "--device",
-            device,
-            "--max-client-sessions",
-            "64",
-        ]  # raw tcp too, by default: port 0 beside port 0
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
         try:
-            assert proc.stdout is not None
-            ticket = proc.stdout.readline().strip()
-            if not ticket.startswith("emberlink://"):
-                raise SystemExit(f"the worker did not start (exit {proc.wait(30)})")
-            yield ticket
+            for n, env in enumerate(envs):
+                key = Path(tmp) / f"worker{n}.key"
+                Identity.generate(os.urandom).save(key)
+                cmd = [sys.executable] + (["-m", "cProfile", "-o", str(profile_to)] if profile_to else [])
+                cmd += ["-m", "emberlink", "worker", "--listen", "127.0.0.1:0", "--key", str(key)]
+                cmd += ["--allow", str(allow), "--device", device]
+                procs.append(
+                    subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+                )
+            tickets = []
+            for proc in procs:
+                assert proc.stdout is not None
+                ticket = proc.stdout.readline().strip()
+                if not ticket.startswith("emberlink://"):
+                    raise SystemExit(f"a worker did not start (exit {proc.wait(30)})")
+                tickets.append(ticket)
+            yield tickets
         finally:
-            proc.terminate()
-            proc.wait(30)
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(30)
 
 
 def only(ticket: str, transport: str) -> str:
@@ -514,16 +520,17 @@ def only(ticket: str, transport: str) -> str:
 def remote_cases(
     model: Model,
     data: list[tuple[np.ndarray, np.ndarray]],
-    ticket: str,
+    tickets: list[str],
     key: Path,
     tag: str,
     cases: list[Any],
     stack: ExitStack,
     profile: bool = False,
 ) -> list[Case]:
-    """The `cases` on `Device.remote(ticket)`, each its own session, open on `stack`."""
+    """The `cases` on `Device.remote`, each a session (open on `stack`) to a worker of its own (its
+    ticket from `tickets`, in order)."""
     out: list[Case] = []
-    for name, jit, feed, lazy in cases:
+    for (name, jit, feed, lazy), ticket in zip(cases, tickets, strict=True):
         dev = stack.enter_context(el.Device.remote(ticket, key=str(key)))
         step = ember_step(dev, model, data, jit=jit, feed=feed, lazy=lazy)
         full = f"Device.remote{tag}, {name}"
@@ -568,13 +575,12 @@ def profile_worker(model: Model, data: list[tuple[np.ndarray, np.ndarray]], key:
     time (applying batches too, when it applies them on the loop) and the client's main thread."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "worker.prof"
-        with cuda_worker(key, device, {INLINE_ENV: "1"}, profile_to=out) as ticket:
-            cases = [c for c in REMOTE_CASES if c[1] and not c[3]]
-            with ExitStack() as stack:
-                rows = measure(
-                    remote_cases(model, data, ticket, key, " (worker under cProfile)", cases, stack, True),
-                    model,
-                )
+        with cuda_workers(key, device, [{INLINE_ENV: "1"}], profile_to=out) as (ticket,):
+            rows: list[Row] = []
+            for case in (c for c in REMOTE_CASES if c[1] and not c[3]):  # one session at a time
+                with ExitStack() as stack:
+                    tag = " (worker under cProfile)"
+                    rows += measure(remote_cases(model, data, [ticket], key, tag, [case], stack, True), model)
         for r in rows:
             print(f"- {r.name}: {r.ms:.3f} ms a step; {'; '.join(r.notes)}")
         print(f"\n## cProfile, worker's main thread (event loop): {model.name} MLP, the rows above")
@@ -665,7 +671,10 @@ def goals(small: list[Row], big: list[Row]) -> None:
         )
 
 
-def run_model(model: Model, args: argparse.Namespace, key: Path, tickets: dict[str, str]) -> list[Row]:
+def run_model(model: Model, args: argparse.Namespace, key: Path, tickets: list[str]) -> list[Row]:
+    """The model's rows; `tickets`: a worker for each remote row, the plain rows' (inline), the
+    gRPC rows' (inline), then the device-thread rows' (`INLINE_ENV`=0)."""
+    n = len(REMOTE_CASES)
     data = batches(model)
     start = start_weights(model)
     cases: list[Case] = []
@@ -682,12 +691,12 @@ def run_model(model: Model, args: argparse.Namespace, key: Path, tickets: dict[s
         cases += cupy_cases(model, start, data)
     with ExitStack() as stack:  # every row's device and session open until all are measured
         cases += local_cases(model, data, args.profile, args.device, stack)
-        cases += remote_cases(model, data, tickets["inline"], key, "", REMOTE_CASES, stack)
+        cases += remote_cases(model, data, tickets[:n], key, "", REMOTE_CASES, stack)
         cases += remote_cases(
-            model, data, only(tickets["inline"], "grpc"), key, OVER_GRPC, REMOTE_CASES, stack
+            model, data, [only(t, "grpc") for t in tickets[n : 2 * n]], key, OVER_GRPC, REMOTE_CASES, stack
         )
         cases += remote_cases(
-            model, data, tickets["thread"], key, f" ({INLINE_ENV}=0)", DEVICE_THREAD_CASES, stack
+            model, data, tickets[2 * n :], key, f" ({INLINE_ENV}=0)", DEVICE_THREAD_CASES, stack
         )
         rows = measure(cases, model)
     table(model, rows, notes)
@@ -716,11 +725,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "client.key"
         Identity.generate(os.urandom).save(key)
-        with (
-            cuda_worker(key, args.device, {INLINE_ENV: "1"}) as inline,
-            cuda_worker(key, args.device, {INLINE_ENV: "0"}) as thread,
-        ):
-            results = {m.name: run_model(m, args, key, {"inline": inline, "thread": thread}) for m in models}
+        # A worker process for every remote row, as a user's loop has one to itself: a worker
+        # applies captured replays on its event loop only while it serves a single session.
+        envs = [{INLINE_ENV: "1"}] * (2 * len(REMOTE_CASES)) + [{INLINE_ENV: "0"}] * len(DEVICE_THREAD_CASES)
+        with cuda_workers(key, args.device, envs) as tickets:
+            results = {m.name: run_model(m, args, key, tickets) for m in models}
     if "small" in results and "big" in results:
         goals(results["small"], results["big"])
 
