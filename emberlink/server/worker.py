@@ -96,7 +96,8 @@ class Worker:
         self.started = time.monotonic()
         self.sessions_total = 0
         self.sessions_refused = 0
-        self._trim: asyncio.TimerHandle | None = None
+        self._trim: asyncio.TimerHandle | None = None  # a trim scheduled or running
+        self._trim_again = False  # a session ended while a trim ran: trim once more after it
         self._closed_bytes_in = 0
         self._closed_bytes_out = 0
         # Every session's Quota charges this too: the worker's memory budget.
@@ -158,13 +159,27 @@ class Worker:
             self._closed_bytes_out += session.bytes_out
 
     def _trim_soon(self) -> None:
-        if self._trim is None:
-            loop = asyncio.get_running_loop()
-            self._trim = loop.call_later(TRIM_DELAY, self._start_trim, loop)
+        """Trim the heap TRIM_DELAY from now; while a trim is scheduled, a session that ends is
+        covered by it, and while one runs, another follows it. Before, a session that ended while
+        a trim ran left its freed pages in the heap until some later session ended: the fuzz run
+        of CI (bench/fuzz.py --stall --check-rss) saw the worker's RSS end 5.4-5.7 MiB (+6%) above
+        its baseline in 2 of 10 runs, the rest within 1%."""
+        if self._trim is not None:
+            self._trim_again = True
+            return
+        loop = asyncio.get_running_loop()
+        self._trim = loop.call_later(TRIM_DELAY, self._start_trim, loop)
 
     def _start_trim(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._trim_again = False  # what was freed until now, this trim hands back
         future = loop.run_in_executor(None, release_free_memory)
-        future.add_done_callback(lambda _: setattr(self, "_trim", None))
+        future.add_done_callback(self._trimmed)
+
+    def _trimmed(self, _: object) -> None:
+        self._trim = None
+        if self._trim_again:
+            self._trim_again = False
+            self._trim_soon()
 
     async def drain(self) -> None:
         """SIGTERM: refuse new sessions, finish every session's queued work, end them with going_away."""
