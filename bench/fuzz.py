@@ -19,8 +19,9 @@ checks every value. It runs alone first, then under the hostile load: the table 
 
 Memory is measured three times, each while the honest client is idle and once every hostile
 session has ended, through one probe session of the fuzzer's own: the baseline, after a warm-up
-in which every hostile session sends each kind of batch and each stalling input once (so that
-what a worker keeps for good once it has served them counts in it); after each of `--rounds`
+in which every hostile session sends each kind of batch and each stalling input once and after
+the honest client's steps alone (so that what a worker keeps for good once it has served them
+counts in it); after each of `--rounds`
 hostile rounds (growth must stop); and at the end.
 
 Outcomes of hostile batches, by class: `answered` (the reply came; per-request errors are counted
@@ -883,12 +884,15 @@ async def run(args: argparse.Namespace, setup: Setup) -> int:
     if not (await honest.line()).get("ready"):
         raise RuntimeError("the honest client did not start")
     probe = Probe(setup.ticket, setup.probe)
-    await honest.phase("idle")
-    before, rss_before = await settled_stats(probe, worker.pid, 2)  # the honest client and the probe
-    mark("baseline settled")
+    # The honest client's steps alone come before the baseline, so that it counts what the honest
+    # session holds once it has run (its graph, plans, buffers), and the rounds measure only what
+    # the hostile sessions leave behind.
     await honest.phase("alone")
     await asyncio.sleep(args.alone)
     mark("honest alone")
+    await honest.phase("idle")
+    before, rss_before = await settled_stats(probe, worker.pid, 2)  # the honest client and the probe
+    mark("baseline settled")
 
     tally = Tally()
     elapsed = 0.0
