@@ -563,6 +563,18 @@ def staged_batch(arrays: list[np.ndarray], room: int) -> tuple[list[np.ndarray],
     return views, s.Staged(buffer.data, room)
 
 
+def two_array_steps(n: int) -> dict[int, list[np.ndarray]]:
+    """Step k's host batch: 80,000 bytes of k and three int64s from k."""
+    return {k: [np.full(20_000, k, np.float32), np.arange(3, dtype=np.int64) + k] for k in range(n)}
+
+
+def submit_staged(pair: Pair, k: int, arrays: list[np.ndarray]) -> None:
+    """Submit step k with `arrays` staged (its answer wanted)."""
+    views, where = staged_batch(arrays, 4096)
+    pair.waiter.wanted.add(k + 1)
+    pair.client.submit(step_batch(k, arrays), views, 80_024, where)
+
+
 def step_batch(k: int, arrays: list[np.ndarray]) -> list[m.ClientMessage]:
     """A step's batch: its uploads, then a read of the first (ids shift by 10 a step)."""
     return [*(upload(10 * k + i + 1, a) for i, a in enumerate(arrays)), m.Read(k + 1, 10 * k + 1)]
@@ -594,13 +606,9 @@ def test_staged_uploads_go_on_the_wire_exactly_as_the_same_batch_unstaged(room: 
 
 def test_a_staged_batch_resent_after_a_drop_arrives_intact() -> None:
     pair = Pair(chunk_size=1 << 20)
-    arrays: dict[int, list[np.ndarray]] = {
-        k: [np.full(20_000, k, np.float32), np.arange(3, dtype=np.int64) + k] for k in range(3)
-    }
+    arrays = two_array_steps(3)
     for k in range(3):
-        views, where = staged_batch(arrays[k], 4096)
-        pair.waiter.wanted.add(k + 1)
-        pair.client.submit(step_batch(k, arrays[k]), views, 80_024, where)
+        submit_staged(pair, k, arrays[k])
         if k == 0:
             pair.run()
     pair.send_all()  # batches 2 and 3 lost before the worker saw them: resent in full
@@ -655,13 +663,9 @@ def test_staging_buffers_overwritten_as_soon_as_freed_never_change_a_batch_sent_
         pair.waiter.freed.clear()
 
     pair.waiter.on = on  # type: ignore[method-assign]
-    arrays: dict[int, list[np.ndarray]] = {
-        k: [np.full(20_000, k, np.float32), np.arange(3, dtype=np.int64) + k] for k in range(4)
-    }
+    arrays = two_array_steps(4)
     for k in range(4):
-        views, where = staged_batch(arrays[k], 4096)
-        pair.waiter.wanted.add(k + 1)
-        pair.client.submit(step_batch(k, arrays[k]), views, 80_024, where)
+        submit_staged(pair, k, arrays[k])
         if k == 0:
             pair.run()
         elif k == 1:
