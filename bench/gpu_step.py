@@ -32,7 +32,11 @@ row's device, session and weights stay open until all are measured, and the bloc
 interleaved: 6 rounds each run a share of every row's blocks in turn, so a load that drifts
 during the run (the machine is shared) weighs on every row alike. Each remote row has a worker
 process to itself, as a user's training loop has: a worker applies a captured replay on its
-event loop only while it serves one session (server/session.py, `_dispatch`).
+event loop only while it serves one session (server/session.py, `_dispatch`). Measured on the
+H200, this costs the big MLP's remote rows about 3% (1.05x PyTorch eager resident, against
+1.01x-1.02x for the same tree measured one row after another with one worker), likely the 18
+worker processes' CUDA contexts; whether interleaving steadies the small MLP's ratios from run to
+run, three runs could not tell (its host-batch row: 0.77x, 0.77x, and 0.87x one row at a time).
 "GPU time" is the kernel time of one step alone, measured with CUDA events around back-to-back
 replays of the step's captured graph (PyTorch's, and emberlink's from `Device.cuda` jit). Each
 row's first four losses, from fresh weights, are checked against the first emberlink row's.
