@@ -98,6 +98,7 @@ class Worker:
         self.sessions_refused = 0
         self._trim: asyncio.TimerHandle | None = None  # a trim scheduled or running
         self._trim_again = False  # a session ended while a trim ran: trim once more after it
+        self._release_free_memory = release_free_memory  # what a trim runs (a test counts it)
         self._closed_bytes_in = 0
         self._closed_bytes_out = 0
         # Every session's Quota charges this too: the worker's memory budget.
@@ -172,7 +173,7 @@ class Worker:
 
     def _start_trim(self, loop: asyncio.AbstractEventLoop) -> None:
         self._trim_again = False  # what was freed until now, this trim hands back
-        future = loop.run_in_executor(None, release_free_memory)
+        future = loop.run_in_executor(None, self._release_free_memory)
         future.add_done_callback(self._trimmed)
 
     def _trimmed(self, _: object) -> None:

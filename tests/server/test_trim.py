@@ -27,11 +27,11 @@ def trims_after(monkeypatch: pytest.MonkeyPatch, ends: Callable[[Worker, threadi
         go_on.wait(10)
         return True
 
-    monkeypatch.setattr(worker_module, "release_free_memory", release_free_memory)
     monkeypatch.setattr(worker_module, "TRIM_DELAY", 0.01)
 
     async def run() -> None:
         worker = Worker(Identity.generate(os.urandom), AllowPolicy.allow_any())
+        worker._release_free_memory = release_free_memory  # this worker's trims only
         try:
             result = ends(worker, began)
             if asyncio.iscoroutine(result):
