@@ -28,6 +28,7 @@ from emberlink.protocol.channel import MESSAGE, Channel, split_frames
 from emberlink.protocol.handshake import ClientHandshake
 from emberlink.protocol.identity import Identity
 from emberlink.protocol.resume import Credential
+from emberlink.settings import env_number
 from emberlink.transport.base import Link, bind
 
 log = logging.getLogger("emberlink.client")
@@ -55,13 +56,9 @@ Connect = Callable[[float], Coroutine[Any, Any, tuple[str, Link]]]
 def resume_window_setting(value: float | None = None) -> float:
     """The client's resume window: `value` if given, else $EMBERLINK_RESUME_WINDOW, else 30 s."""
     if value is None:
-        text = os.environ.get(RESUME_WINDOW_ENV)
-        if text is None or not text.strip():
+        value = env_number(RESUME_WINDOW_ENV, float, "seconds")
+        if value is None:
             return DEFAULT_RESUME_WINDOW
-        try:
-            value = float(text)
-        except ValueError:
-            raise ConfigError(f"${RESUME_WINDOW_ENV} must be a number of seconds, got {text!r}") from None
     if not 0 <= value <= 86400:
         raise ConfigError(f"the resume window must be 0..86400 seconds, got {value!r}")
     return float(value)

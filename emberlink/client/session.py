@@ -28,7 +28,6 @@ import asyncio
 import functools
 import itertools
 import logging
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -61,6 +60,7 @@ from emberlink.protocol.session import (
     SessionEnded,
     Staged,
 )
+from emberlink.settings import env_number
 from emberlink.transport.base import Blob, CallbackLink, Link, OwnableLink, offer_receiver
 
 log = logging.getLogger("emberlink.client")
@@ -99,16 +99,12 @@ def pipeline_setting(link: Link) -> int:
     otherwise), else 0: the worker's chunk size goes."""
     if not isinstance(link, Pipelined):
         return 0
-    text = os.environ.get(PIPELINE_ENV)
-    if text is None or not text.strip():
+    chunk = env_number(PIPELINE_ENV, int, "bytes")
+    if chunk is None:
         return link.pipeline_chunk
-    try:
-        chunk = int(text)
-    except ValueError:
-        raise ConfigError(f"{PIPELINE_ENV} must be a number of bytes, got {text!r}") from None
     if chunk and not s.MIN_CHUNK_SIZE <= chunk <= s.MAX_CHUNK_SIZE:
         raise ConfigError(
-            f"{PIPELINE_ENV} must be 0 or between {s.MIN_CHUNK_SIZE} and {s.MAX_CHUNK_SIZE} bytes, got {text!r}"
+            f"{PIPELINE_ENV} must be 0 or between {s.MIN_CHUNK_SIZE} and {s.MAX_CHUNK_SIZE} bytes, got {chunk!r}"
         )
     return chunk
 

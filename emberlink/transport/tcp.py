@@ -57,6 +57,7 @@ from typing import cast
 import numpy as np
 
 from emberlink.errors import ConfigError, TransportError, TransportTimeout
+from emberlink.settings import env_number
 from emberlink.transport.base import MAX_BLOB, Blob, Handler, OnBlob, check_size
 from emberlink.transport.sessions import SessionSet
 
@@ -108,15 +109,11 @@ class Mode(Enum):
 
 def spin_setting() -> float:
     """How long an owner polls before it sleeps (`SPIN_S`, or `SPIN_ENV` in microseconds)."""
-    text = os.environ.get(SPIN_ENV)
-    if text is None or not text.strip():
+    us = env_number(SPIN_ENV, float, "microseconds")
+    if us is None:
         return SPIN_S
-    try:
-        us = float(text)
-    except ValueError:
-        raise ConfigError(f"{SPIN_ENV} must be a number of microseconds, got {text!r}") from None
     if not 0 <= us <= 1_000_000:
-        raise ConfigError(f"{SPIN_ENV} must be between 0 and 1000000 microseconds, got {text!r}")
+        raise ConfigError(f"{SPIN_ENV} must be between 0 and 1000000 microseconds, got {us!r}")
     return us * 1e-6
 
 
