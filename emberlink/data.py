@@ -145,18 +145,18 @@ class DataLoader(Generic[Batch]):
             return
         device = self.device
         device.flush()
-        # The batch to hand out next, in a one-slot list: the loop never holds a batch the user
-        # has (measured: holding each until the next one is asked for, so that it is dropped a
-        # step later, cost ~40 µs a step on a NumPy worker with 128x64 batches).
-        nxt = [self._gather(order, bounds[0], jitted=self._after_jit())]
-        for following in bounds[1:]:
-            self._replays = device._jit_replays
-            yield nxt.pop()
+        for bound in bounds:
+            # Yielded as made, in no local: the loop never holds a batch the user has (measured:
+            # holding each until the next one is asked for, so that it is dropped a step later,
+            # cost ~40 µs a step on a NumPy worker with 128x64 batches).
+            yield self._handed_out(order, bound)
             device.flush()  # the step before the next batch is its own graph
-            nxt.append(self._gather(order, following, jitted=self._after_jit()))
-        self._replays = device._jit_replays
-        yield nxt.pop()
-        device.flush()
+
+    def _handed_out(self, order: np.ndarray | None, bound: tuple[int, int]) -> Batch:
+        """The next batch, gathered, with the device's jit replays noted as it is handed out."""
+        batch = self._gather(order, bound, jitted=self._after_jit())
+        self._replays = self.device._jit_replays
+        return batch
 
     def _after_jit(self) -> bool:
         """Whether the step since the last batch was handed out replayed an `emberlink.jit`

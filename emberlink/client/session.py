@@ -185,7 +185,6 @@ class ClientSession:
         self._counters = counters
         self._flow = flow
         self._worker = worker
-        self._pipelined = False
         self._conn = s.ClientConnection(
             channel,
             s.chunk_size_of(limits, CHUNK_SIZE),
@@ -217,8 +216,7 @@ class ClientSession:
         of its size, each frame its own blob (sent as soon as sealed); else in the worker's
         chunks, frames packed into blobs of BLOB_TARGET (gRPC and the relay stream fastest so)."""
         chunk = pipeline_setting(link)
-        self._pipelined = 0 < chunk < self._conn.chunk_size
-        self._conn.pipeline_chunk = chunk if self._pipelined else 0
+        self._conn.pipeline_chunk = chunk if 0 < chunk < self._conn.chunk_size else 0
 
     @property
     def closing(self) -> bool:
@@ -547,7 +545,7 @@ class ClientSession:
         """The blobs that carry `frames`: over a link that pipelines uploads, each frame alone,
         handed on as soon as it is sealed (`pack_frames` would seal the next before it gives
         this one); else packed up to BLOB_TARGET."""
-        return frames if self._pipelined else pack_frames(frames)
+        return frames if self._conn.pipeline_chunk else pack_frames(frames)
 
     async def _send_frames(self, frames: Iterator[bytes | bytearray]) -> None:
         for blob in self._blobs(frames):
