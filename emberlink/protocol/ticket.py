@@ -78,8 +78,8 @@ class Ticket:
 
     def __str__(self) -> str:
         addrs = ",".join(
-            [TCP_PREFIX + _format_addr(host, port) for host, port in self.tcp]
-            + [_format_addr(host, port) for host, port in self.addrs]
+            [TCP_PREFIX + format_addr(host, port) for host, port in self.tcp]
+            + [format_addr(host, port) for host, port in self.addrs]
         )
         relay = f"?relay={self.relay}" if self.relay is not None else ""
         return f"{SCHEME}{self.node_id}@{addrs}{relay}"
@@ -93,7 +93,8 @@ def _is_tcp(text: str) -> bool:
     return rest.startswith("[") or ":" in rest
 
 
-def _format_addr(host: str, port: int) -> str:
+def format_addr(host: str, port: int) -> str:
+    """`host:port`, an IPv6 host in brackets (as a ticket writes it)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

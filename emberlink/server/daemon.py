@@ -23,7 +23,7 @@ from emberlink.errors import ConfigError, DeviceError, EmberlinkError, Transport
 from emberlink.graph_replay.backends import parse_device
 from emberlink.protocol.cluster import Certificate
 from emberlink.protocol.identity import AllowPolicy, Identity
-from emberlink.protocol.ticket import Ticket
+from emberlink.protocol.ticket import Ticket, format_addr
 from emberlink.server.detached import DEFAULT_RESUME_WINDOW
 from emberlink.server.limits import Limits
 from emberlink.server.worker import Worker
@@ -278,9 +278,8 @@ async def start_tcp(worker: Worker, config: WorkerConfig, listeners: list[Any]) 
     except TransportError as e:
         cause = e.__cause__
         why = os.strerror(cause.errno) if isinstance(cause, OSError) and cause.errno else str(e)
-        where = f"[{host}]:{want}" if ":" in host else f"{host}:{want}"
         raise ConfigError(
-            f"cannot serve raw TCP on {where} (--tcp-listen; by default --listen's port + 1): {why}. "
+            f"cannot serve raw TCP on {format_addr(host, want)} (--tcp-listen; by default --listen's port + 1): {why}. "
             f"Pass --tcp-listen HOST:PORT to serve it on a free port, or --tcp-listen {TCP_OFF} to serve "
             "gRPC only"
         ) from e
