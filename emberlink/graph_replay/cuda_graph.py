@@ -745,7 +745,7 @@ class CapturedPlan:
                 args[i] if d is None else self._slot_arrays[self._slot_index[(step.inputs[i], d)]]
                 for i, d in step.kernel.source.params
             ]
-            return step.kernel.kernel(*call) if into is None else step.kernel.kernel(*call, into)
+            return step.kernel.launch(call, spec, into)
         if into is not None:
             return self._c.backend.into_table[op](xp, args, step, into)
         if op == "matmul" and spec.dtype in nvmath_matmul.FLOAT_DTYPES:

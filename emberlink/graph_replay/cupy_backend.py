@@ -14,10 +14,15 @@ it for as long as it lives: runs of elementwise steps whose inner values die ins
 one `cupy.ElementwiseKernel` each (fusion.py writes the source; identical chains share a kernel),
 and elementwise results, fused or not, are written into a dying input's buffer where the plan
 allows (plan.py). `fuse=False` or `reuse=False` turn either off, e.g. to compare against.
+
+With `fast=True`, a large float32 elementwise step (fused or a single op) whose arrays are all
+contiguous, of the output's shape or a row broadcast over it, runs four values a thread
+(vector.py, `_Vectors`); measured there against CuPy's one value a thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -27,10 +32,10 @@ from typing import Any
 import numpy as np
 
 from emberlink.errors import DeviceError, DTypeError
-from emberlink.graph_replay import fusion, nvmath_matmul
+from emberlink.graph_replay import fusion, nvmath_matmul, vector
 from emberlink.graph_replay.backend import Array, HostCopy, IntoFn, OpFn, Ready, run_plan
 from emberlink.graph_replay.cupy_kernels import Kernels
-from emberlink.graph_replay.ir import KIND_OF_DTYPE, Scalar
+from emberlink.graph_replay.ir import KIND_OF_DTYPE, Scalar, TensorSpec
 from emberlink.graph_replay.numpy_backend import (
     INTO_TABLE,
     OP_TABLE,
@@ -116,15 +121,77 @@ def _compile_error_type() -> type[BaseException]:
     return error
 
 
+class _Vectors:
+    """The vector.py kernels one backend has compiled, by source and layout, and their launches."""
+
+    __slots__ = ("_compile_error", "_cp", "_float32", "_functions", "_ndarray")
+
+    def __init__(self, cp: Any, compile_error: type[BaseException]) -> None:
+        self._cp = cp
+        self._compile_error = compile_error
+        self._functions: dict[tuple[str, str, str, str], Any] = {}
+        self._ndarray = cp.ndarray
+        self._float32 = np.dtype(np.float32)
+
+    def __call__(
+        self, source: fusion.KernelSource, call: Sequence[Any], shape: tuple[int, ...], out: Any
+    ) -> Any:
+        """`source` on its kernel arguments `call`, four values a thread, into `out` (None: a new
+        array of `shape`); None where vector.layout refuses the call (the caller runs it as before)."""
+        ndarray, f32 = self._ndarray, self._float32
+        described: list[tuple[tuple[int, ...], bool, int] | None] = []
+        for a in call:
+            if isinstance(a, ndarray):
+                if a.dtype != f32:
+                    return None
+                described.append((a.shape, a._c_contiguous, a.data.ptr))
+            else:
+                described.append(None)
+        if out is not None and (
+            out.dtype != f32 or out.shape != shape or not out._c_contiguous or out.data.ptr % vector.ALIGN
+        ):
+            return None
+        letters = vector.layout(shape, described)
+        if letters is None:
+            return None
+        function = self._function(source, letters)
+        if function is None:
+            return None
+        if out is None:
+            out = self._cp.empty(shape, np.float32)
+        n4 = out.size // 4
+        args: list[Any] = [a if isinstance(a, ndarray) else np.float32(a) for a in call]
+        args += [out, np.int64(n4)]
+        args += [np.int64(a.size // 4) for a, letter in zip(call, letters) if letter == vector.PERIOD]
+        function((min(-(-n4 // 256), 8192),), (256,), tuple(args))
+        return out
+
+    def _function(self, source: fusion.KernelSource, letters: str) -> Any:
+        key = (source.in_params, source.out_params, source.body, letters)
+        if key in self._functions:
+            return self._functions[key]
+        function = self._cp.RawKernel(
+            vector.kernel_code(source, letters), vector.kernel_name(source, letters)
+        )
+        try:
+            function.compile()  # now, not at its first launch (which may be inside a capture)
+        except self._compile_error as e:
+            log.warning("CUDA did not compile the vector kernel of %s; it runs as before: %s", source.name, e)
+            function = None
+        self._functions[key] = function
+        return function
+
+
 class _FusedKernel:
     """A compiled chain: the ElementwiseKernel and how the fused step's args map onto it.
 
     Should CUDA refuse to compile a generated kernel, the chain runs member by member with the
     backend's own ops instead (same values, just unfused) and a warning is logged once; `broken`
-    then holds the compiler's error (the GPU tests check it stays None).
+    then holds the compiler's error (the GPU tests check it stays None). A large float32 call
+    runs as a vector kernel where its layout allows (`vectors`, None on `fast=False`).
     """
 
-    __slots__ = ("broken", "compile_error", "kernel", "source", "table")
+    __slots__ = ("broken", "compile_error", "kernel", "source", "table", "vectors")
 
     def __init__(
         self,
@@ -132,18 +199,29 @@ class _FusedKernel:
         source: fusion.KernelSource,
         table: dict[str, OpFn],
         compile_error: type[BaseException],
+        vectors: _Vectors | None = None,
     ) -> None:
         self.kernel = kernel
         self.source = source
         self.table = table
         self.compile_error = compile_error
         self.broken: BaseException | None = None
+        self.vectors = vectors if vectors is not None and vector.float32_only(source) else None
+
+    def launch(self, call: Sequence[Any], spec: TensorSpec, out: Any = None) -> Any:
+        """The kernel on its arguments `call` (the ElementwiseKernel's, in order): as a vector
+        kernel where it can, else the ElementwiseKernel; into `out` where given."""
+        if self.vectors is not None and spec.nbytes >= vector.MIN_BYTES:
+            done = self.vectors(self.source, call, spec.shape, out)
+            if done is not None:
+                return done
+        return self.kernel(*call) if out is None else self.kernel(*call, out)
 
     def __call__(self, xp: Any, step: Step, args: Sequence[Any], out: Any = None) -> Array:
         if self.broken is None:
             call = fusion.call_args(self.source, args, host_scalar)
             try:
-                return self.kernel(*call) if out is None else self.kernel(*call, out)
+                return self.launch(call, step.out_spec, out)
             except self.compile_error as e:
                 self.broken = e
                 log.warning(
@@ -154,6 +232,61 @@ class _FusedKernel:
             return result
         out[...] = result
         return out
+
+
+class _VectorOp:
+    """A fusable op's table entries on CuPy (`fast=True`): a large float32 step whose layout
+    allows runs as a vector kernel of its own expression (a chain of one), anything else through
+    the reference's entry as before."""
+
+    __slots__ = ("_cp", "_into", "_plain", "_sources", "_vectors")
+
+    def __init__(self, cp: Any, plain: OpFn, into: IntoFn | None, vectors: _Vectors) -> None:
+        self._cp = cp
+        self._plain = plain
+        self._into = into
+        self._vectors = vectors
+        self._sources: dict[tuple[Any, ...], fusion.KernelSource | None] = {}
+
+    def _source(self, step: Step) -> fusion.KernelSource | None:
+        key = (
+            step.op,
+            step.operand_dtype,
+            step.out_spec.dtype,
+            tuple((s.dtype, s.weak) for s in step.in_specs),
+            tuple(step.inputs.index(v) for v in step.inputs),
+        )
+        if key not in self._sources:
+            source = None
+            if fusion.fusable(step):
+                source = fusion.kernel_source(dataclasses.replace(step, chain=(step,)))
+                if not vector.float32_only(source):
+                    source = None
+            self._sources[key] = source
+        return self._sources[key]
+
+    def _vector(self, args: Sequence[Any], step: Step, out: Any) -> Any:
+        spec = step.out_spec
+        if spec.nbytes < vector.MIN_BYTES or spec.dtype != "float32":
+            return None
+        source = self._source(step)
+        if source is None:
+            return None
+        ndarray = self._cp.ndarray
+        call = [
+            args[i] if dtype is None or isinstance(args[i], ndarray) else host_scalar(args[i], dtype)
+            for i, dtype in source.params
+        ]
+        return self._vectors(source, call, spec.shape, out)
+
+    def __call__(self, xp: Any, args: Sequence[Any], step: Step) -> Array:
+        done = self._vector(args, step, None)
+        return self._plain(xp, args, step) if done is None else done
+
+    def into(self, xp: Any, args: Sequence[Any], step: Step, out: Any) -> Array:
+        assert self._into is not None
+        done = self._vector(args, step, out)
+        return self._into(xp, args, step, out) if done is None else done
 
 
 def _fused(xp: Any, args: Sequence[Any], step: Step) -> Array:
@@ -266,6 +399,14 @@ class CupyBackend:
             self._table.update(self.kernels.table())
             self._table["matmul"] = _EagerMatmul(cupy)
         self._into: dict[str, IntoFn] = {**INTO_TABLE, FUSED: _fused_into}
+        self._vectors = _Vectors(cupy, self._compile_error) if fast else None
+        if self._vectors is not None:
+            for op in fusion.FUSABLE_OPS:
+                if op in self._table:
+                    entry = _VectorOp(cupy, self._table[op], self._into.get(op), self._vectors)
+                    self._table[op] = entry
+                    if op in self._into:
+                        self._into[op] = entry.into
         self._oom: tuple[type[BaseException], ...] = (MemoryError, cupy.cuda.memory.OutOfMemoryError)
         self._variants: weakref.WeakKeyDictionary[Plan, Plan] = weakref.WeakKeyDictionary()
         self._kernels: dict[tuple[str, str, str], Any] = {}
@@ -295,7 +436,7 @@ class CupyBackend:
         if kernel is None:
             kernel = self._cp.ElementwiseKernel(source.in_params, source.out_params, source.body, source.name)
             self._kernels[key] = kernel
-        return _FusedKernel(kernel, source, self._table, self._compile_error)
+        return _FusedKernel(kernel, source, self._table, self._compile_error, self._vectors)
 
     def plan_for(self, plan: Plan) -> Plan:
         """The variant of `plan` this backend runs (fused and reusing as configured), compiled once."""
