@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from emberlink.errors import EmberlinkError
-from emberlink.graph_replay.capture import CaptureRefused, StagingError, refusal
+from emberlink.graph_replay.capture import CaptureRefused, StagingError, host_checks, refusal
 from emberlink.graph_replay.ir import Scalar
 from emberlink.graph_replay.plan import Plan
 
@@ -90,6 +90,7 @@ class _Entry:
     state: _State
     key: bytes | None = None
     captured: Captured | None = None
+    checked: frozenset[int] = frozenset()  # the inputs whose indices a replay checks on the host
 
 
 class Captures:
@@ -138,6 +139,12 @@ class Captures:
         entry = self._entries.get(id(plan))
         return entry is not None and entry.ref() is plan and entry.state is not _State.EAGER
 
+    def host_checked(self, plan: Plan) -> frozenset[int]:
+        """The inputs of `plan` whose indices a replay checks on the host (a `take`'s indices that
+        are an input): they must reach a replay as host arrays, or it runs eagerly."""
+        entry = self._entries.get(id(plan))
+        return entry.checked if entry is not None and entry.ref() is plan else frozenset()
+
     def _eager(self, plan: Plan, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> list[Any]:
         if self._backend.name != "numpy" and any(isinstance(a, np.ndarray) for a in inputs):
             inputs = [self._backend.from_numpy(a) if isinstance(a, np.ndarray) else a for a in inputs]
@@ -148,10 +155,11 @@ class Captures:
         if reason is not None and plan.steps:
             log_once(reason)
         state = _State.WARM if reason is None else _State.EAGER
+        checked = frozenset(c.input for c in host_checks(plan)) if reason is None else frozenset()
         pid = id(plan)
         ref = weakref.ref(plan, lambda _: self._forget(pid))
         with self._lock:
-            self._entries[pid] = _Entry(ref, state)
+            self._entries[pid] = _Entry(ref, state, checked=checked)
 
     def _try_capture(
         self, entry: _Entry, plan: Plan, inputs: Sequence[Any], bindings: Sequence[Scalar], key: bytes | None

@@ -691,3 +691,28 @@ def test_an_upload_a_second_replay_reads_is_moved_to_the_device_and_gives_the_sa
         # 0: moved by its eager run; 1, 2: read by a second replay; 3: read by one replay only.
         assert kinds == [cupy.ndarray, cupy.ndarray, cupy.ndarray, np.ndarray]
         np.testing.assert_array_equal(xs[1].numpy(), batches[1])
+
+
+def test_a_take_with_indices_uploaded_once_stays_captured_on_a_worker_for_every_step(
+    cuda_worker: Any,
+) -> None:
+    """An index tensor uploaded once and taken with on every step stays in host memory on the
+    worker, where each replay checks it: moved to the device like a batch uploaded beforehand,
+    every later step would run eagerly."""
+    data = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    rows = [np.arange(k, 64, 4, dtype=np.int32) for k in range(2)]
+
+    @el.jit
+    def gather(x: el.Tensor, idx: el.Tensor) -> el.Tensor:
+        return (x.take(idx, axis=0) * 2.0).sum(axis=1)
+
+    with memory_device(cuda_worker) as dev:
+        x = dev.tensor(data)
+        indices = [dev.tensor(r) for r in rows]  # uploaded once, each used on many steps
+        for step in range(8):
+            got = gather(x, indices[step % 2]).numpy()
+            np.testing.assert_array_equal(
+                got, (data[rows[step % 2]] * 2.0).sum(axis=1), err_msg=f"step {step}"
+            )
+        # Call 1 eager, call 2 traced (eager on the worker too, then captured), the rest replays.
+        assert worker_stats(dev)["session_captured_replays"] >= 5
