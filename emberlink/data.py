@@ -50,7 +50,6 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 import numpy as np
 
-from emberlink.client.jit import jit
 from emberlink.client.tensor import Tensor
 from emberlink.errors import ShapeError
 
@@ -125,9 +124,6 @@ class DataLoader(Generic[Batch]):
         self._index_dtype = np.int32 if self._rows <= np.iinfo(np.int32).max else np.int64
         # Uploaded once: every epoch gathers from these (they live as long as the loader).
         self._data = tuple(device.tensor(a) for a in self.arrays) if self.resident else ()
-        data = self._data
-        self._take = jit(lambda idx: tuple(t.take(idx, axis=0) for t in data))
-        self._replays: int | None = None  # the device's jit replays when the last batch was handed out
 
     def __len__(self) -> int:
         full, rest = divmod(self._rows, self.batch_size)
@@ -149,30 +145,16 @@ class DataLoader(Generic[Batch]):
             # Yielded as made, in no local: the loop never holds a batch the user has (measured:
             # holding each until the next one is asked for, so that it is dropped a step later,
             # cost ~40 µs a step on a NumPy worker with 128x64 batches).
-            yield self._handed_out(order, bound)
+            yield self._gather(order, bound)
             device.flush()  # the step before the next batch is its own graph
 
-    def _handed_out(self, order: np.ndarray | None, bound: tuple[int, int]) -> Batch:
-        """The next batch, gathered, with the device's jit replays noted as it is handed out."""
-        batch = self._gather(order, bound, jitted=self._after_jit())
-        self._replays = self.device._jit_replays
-        return batch
-
-    def _after_jit(self) -> bool:
-        """Whether the step since the last batch was handed out replayed an `emberlink.jit`
-        function (the next gather is then a replay too; after an eager step it is recorded, into
-        the next step's own graph)."""
-        return self._replays is not None and self.device._jit_replays != self._replays
-
-    def _gather(self, order: np.ndarray | None, bound: tuple[int, int], *, jitted: bool) -> Batch:
-        """The batch of rows `bound` of `order`, gathered on the device: by one replay of a jitted
-        gather (`jitted`), or recorded into the pending step. Its index tensor is dropped on
-        return, so that every step's batch is the one before with ids shifted (a Repeat)."""
+    def _gather(self, order: np.ndarray | None, bound: tuple[int, int]) -> Batch:
+        """The batch of rows `bound` of `order`, its take recorded into the pending step (an eager
+        step's graph, or folded into a jitted step's: client/jit.py). Its index tensor is dropped
+        on return, so that every step's batch is the one before with ids shifted (a Repeat)."""
         start, stop = bound
         rows = np.arange(start, stop) if order is None else order[start:stop]
         idx = self.device.tensor(rows.astype(self._index_dtype))
-        if jitted:
-            return self._pack(self._take(idx))
         return self._pack(tuple(t.take(idx, axis=0) for t in self._data))
 
     def _uploaded(self, order: np.ndarray | None, bounds: list[tuple[int, int]]) -> Iterator[Batch]:

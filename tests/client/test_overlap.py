@@ -367,28 +367,30 @@ def test_resident_steps_replay_one_graph_where_slices_would_make_one_per_batch(d
 
 
 def doubled_sum() -> Callable[[el.Tensor], el.Tensor]:
-    """A jitted step, after which the resident loader gathers through its own jitted gather (its
-    first two calls trace, the next ones replay)."""
+    """A jitted step: its first call runs eagerly, its second traces (with the batch's gather
+    folded in), the next ones replay that trace."""
     return el.jit(lambda t: (t * 2.0).sum())
 
 
-def test_after_a_jitted_step_the_next_batch_is_gathered_by_one_replay_when_asked_for(
+def test_a_jitted_step_on_a_resident_batch_runs_its_gather_in_its_own_graph(
     dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x, y = data
     total = doubled_sum()
     it = iter(DataLoader(data, batch_size=1, device=dev, resident=True))
-    for _ in range(5):  # the step's and then the loader's jitted gather's first two calls trace
+    for _ in range(3):  # eager, traced with the gather folded in, replayed
         float(total(next(it)[0]))
-    xb, _ = next(it)
     calls = spy_on(dev, monkeypatch)
-    assert float(total(xb)) == pytest.approx(2.0 * float(x[5].sum()), rel=1e-5)
-    assert calls == ["execute", "read"]
-    xb6, yb6 = next(it)  # its indices, then one Execute: nothing is left to record
-    assert calls[2:] == ["upload", "execute"]
-    assert dev.stats()["pending_nodes"] == 0
-    np.testing.assert_array_equal(xb6.numpy(), x[6:7])
-    np.testing.assert_array_equal(yb6.numpy(), y[6:7])
+    for k in range(3, 6):
+        xb, yb = next(it)  # its indices go; its take is recorded, not run
+        assert calls == ["upload"]
+        assert dev.stats()["pending_nodes"] == 2  # (x's take and y's)
+        assert float(total(xb)) == pytest.approx(2.0 * float(x[k].sum()), rel=1e-5)
+        assert calls == ["upload", "execute", "read"]  # the gather and the step: one graph
+        assert dev.stats()["pending_nodes"] == 0
+        np.testing.assert_array_equal(xb.numpy(), x[k : k + 1])  # the batch came out of it too
+        np.testing.assert_array_equal(yb.numpy(), y[k : k + 1])
+        calls.clear()
 
 
 def test_after_an_eager_step_the_next_batchs_take_joins_the_next_steps_graph(
