@@ -275,6 +275,9 @@ class Jitted(Generic[P, R]):
         fkey = (key, (pending_key(dev), tuple(nodes)))
         replay = self._folded.get(fkey, _UNFOLDED)
         if type(replay) is Replay:
+            for _, t, _ in replay.in_caps:
+                if t._v.node is not None:  # state it reads is pending work too: flushed first
+                    return _UNFOLDED
             return replay.run(leaves, folded=True)
         if replay is None or len(self._folded) >= self.max_signatures:
             return _UNFOLDED  # not foldable, or the bound reached: flushed, then replayed or traced

@@ -470,3 +470,132 @@ def test_training_through_the_loader_gives_the_losses_of_a_plain_loop(
         batches = expected_batches(data, 4, 5, 3)
         want = [float(train(model, opt, cpu.tensor(bx), cpu.tensor(by))) for bx, by in batches]
     assert got == want
+
+
+# -- the resident loader and emberlink.jit: the gather folded into the step's graph --------------------
+
+
+def executes(dev: Device) -> int:
+    """Graphs the device's executor has run (a first run registers one, later ones replay)."""
+    stats = dev.stats()
+    return int(stats["graphs_registered"]) + int(stats["graph_replays"])
+
+
+def jit_train(model: el.nn.Module, opt: el.optim.SGD) -> Callable[[el.Tensor, el.Tensor], el.Tensor]:
+    return el.jit(lambda x, y: train(model, opt, x, y))
+
+
+def momentum_model(dev: Device) -> tuple[el.nn.Module, el.optim.SGD]:
+    nn = el.nn
+    model = nn.Sequential(nn.Linear(FEATURES, 8, seed=1), nn.ReLU(), nn.Linear(8, CLASSES, seed=2)).to(dev)
+    return model, el.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_a_jitted_step_on_resident_batches_trains_as_eager_and_as_uploaded_batches_in_one_graph(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """Four shuffled epochs of 4 + 4 + 2 rows: the folded step (gather and step one graph, the
+    short batch a signature of its own) gives the losses, parameters and momentum of eager steps on
+    the same loader and of the jitted step on the same batches uploaded beforehand (a plain
+    replay), bit for bit; from the third epoch on, every step is one graph run."""
+    epochs = 4
+    runs: dict[str, tuple[list[float], list[np.ndarray]]] = {}
+    per_step: list[int] = []
+    for feed in ("eager", "folded", "uploaded"):
+        model, opt = momentum_model(dev)
+        step = jit_train(model, opt)
+        losses: list[float] = []
+        if feed == "uploaded":
+            for bx, by in expected_batches(data, 4, 11, epochs):
+                losses.append(float(step(dev.tensor(bx), dev.tensor(by))))
+        else:
+            loader = DataLoader(data, batch_size=4, shuffle=True, seed=11, device=dev, resident=True)
+            for epoch in range(epochs):
+                for xb, yb in loader:
+                    before = executes(dev)
+                    if feed == "eager":
+                        losses.append(float(train(model, opt, xb, yb)))
+                        continue
+                    losses.append(float(step(xb, yb)))
+                    if epoch >= 2:
+                        per_step.append(executes(dev) - before)
+        state = [p.numpy() for p in model.parameters()]
+        state += [opt.state[id(p)]["momentum"].numpy() for p in model.parameters()]
+        runs[feed] = (losses, state)
+    assert per_step == [1] * 6
+    for feed in ("folded", "uploaded"):
+        assert runs[feed][0] == runs["eager"][0], feed
+        for got, want in zip(runs[feed][1], runs["eager"][1], strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+def warm_loader_step(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> tuple[Iterator[Any], Callable[[el.Tensor, el.Tensor], el.Tensor], el.nn.Module, el.optim.SGD]:
+    """A resident loader (batches of 2, one epoch of 5) and a jitted step past its warm-up calls
+    (eager, then traced with the gather folded in)."""
+    model, opt = momentum_model(dev)
+    step = jit_train(model, opt)
+    it = iter(DataLoader(data, batch_size=2, device=dev, resident=True))
+    for _ in range(2):
+        float(step(*next(it)))
+    return it, step, model, opt
+
+
+def eager_losses(dev: Device, data: tuple[np.ndarray, np.ndarray], calls: list[int]) -> list[float]:
+    """The losses eager steps give on the unshuffled batches of 2 rows: `calls[k]` steps on batch k."""
+    model, opt = momentum_model(dev)
+    x, y = data
+    out = []
+    for k, n in enumerate(calls):
+        for _ in range(n):
+            out.append(
+                float(train(model, opt, dev.tensor(x[2 * k : 2 * k + 2]), dev.tensor(y[2 * k : 2 * k + 2])))
+            )
+    return out
+
+
+def test_a_batch_read_before_the_jitted_step_is_gathered_on_its_own_then_the_step_replays(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    x, _ = data
+    it, step, _, _ = warm_loader_step(dev, data)
+    xb, yb = next(it)
+    np.testing.assert_array_equal(xb.numpy(), x[4:6])  # the gather runs here, for this read
+    before = executes(dev)
+    loss = float(step(xb, yb))
+    assert executes(dev) - before == 1  # the step alone
+    assert [*eager_losses(dev, data, [1, 1]), loss] == eager_losses(dev, data, [1, 1, 1])
+
+
+def test_a_batch_used_by_two_jitted_steps_is_folded_into_the_first_only(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    it, step, _, _ = warm_loader_step(dev, data)
+    xb, yb = next(it)
+    before = executes(dev)
+    losses = [float(step(xb, yb)) for _ in range(2)]
+    assert executes(dev) - before == 2  # the folded step, then a plain replay on the same batch
+    assert eager_losses(dev, data, [1, 1]) + losses == eager_losses(dev, data, [1, 1, 2])
+
+
+def test_eager_ops_on_the_batch_before_the_jitted_step_join_its_graph(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    x, y = data
+    model, opt = momentum_model(dev)
+    step = jit_train(model, opt)
+    losses, runs = [], []
+    for xb, yb in DataLoader(data, batch_size=2, device=dev, resident=True):
+        scaled = xb * 0.5  # recorded after the gather: both are pending work of the step
+        before = executes(dev)
+        losses.append(float(step(scaled, yb)))
+        runs.append(executes(dev) - before)
+        np.testing.assert_array_equal(scaled.numpy(), xb.numpy() * 0.5)  # still held: valid
+    assert runs[2:] == [1, 1, 1]
+    model, opt = momentum_model(dev)
+    want = [
+        float(train(model, opt, dev.tensor(x[k : k + 2]) * 0.5, dev.tensor(y[k : k + 2])))
+        for k in range(0, ROWS, 2)
+    ]
+    assert losses == want
