@@ -511,17 +511,17 @@ def _executes(dev: Device) -> int:
     return int(stats["graphs_registered"]) + int(stats["graph_replays"])
 
 
-def _runs(dev: Device, call: Callable[[], el.Tensor]) -> tuple[list[float], int]:
-    """What `call()` returns, read, and how many graphs ran for it."""
+def _runs(dev: Device, f: Callable[..., el.Tensor], *args: el.Tensor) -> tuple[list[float], int]:
+    """What `f(*args)` returns, read, and how many graphs ran for it (`args` are pending work)."""
     before = _executes(dev)
-    out = call().numpy().tolist()
+    out = f(*args).numpy().tolist()
     return out, _executes(dev) - before
 
 
 def test_a_pending_argument_and_its_work_run_as_one_graph_with_its_bindings(dev: Device) -> None:
     f = el.jit(lambda x: x * 10.0)
     base = dev.tensor([1.0, 2.0])
-    got = [_runs(dev, lambda i=i: f(base + float(i))) for i in range(5)]  # a new binding each call
+    got = [_runs(dev, f, base + float(i)) for i in range(5)]  # a new binding each call
     assert [v for v, _ in got] == [[10.0 * (1 + i), 10.0 * (2 + i)] for i in range(5)]
     assert [n for _, n in got[2:]] == [1, 1, 1]  # replays: `base + i` and `* 10` one graph
     assert dev.stats()["pending_nodes"] == 0
@@ -559,7 +559,7 @@ def test_a_pending_argument_that_requires_grad_runs_its_work_first(dev: Device) 
     w.requires_grad = True
     f = el.jit(lambda x: (x * x).sum())
     for i in range(4):
-        got, runs = _runs(dev, lambda i=i: f(w * float(i + 1)))  # pending, with autograd history
+        got, runs = _runs(dev, f, w * float(i + 1))  # pending, with autograd history
         assert got == pytest.approx(5.0 * (i + 1) ** 2)
         if i >= 2:
             assert runs == 2  # the pending work's own graph, then the replay
@@ -571,7 +571,7 @@ def test_pending_work_of_more_structures_than_the_bound_runs_first_and_stays_exa
     runs = []
     for i in range(8):
         x = base + 1.0 if i % 2 == 0 else (base * 2.0) - 1.0  # two structures of pending work
-        got, n = _runs(dev, lambda x=x: f(x))
+        got, n = _runs(dev, f, x)
         assert got == ([6.0, 9.0] if i % 2 == 0 else [3.0, 9.0]), i
         runs.append(n)
     # The structure of the second call (which traced) is folded; the other, past the bound of one,
