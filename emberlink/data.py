@@ -51,12 +51,14 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 import numpy as np
 
 from emberlink.client.tensor import Tensor
+from emberlink.client.value import Value
 from emberlink.errors import ShapeError
 
 if TYPE_CHECKING:
     from emberlink.client.device import Device
 
 Batch = TypeVar("Batch", Tensor, tuple[Tensor, ...])
+_AXIS0 = (("axis", 0),)  # the attrs of a take along axis 0, as Tensor.take gives them
 T = TypeVar("T")
 
 
@@ -124,6 +126,10 @@ class DataLoader(Generic[Batch]):
         self._index_dtype = np.int32 if self._rows <= np.iinfo(np.int32).max else np.int64
         # Uploaded once: every epoch gathers from these (they live as long as the loader).
         self._data = tuple(device.tensor(a) for a in self.arrays) if self.resident else ()
+        # What a batch's takes are recorded from: each array's value, dtype and row shape.
+        self._takes: tuple[tuple[Value, str, tuple[int, ...]], ...] = tuple(
+            (t._v, t._v.spec[0], t._v.spec[1][1:]) for t in self._data
+        )
 
     def __len__(self) -> int:
         full, rest = divmod(self._rows, self.batch_size)
@@ -154,8 +160,16 @@ class DataLoader(Generic[Batch]):
         on return, so that every step's batch is the one before with ids shifted (a Repeat)."""
         start, stop = bound
         rows = np.arange(start, stop) if order is None else order[start:stop]
-        idx = self.device.tensor(rows.astype(self._index_dtype))
-        return self._pack(tuple(t.take(idx, axis=0) for t in self._data))
+        dev = self.device
+        idx = dev.tensor(rows.astype(self._index_dtype))._v
+        # `data.take(idx, axis=0)` recorded as Tensor.take records it, without what a batch needs
+        # none of: autograd, shape inference, the jit trace's hooks (a loader is not iterated
+        # inside a jitted function: its flushes are refused there).
+        n = (len(rows),)
+        parts = []
+        for v, dtype, row in self._takes:
+            parts.append(Tensor(dev._record("take", (v, idx), _AXIS0, (dtype, n + row))))
+        return self._pack(tuple(parts))
 
     def _uploaded(self, order: np.ndarray | None, bounds: list[tuple[int, int]]) -> Iterator[Batch]:
         if not bounds:

@@ -128,7 +128,7 @@ def _signature(
     if not kwargs and not static:  # the common call, flat tensors and numbers: the same key, faster
         key: list[Any] = [(tuple, len(args))]
         dev = None
-        n_tensors = 0
+        ids: list[int] = []
         for x in args:
             t = type(x)
             if t is Tensor:
@@ -138,7 +138,7 @@ def _signature(
                 elif v.dev is not dev:
                     break
                 key.append((dev, v.spec, x._rg and (1 if x.grad is None else 2)))
-                n_tensors += 1
+                ids.append(id(v))
             elif t is float:
                 key.append(_FLOAT)
             elif t is int:
@@ -146,7 +146,8 @@ def _signature(
             else:
                 break
         else:
-            if n_tensors < 2 and (dev is None or isinstance(dev, Device)):
+            # (a buffer passed twice is keyed below; a batch's x and y are two)
+            if (len(ids) < 2 or len(set(ids)) == len(ids)) and (dev is None or isinstance(dev, Device)):
                 return tuple(key), list(args), dev
     key = []
     leaves: list[Any] = []
