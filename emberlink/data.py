@@ -20,17 +20,26 @@ PyTorch's `DataLoader` over a `TensorDataset`, with the device named, in one of 
   batch is `data.take(idx, axis=0)` on the device, so per batch only `idx` (batch_size int32
   indices; int64 past 2**31 rows) travels. The index is a tensor on purpose: a slice's bounds are
   attributes of the op, so `data[start:stop]` would be a new graph every batch, while an index
-  tensor of one shape keeps every step the same graph. A batch is gathered when it is asked for,
-  into the batch the next step goes in (one batch a step on the wire, a Repeat of the one before):
-  after an eager step its take is recorded, so it joins that step's own graph; after a step that
-  replayed an `emberlink.jit` function (which takes its arguments as buffers: the take is its own
-  Execute either way) it is one replay of the loader's own jitted gather, with no recording and
-  no segment to build. Measured on the 2-core machine (`bench/remote_step.py --loader 7`, a
-  jitted MLP over tcp, client and worker on a core each, NumPy worker, medians, µs a step),
-  against the same step on batches uploaded beforehand: 784-64-10, 1056 uploaded, 1126 -> 1118
-  resident (the loader before this -> now); 64-32-10, 655 uploaded, 722 -> 710; the client's
-  part, `next()` and the jitted call, 42 -> 37.5. What is left is the worker's: the gather is an
-  Execute and an Upload more a step (~55 µs of a NumPy worker's time here).
+  tensor of one shape keeps every step the same graph. A batch is gathered when it is asked for:
+  its take is recorded (with `Device._record`, as `Tensor.take` records it, minus the autograd
+  and inference a batch does not need), not run, so it joins the graph of the step that uses it,
+  in the batch that step goes in (one batch a step on the wire, a Repeat of the one before). An
+  eager step records its ops after it, into one graph; an `emberlink.jit` step whose arguments
+  are the pending batch folds the take into its replayed graph (client/jit.py: traced once with
+  the pending take, replayed in its place), so a jitted step is one Execute, as on batches
+  uploaded beforehand, where it was two (this loader used to run the take as one replay of its
+  own jitted gather, and the step as another; a GPU worker spends ~50-60 µs of CPU on each).
+  The batch tensors come out of that graph too, valid as after any flush. Measured on the
+  2-core machine (`bench/remote_step.py --loader 7 --cpus split`, a jitted MLP over tcp, client
+  and worker on a core each, NumPy worker; each tree's resident row minus its uploaded row,
+  medians of 7 interleaved blocks of 1000 steps, the tree before and after alternated 4 times):
+  784-64-10 +82, +82, +77, +87 -> +11, +33, +87, +37 µs (uploaded ~1220-1290 µs); 64-32-10 +56,
+  +75, +102, +87 -> +64, +66, +69, +63 µs (uploaded ~830-940 µs); Executes sent per step 2.0 ->
+  1.0. The client's part (`next()`, the call and the read, over an executor that runs nothing,
+  784-64-10): 30-31 -> 29 µs, of which `next()` ~10.5 (uploaded 12 -> 10.5: jit's signature of
+  two tensors got its fast path). What is left, besides that `next()`, is the worker's: the
+  index's Upload, the gather's own work (13 µs on NumPy at 128x784 float32) and the batch's two
+  outputs, stored and dropped.
   Tried and measured slower here: gathering batch k+1 in a batch of its own right after step
   k's read is sent, as host data goes (the two batches alternate, so neither is a Repeat, and a
   batch costs each side ~60 µs: 849 -> 862-944 µs at 784-16-10, 650 -> 764 at 16-16-10).

@@ -16,8 +16,9 @@ it), a signature that has run once traces "the pending segment, then the functio
 place of a flush and a replay: one graph a step, one Execute on a remote device (measured in
 emberlink/data.py's docstring). The pending values come out of that graph as a flush would
 give them, so tensors the caller holds stay valid. Where that does not hold (no pending argument,
-a pending argument that requires grad, a first call, the bound reached, the function reading a
-buffer the pending work reads too), the pending work is flushed first as its own graph.
+a pending argument that requires grad, a first call, the bound reached, the function reading
+pending work it was not passed or a buffer the pending work reads too, state it reads pending
+at the call), the pending work is flushed first as its own graph, as before.
 
 Scalar arguments are passed to the tracing call as traced floats and ints that stay bindings; a
 scalar argument the function also uses as a Python number (arithmetic, comparisons, `int()`)
@@ -408,7 +409,8 @@ def jit(fn: Callable[P, R] | None = None, *, max_signatures: int = MAX_SIGNATURE
     `max_signatures` are kept; a call with a new signature past that runs eagerly (warned once).
 
     Inside `fn`, reading a value (`float(t)`, `t.numpy()`, `t.item()`, `dev.sync()`) raises
-    JitError; Python side effects run at calls 1 and 2 only. See README ("Compiled steps").
+    JitError; Python side effects run at calls 1 and 2 only, and at the first call with each new
+    kind of pending work folded in (see the module docstring). See README ("Compiled steps").
     """
     if fn is None:
         return lambda f: Jitted(f, max_signatures)
