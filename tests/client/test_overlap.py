@@ -599,3 +599,29 @@ def test_eager_ops_on_the_batch_before_the_jitted_step_join_its_graph(
         for k in range(0, ROWS, 2)
     ]
     assert losses == want
+
+
+def test_a_batch_pending_on_another_device_is_left_to_that_device(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """Only the call's own device's pending work is folded in: a batch gathered on another device
+    stays pending there, and a step on it fails as an eager step across devices does."""
+    x, _ = data
+    model, opt = momentum_model(dev)
+    step = jit_train(model, opt)
+    with Device.cpu() as other:
+        elsewhere = iter(DataLoader(data, batch_size=2, device=other, resident=True))
+        here = iter(DataLoader(data, batch_size=2, device=dev, resident=True))
+        runs = []
+        for _ in range(4):
+            far, _ = next(elsewhere)  # pending on `other`
+            xb, yb = next(here)
+            before = executes(dev)
+            float(step(xb, yb))
+            runs.append(executes(dev) - before)
+            assert other.stats()["pending_nodes"] == 2  # (its take of x and of y)
+        assert runs[2:] == [1, 1]
+        np.testing.assert_array_equal(far.numpy(), x[6:8])
+        far, far_y = next(elsewhere)
+        with pytest.raises(el.DeviceError, match="operands are on different devices"):
+            step(far, far_y)  # the model is on `dev` (a new signature: run eagerly)
