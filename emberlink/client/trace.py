@@ -157,9 +157,9 @@ class Trace:
         self.concrete: set[int] = set()  # scalar leaves used as Python numbers
         self.captured: tuple[_Memo, Call, list[Value]] | None = None
         # A folded trace (`fold`): the pending segment's live values (id -> (entry, Value)), held
-        # for the call; how many input buffers and bindings that segment had.
-        # The pending values the call's arguments hold (by id), and the other tensors with a
-        # pending value that the function read (by id): a replay could not find those.
+        # for the call; how many input buffers and bindings that segment had; the pending values
+        # the call's arguments hold (by id); and the other tensors holding a pending value that
+        # the function read (by id), which a replay could not find (it binds by position).
         self.pending: dict[int, tuple[int, Value]] = {}
         self.pend_in = 0
         self.pend_bind = 0
