@@ -155,26 +155,29 @@ class DataLoader(Generic[Batch]):
         if not bounds:
             return
         device = self.device
+        # A shuffled epoch's rows as index values once: a batch's index is a slice of them.
+        rows = None if order is None else order.astype(self._index_dtype)
         device.flush()
         for bound in bounds:
             # Yielded as made, in no local: the loop never holds a batch the user has (measured:
             # holding each until the next one is asked for, so that it is dropped a step later,
             # cost ~40 µs a step on a NumPy worker with 128x64 batches).
-            yield self._gather(order, bound)
+            yield self._gather(rows, bound)
             device.flush()  # the step before the next batch is its own graph
 
-    def _gather(self, order: np.ndarray | None, bound: tuple[int, int]) -> Batch:
-        """The batch of rows `bound` of `order`, its take recorded into the pending step (an eager
-        step's graph, or folded into a jitted step's: client/jit.py). Its index tensor is dropped
-        on return, so that every step's batch is the one before with ids shifted (a Repeat)."""
+    def _gather(self, rows: np.ndarray | None, bound: tuple[int, int]) -> Batch:
+        """The batch of `rows[start:stop]` (index values; None: rows start to stop in order), its
+        take recorded into the pending step (an eager step's graph, or folded into a jitted
+        step's: client/jit.py). Its index tensor is dropped on return, so that every step's batch
+        is the one before with ids shifted (a Repeat)."""
         start, stop = bound
-        rows = np.arange(start, stop) if order is None else order[start:stop]
         dev = self.device
-        idx = dev.tensor(rows.astype(self._index_dtype))._v
+        index = np.arange(start, stop, dtype=self._index_dtype) if rows is None else rows[start:stop]
+        idx = dev.tensor(index)._v
         # `data.take(idx, axis=0)` recorded as Tensor.take records it, without what a batch needs
         # none of: autograd, shape inference, the jit trace's hooks (a loader is not iterated
         # inside a jitted function: its flushes are refused there).
-        n = (len(rows),)
+        n = (stop - start,)
         parts = []
         for v, dtype, row in self._takes:
             parts.append(Tensor(dev._record("take", (v, idx), _AXIS0, (dtype, n + row))))
