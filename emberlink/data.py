@@ -33,13 +33,14 @@ PyTorch's `DataLoader` over a `TensorDataset`, with the device named, in one of 
   2-core machine (`bench/remote_step.py --loader 7 --cpus split`, a jitted MLP over tcp, client
   and worker on a core each, NumPy worker; each tree's resident row minus its uploaded row,
   medians of 7 interleaved blocks of 1000 steps, the tree before and after alternated 4 times):
-  784-64-10 +82, +82, +77, +87 -> +11, +33, +87, +37 µs (uploaded ~1220-1290 µs); 64-32-10 +56,
-  +75, +102, +87 -> +64, +66, +69, +63 µs (uploaded ~830-940 µs); Executes sent per step 2.0 ->
-  1.0. The client's part (`next()`, the call and the read, over an executor that runs nothing,
-  784-64-10): 30-31 -> 29 µs, of which `next()` ~10.5 (uploaded 12 -> 10.5: jit's signature of
-  two tensors got its fast path). What is left, besides that `next()`, is the worker's: the
-  index's Upload, the gather's own work (13 µs on NumPy at 128x784 float32) and the batch's two
-  outputs, stored and dropped.
+  784-64-10 +58, +84, +76, +101 -> +74, +59, +34, +51 µs (uploaded ~1210-1285 µs); 64-32-10
+  +60, +97, +80, +57 -> +59, +60, +22, +34 µs (uploaded ~800-845 µs); Executes sent a step 2.0
+  -> 1.0. The client's part (`next()`, the call and the read, over an executor that runs nothing,
+  784-64-10, the trees alternated 3 times) is unchanged: resident minus uploaded 15-17 µs
+  before and after (resident 26-29 -> 25-27 µs; uploaded 11-12 -> 10: jit's signature of two
+  tensors got its fast path). What is left of the gap is that `next()` (the index's upload, the
+  takes recorded) and the worker's share: the index's Upload, the gather's own work (13 µs on
+  NumPy at 128x784 float32) and the batch's two outputs, stored and then dropped.
   Tried and measured slower here: gathering batch k+1 in a batch of its own right after step
   k's read is sent, as host data goes (the two batches alternate, so neither is a Repeat, and a
   batch costs each side ~60 µs: 849 -> 862-944 µs at 784-16-10, 650 -> 764 at 16-16-10).
