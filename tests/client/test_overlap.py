@@ -625,3 +625,47 @@ def test_a_batch_pending_on_another_device_is_left_to_that_device(
         far, far_y = next(elsewhere)
         with pytest.raises(el.DeviceError, match="operands are on different devices"):
             step(far, far_y)  # the model is on `dev` (a new signature: run eagerly)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_folded_step_is_one_captured_graph_cut_after_its_loss() -> None:
+    """Device.cuda: the resident loader's gather and the jitted step run as one captured plan a
+    step, whose loss is readable early (the cut is after the loss, not after the labels' take),
+    with the losses of the same jitted step on batches uploaded beforehand."""
+    pytest.importorskip("cupy")
+    pytest.importorskip("nvmath")
+    from emberlink.graph_replay.capture import early_split
+
+    rng = np.random.default_rng(4)
+    data = rng.standard_normal((64, 20), dtype=np.float32), rng.integers(0, CLASSES, 64)
+    with Device.cuda(0) as dev:
+        runs: dict[str, list[float]] = {}
+        for feed in ("folded", "uploaded"):
+            nn = el.nn
+            model = nn.Sequential(nn.Linear(20, 32, seed=1), nn.ReLU(), nn.Linear(32, CLASSES, seed=2)).to(
+                dev
+            )
+            step = jit_train(model, el.optim.SGD(model.parameters(), lr=0.1))
+            losses = runs.setdefault(feed, [])
+            if feed == "uploaded":
+                for bx, by in expected_batches(data, 16, 9, 4):
+                    losses.append(float(step(dev.tensor(bx), dev.tensor(by))))
+                continue
+            for epoch in range(4):
+                for xb, yb in DataLoader(
+                    data, batch_size=16, shuffle=True, seed=9, device=dev, resident=True
+                ):
+                    before = (executes(dev), int(dev.stats()["captured_replays"]))
+                    losses.append(float(step(xb, yb)))
+                    if epoch == 3:
+                        assert (executes(dev), int(dev.stats()["captured_replays"])) == (
+                            before[0] + 1,
+                            before[1] + 1,
+                        )
+        np.testing.assert_allclose(runs["folded"], runs["uploaded"], rtol=1e-5)
+        captures = dev._executor._captures  # type: ignore[attr-defined]
+        plans = [e.captured.plan for e in captures._entries.values() if e.captured is not None]
+        folded = [p for p in plans if p.steps[0].op == "take"]
+        assert folded
+        split = early_split(folded[0])
+        assert split is not None and folded[0].steps[split.at - 1].op == "cross_entropy"
