@@ -31,8 +31,10 @@ Rows, each a median over interleaved repeats so machine noise hits both sides al
 - `--loader N` (alone): a small jitted MLP step (batch 128, 784-64-10 or `--loader-sizes`, SGD;
   NumPy's compute small enough not to hide the feed) over tcp, fed by `DataLoader(resident=True)`
   against the same step on batches uploaded beforehand, N interleaved repeats, every row's losses
-  checked equal; `--loader-from` adds the resident row through the DataLoader of another tree's
-  data.py (an A/B of the loader in one run).
+  checked equal, with the Executes sent per step (the resident loader's gather is folded into the
+  jitted step's graph: one, as with uploaded batches); `--loader-from` adds the resident row
+  through the DataLoader of another tree's data.py (an A/B of the loader in one run; that tree's
+  loader runs with this tree's jit).
 
 Both sides run on the event loop emberlink picks (transport/loop.py: uvloop where installed, unless
 EMBERLINK_UVLOOP=0); the bare servers in other processes too. The worker runs as an `emberlink worker` process (default; as a user would run it) or in this
@@ -374,8 +376,13 @@ def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes:
             for _ in range(repeats):
                 for k, step in steps_of.items():
                     times[k].append(median_us(step, steps))
-            repeated = {
-                k: dev.stats()["batches_repeated"] / dev.stats()["round_trips"] for k, dev in devs.items()
+            stats = {k: dev.stats() for k, dev in devs.items()}
+            repeated = {k: st["batches_repeated"] / st["round_trips"] for k, st in stats.items()}
+            # Executes sent (a registration or a replay each) per read, i.e. per step: the folded
+            # gather makes the resident row's 1, as the uploaded row's.
+            graphs = {
+                k: (st["graphs_registered"] + st["graph_replays"]) / st["round_trips"]
+                for k, st in stats.items()
             }
             for dev in devs.values():
                 dev.close()
@@ -383,11 +390,16 @@ def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes:
     print(
         f"{repeats} interleaved repeat(s) of {steps} steps, jitted MLP 128x{'-'.join(map(str, sizes))} over tcp"
     )
-    print("| feed | median µs | vs uploaded beforehand | batches sent as a Repeat, per step |")
-    print("|---|---:|---:|---:|")
+    print(
+        "| feed | median µs | vs uploaded beforehand | minus uploaded, µs "
+        "| batches sent as a Repeat, per step | graphs run per step |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for k, v in times.items():
         med = statistics.median(v)
-        print(f"| {k} | {med:.0f} | {med / base:.2f}x | {repeated[k]:.3f} |")
+        print(
+            f"| {k} | {med:.0f} | {med / base:.2f}x | {med - base:+.0f} | {repeated[k]:.3f} | {graphs[k]:.3f} |"
+        )
 
 
 def main() -> None:

@@ -20,17 +20,27 @@ PyTorch's `DataLoader` over a `TensorDataset`, with the device named, in one of 
   batch is `data.take(idx, axis=0)` on the device, so per batch only `idx` (batch_size int32
   indices; int64 past 2**31 rows) travels. The index is a tensor on purpose: a slice's bounds are
   attributes of the op, so `data[start:stop]` would be a new graph every batch, while an index
-  tensor of one shape keeps every step the same graph. A batch is gathered when it is asked for,
-  into the batch the next step goes in (one batch a step on the wire, a Repeat of the one before):
-  after an eager step its take is recorded, so it joins that step's own graph; after a step that
-  replayed an `emberlink.jit` function (which takes its arguments as buffers: the take is its own
-  Execute either way) it is one replay of the loader's own jitted gather, with no recording and
-  no segment to build. Measured on the 2-core machine (`bench/remote_step.py --loader 7`, a
-  jitted MLP over tcp, client and worker on a core each, NumPy worker, medians, µs a step),
-  against the same step on batches uploaded beforehand: 784-64-10, 1056 uploaded, 1126 -> 1118
-  resident (the loader before this -> now); 64-32-10, 655 uploaded, 722 -> 710; the client's
-  part, `next()` and the jitted call, 42 -> 37.5. What is left is the worker's: the gather is an
-  Execute and an Upload more a step (~55 µs of a NumPy worker's time here).
+  tensor of one shape keeps every step the same graph. A batch is gathered when it is asked for:
+  its take is recorded (with `Device._record`, as `Tensor.take` records it, minus the autograd
+  and inference a batch does not need), not run, so it joins the graph of the step that uses it,
+  in the batch that step goes in (one batch a step on the wire, a Repeat of the one before). An
+  eager step records its ops after it, into one graph; an `emberlink.jit` step whose arguments
+  are the pending batch folds the take into its replayed graph (client/jit.py: traced once with
+  the pending take, replayed in its place), so a jitted step is one Execute, as on batches
+  uploaded beforehand, where it was two (this loader used to run the take as one replay of its
+  own jitted gather, and the step as another; a GPU worker spends ~50-60 µs of CPU on each).
+  The batch tensors come out of that graph too, valid as after any flush. Measured on the
+  2-core machine (`bench/remote_step.py --loader 7 --cpus split`, a jitted MLP over tcp, client
+  and worker on a core each, NumPy worker; each tree's resident row minus its uploaded row,
+  medians of 7 interleaved blocks of 1000 steps, the tree before and after alternated 4 times):
+  784-64-10 +58, +84, +76, +101 -> +74, +59, +34, +51 µs (uploaded ~1210-1285 µs); 64-32-10
+  +60, +97, +80, +57 -> +59, +60, +22, +34 µs (uploaded ~800-845 µs); Executes sent a step 2.0
+  -> 1.0. The client's part (`next()`, the call and the read, over an executor that runs nothing,
+  784-64-10, the trees alternated 3 times) is unchanged: resident minus uploaded 15-17 µs
+  before and after (resident 26-29 -> 25-27 µs; uploaded 11-12 -> 10: jit's signature of two
+  tensors got its fast path). What is left of the gap is that `next()` (the index's upload, the
+  takes recorded) and the worker's share: the index's Upload, the gather's own work (13 µs on
+  NumPy at 128x784 float32) and the batch's two outputs, stored and then dropped.
   Tried and measured slower here: gathering batch k+1 in a batch of its own right after step
   k's read is sent, as host data goes (the two batches alternate, so neither is a Repeat, and a
   batch costs each side ~60 µs: 849 -> 862-944 µs at 784-16-10, 650 -> 764 at 16-16-10).
@@ -50,14 +60,15 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 import numpy as np
 
-from emberlink.client.jit import jit
 from emberlink.client.tensor import Tensor
+from emberlink.client.value import Value
 from emberlink.errors import ShapeError
 
 if TYPE_CHECKING:
     from emberlink.client.device import Device
 
 Batch = TypeVar("Batch", Tensor, tuple[Tensor, ...])
+_AXIS0 = (("axis", 0),)  # the attrs of a take along axis 0, as Tensor.take gives them
 T = TypeVar("T")
 
 
@@ -125,9 +136,10 @@ class DataLoader(Generic[Batch]):
         self._index_dtype = np.int32 if self._rows <= np.iinfo(np.int32).max else np.int64
         # Uploaded once: every epoch gathers from these (they live as long as the loader).
         self._data = tuple(device.tensor(a) for a in self.arrays) if self.resident else ()
-        data = self._data
-        self._take = jit(lambda idx: tuple(t.take(idx, axis=0) for t in data))
-        self._replays: int | None = None  # the device's jit replays when the last batch was handed out
+        # What a batch's takes are recorded from: each array's value, dtype and row shape.
+        self._takes: tuple[tuple[Value, str, tuple[int, ...]], ...] = tuple(
+            (t._v, t._v.spec[0], t._v.spec[1][1:]) for t in self._data
+        )
 
     def __len__(self) -> int:
         full, rest = divmod(self._rows, self.batch_size)
@@ -144,36 +156,33 @@ class DataLoader(Generic[Batch]):
         if not bounds:
             return
         device = self.device
+        # A shuffled epoch's rows as index values once: a batch's index is a slice of them.
+        rows = None if order is None else order.astype(self._index_dtype)
         device.flush()
         for bound in bounds:
             # Yielded as made, in no local: the loop never holds a batch the user has (measured:
             # holding each until the next one is asked for, so that it is dropped a step later,
             # cost ~40 µs a step on a NumPy worker with 128x64 batches).
-            yield self._handed_out(order, bound)
+            yield self._gather(rows, bound)
             device.flush()  # the step before the next batch is its own graph
 
-    def _handed_out(self, order: np.ndarray | None, bound: tuple[int, int]) -> Batch:
-        """The next batch, gathered, with the device's jit replays noted as it is handed out."""
-        batch = self._gather(order, bound, jitted=self._after_jit())
-        self._replays = self.device._jit_replays
-        return batch
-
-    def _after_jit(self) -> bool:
-        """Whether the step since the last batch was handed out replayed an `emberlink.jit`
-        function (the next gather is then a replay too; after an eager step it is recorded, into
-        the next step's own graph)."""
-        return self._replays is not None and self.device._jit_replays != self._replays
-
-    def _gather(self, order: np.ndarray | None, bound: tuple[int, int], *, jitted: bool) -> Batch:
-        """The batch of rows `bound` of `order`, gathered on the device: by one replay of a jitted
-        gather (`jitted`), or recorded into the pending step. Its index tensor is dropped on
-        return, so that every step's batch is the one before with ids shifted (a Repeat)."""
+    def _gather(self, rows: np.ndarray | None, bound: tuple[int, int]) -> Batch:
+        """The batch of `rows[start:stop]` (index values; None: rows start to stop in order), its
+        take recorded into the pending step (an eager step's graph, or folded into a jitted
+        step's: client/jit.py). Its index tensor is dropped on return, so that every step's batch
+        is the one before with ids shifted (a Repeat)."""
         start, stop = bound
-        rows = np.arange(start, stop) if order is None else order[start:stop]
-        idx = self.device.tensor(rows.astype(self._index_dtype))
-        if jitted:
-            return self._pack(self._take(idx))
-        return self._pack(tuple(t.take(idx, axis=0) for t in self._data))
+        dev = self.device
+        index = np.arange(start, stop, dtype=self._index_dtype) if rows is None else rows[start:stop]
+        idx = dev.tensor(index)._v
+        # `data.take(idx, axis=0)` recorded as Tensor.take records it, without what a batch needs
+        # none of: autograd, shape inference, the jit trace's hooks (a loader is not iterated
+        # inside a jitted function: its flushes are refused there).
+        n = (stop - start,)
+        parts = []
+        for v, dtype, row in self._takes:
+            parts.append(Tensor(dev._record("take", (v, idx), _AXIS0, (dtype, n + row))))
+        return self._pack(tuple(parts))
 
     def _uploaded(self, order: np.ndarray | None, bounds: list[tuple[int, int]]) -> Iterator[Batch]:
         if not bounds:

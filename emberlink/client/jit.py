@@ -9,6 +9,17 @@ and no canonical form (on a remote device: one Execute, which the session sends 
 the previous step's batch). At most `max_signatures` signatures are kept per function; a new one
 beyond that runs eagerly, with a warning the first time.
 
+Pending work folded in: when a call's tensor arguments include values still pending on their device
+(recorded, not yet flushed: the resident DataLoader's gather of the batch, or any eager op on
+it), a signature that has run once traces "the pending segment, then the function" as one graph
+(once per structure of that segment, `max_signatures` of them per function), and replays it in
+place of a flush and a replay: one graph a step, one Execute on a remote device (measured in
+emberlink/data.py's docstring). The pending values come out of that graph as a flush would
+give them, so tensors the caller holds stay valid. Where that does not hold (no pending argument,
+a pending argument that requires grad, a first call, the bound reached, the function reading
+pending work it was not passed or a buffer the pending work reads too, state it reads pending
+at the call), the pending work is flushed first as its own graph, as before.
+
 Scalar arguments are passed to the tracing call as traced floats and ints that stay bindings; a
 scalar argument the function also uses as a Python number (arithmetic, comparisons, `int()`)
 would be baked into the trace, so that argument's value becomes part of the signature from then
@@ -26,7 +37,7 @@ import threading
 import types
 import warnings
 from collections.abc import Callable
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import Any, Generic, ParamSpec, TypeVar, cast, overload
 
 import numpy as np
 
@@ -118,7 +129,7 @@ def _signature(
     if not kwargs and not static:  # the common call, flat tensors and numbers: the same key, faster
         key: list[Any] = [(tuple, len(args))]
         dev = None
-        n_tensors = 0
+        ids: list[int] = []
         for x in args:
             t = type(x)
             if t is Tensor:
@@ -128,7 +139,7 @@ def _signature(
                 elif v.dev is not dev:
                     break
                 key.append((dev, v.spec, x._rg and (1 if x.grad is None else 2)))
-                n_tensors += 1
+                ids.append(id(v))
             elif t is float:
                 key.append(_FLOAT)
             elif t is int:
@@ -136,7 +147,8 @@ def _signature(
             else:
                 break
         else:
-            if n_tensors < 2 and (dev is None or isinstance(dev, Device)):
+            # (a buffer passed twice is keyed below; a batch's x and y are two)
+            if (len(ids) < 2 or len(set(ids)) == len(ids)) and (dev is None or isinstance(dev, Device)):
                 return tuple(key), list(args), dev
     key = []
     leaves: list[Any] = []
@@ -191,6 +203,17 @@ def _detached(result: Any) -> Any:
 _WARM = object()
 """A signature seen once (run eagerly): its next call traces."""
 
+_UNFOLDED = object()
+"""`_fold`'s answer where the device's pending work is not folded into the call."""
+
+
+def pending_key(dev: Device) -> tuple[Any, ...]:
+    """The structure of `dev`'s pending segment that a folded trace depends on: its entries, input
+    specs, binding kinds and which of its values are still live (what Device._send_segment keys
+    its graphs by); its buffers and binding values are bound at each replay."""
+    live = tuple(i for i, ref in enumerate(dev._weak) if ref() is not None)
+    return (tuple(dev._entries), tuple(dev._in_specs), tuple(dev._bind_kinds), live)
+
 
 class Jitted(Generic[P, R]):
     """A function compiled with `emberlink.jit`; call it as the function itself."""
@@ -204,6 +227,7 @@ class Jitted(Generic[P, R]):
         self.fn = fn
         self.max_signatures = max_signatures
         self._entries: dict[tuple[Any, ...], Any] = {}
+        self._folded: dict[tuple[Any, ...], Replay | None] = {}  # (key, pending_key) -> folded trace
         self._static: frozenset[int] = frozenset()
         self._warned = False
 
@@ -218,6 +242,10 @@ class Jitted(Generic[P, R]):
         if trace is not None and trace.thread == threading.get_ident():
             return self.fn(*args, **kwargs)  # called from a function being traced: part of its trace
         key, leaves, dev = _signature(args, kwargs, self._static)
+        if dev is not None and dev._entries:  # pending work: maybe folded into this call's graph
+            folded = self._fold(key, leaves, dev, args, kwargs)
+            if folded is not _UNFOLDED:
+                return cast(R, folded)
         entry = self._entries.get(key)
         if type(entry) is Replay:
             result: R = entry.run(leaves)
@@ -233,6 +261,29 @@ class Jitted(Generic[P, R]):
                 self._entries.pop(key, None)
                 raise
         return self._trace(key, leaves, dev, args, kwargs)
+
+    def _fold(self, key: Any, leaves: list[Any], dev: Device, args: Any, kwargs: Any) -> Any:
+        """The call with `dev`'s pending segment folded into its graph (replayed, or traced once per
+        structure of that segment), or _UNFOLDED: the pending work is then flushed on its own."""
+        nodes: list[tuple[int, int]] = []  # (leaf, its pending node): part of the folded key
+        for k, x in enumerate(leaves):
+            if isinstance(x, Tensor) and x._v.node is not None:
+                if x._rg:  # its history is pending work's autograd graph: left to the plain path
+                    return _UNFOLDED
+                nodes.append((k, x._v.node))
+        entry = self._entries.get(key)
+        if not nodes or entry is None:  # (a first call runs eagerly, joining the pending work)
+            return _UNFOLDED
+        fkey = (key, (pending_key(dev), tuple(nodes)))
+        replay = self._folded.get(fkey, _UNFOLDED)
+        if type(replay) is Replay:
+            for _, t, _ in replay.in_caps:
+                if t._v.node is not None:  # state it reads is pending work too: flushed first
+                    return _UNFOLDED
+            return replay.run(leaves, folded=True)
+        if replay is None or len(self._folded) >= self.max_signatures:
+            return _UNFOLDED  # not foldable, or the bound reached: flushed, then replayed or traced
+        return self._trace(key, leaves, dev, args, kwargs, fold=fkey)
 
     def _warn_bound(self) -> None:
         if self._warned:
@@ -264,17 +315,31 @@ class Jitted(Generic[P, R]):
         result: R = _detached(out)
         return result
 
-    def _trace(self, key: Any, leaves: list[Any], dev: Device | None, args: Any, kwargs: Any) -> R:
+    def _trace(
+        self,
+        key: Any,
+        leaves: list[Any],
+        dev: Device | None,
+        args: Any,
+        kwargs: Any,
+        fold: tuple[Any, Any] | None = None,
+    ) -> R:
+        """Trace a call (`fold`: its (key, pending_key), the device's pending segment folded in)."""
         name = getattr(self.fn, "__qualname__", repr(self.fn))
         with _TRACE_LOCK:
+            trace = Trace(dev, eager=False)
             if dev is not None:
                 dev._check_open()
-                if dev._entries:
+                if fold is not None:
+                    trace.fold(dev)  # earlier work is the first part of the trace
+                elif dev._entries:
                     dev.flush()  # earlier work runs before the trace, never inside it
-            trace = Trace(dev, eager=False)
             for k, x in enumerate(leaves):
                 if isinstance(x, Tensor):
-                    trace.arg_bufs.setdefault(x._v.buf, k)  # type: ignore[arg-type]
+                    if x._v.node is None:
+                        trace.arg_bufs.setdefault(x._v.buf, k)  # type: ignore[arg-type]
+                    elif fold is not None:
+                        trace.pend_args.add(id(x._v))
                     trace.arg_ids[id(x)] = k
                     trace.seen.setdefault(id(x), (x, x._v))
                     if x._rg:
@@ -293,7 +358,8 @@ class Jitted(Generic[P, R]):
             try:
                 out = self.fn(*margs, **mkwargs)
             except BaseException:
-                self._entries.pop(key, None)
+                if fold is None:
+                    self._entries.pop(key, None)
                 trace.close()
                 raise
             finally:
@@ -307,9 +373,16 @@ class Jitted(Generic[P, R]):
             self._static = self._static | frozenset(trace.concrete)
             log.debug("%r: scalar arguments %s are used as Python numbers", self, sorted(self._static))
             self._entries.clear()  # traces keyed without those values could be wrong for others
+            self._folded.clear()
         if trace.concrete:
             key, _, _ = _signature(args, kwargs, self._static)
-        self._entries[key] = replay
+        if fold is None:
+            self._entries[key] = replay
+        else:
+            self._entries.setdefault(key, _WARM)
+            self._folded[(key, fold[1])] = replay if replay.folded else None
+            if not replay.folded:
+                log.debug("%r: the pending work cannot be folded into its trace", self)
         out_result: R = result
         return out_result
 
@@ -336,7 +409,8 @@ def jit(fn: Callable[P, R] | None = None, *, max_signatures: int = MAX_SIGNATURE
     `max_signatures` are kept; a call with a new signature past that runs eagerly (warned once).
 
     Inside `fn`, reading a value (`float(t)`, `t.numpy()`, `t.item()`, `dev.sync()`) raises
-    JitError; Python side effects run at calls 1 and 2 only. See README ("Compiled steps").
+    JitError; Python side effects run at calls 1 and 2 only, and at the first call with each new
+    kind of pending work folded in (see the module docstring). See README ("Compiled steps").
     """
     if fn is None:
         return lambda f: Jitted(f, max_signatures)

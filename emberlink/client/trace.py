@@ -9,6 +9,12 @@ Where a value comes from at replay (a `Source`): ("out", j) output j of the grap
 tensor leaf k of the call; ("cap", t) the current value of tensor `t`, which existed before the
 trace; ("const", v) a value the trace made and the replay keeps; ("py", obj) a Python object
 returned as it was; ("num", k) scalar leaf k of the call.
+
+A folded trace (`Trace.fold`) starts with the device's pending segment still recorded (work
+recorded before the call that the call's arguments come from, e.g. the resident DataLoader's
+gather): the trace's one segment is that work and then the function's, one graph. Its replay
+binds the pending segment of the call (same structure, new buffers and binding values) in place
+of a flush, and hands that segment's live values the buffers the graph makes for them.
 """
 
 from __future__ import annotations
@@ -150,6 +156,25 @@ class Trace:
         self.made: list[weakref.ref[Tensor]] = []
         self.concrete: set[int] = set()  # scalar leaves used as Python numbers
         self.captured: tuple[_Memo, Call, list[Value]] | None = None
+        # A folded trace (`fold`): the pending segment's live values (id -> (entry, Value)), held
+        # for the call; how many input buffers and bindings that segment had; the pending values
+        # the call's arguments hold (by id); and the other tensors holding a pending value that
+        # the function read (by id), which a replay could not find (it binds by position).
+        self.pending: dict[int, tuple[int, Value]] = {}
+        self.pend_in = 0
+        self.pend_bind = 0
+        self.pend_args: set[int] = set()
+        self.pend_reads: dict[int, Tensor] = {}
+
+    def fold(self, dev: Device) -> None:
+        """Start this trace on top of `dev`'s pending segment (recorded before the call), which
+        becomes the first part of the trace's graph instead of a graph of its own."""
+        for i, ref in enumerate(dev._weak):
+            v = ref()
+            if v is not None:
+                self.pending[id(v)] = (i, v)
+        self.pend_in = len(dev._in_bufs)
+        self.pend_bind = len(dev._bind_vals)
 
     # -- hooks (tensor.py, device.py) -----------------------------------------------------------------
 
@@ -179,7 +204,10 @@ class Trace:
             v = a._v
             pre = id(a) not in made
             if pre and id(a) not in self.seen:
-                self.seen[id(a)] = (a, v if v.node is None else None)
+                pend = v.node is not None and id(v) in self.pending
+                self.seen[id(a)] = (a, v if v.node is None or pend else None)
+                if pend and id(v) not in self.pend_args:
+                    self.pend_reads[id(a)] = a
             if v.node is None:
                 buf: int = v.buf  # type: ignore[assignment]
                 held = self.bufs.get(buf)
@@ -221,6 +249,9 @@ class Trace:
         self.arg_bufs.clear()
         self.arg_ids.clear()
         self.arg_grads.clear()
+        self.pending.clear()
+        self.pend_args.clear()
+        self.pend_reads.clear()
         self.captured = None
 
     def capture(self, memo: _Memo, call: Call, values: list[Value]) -> Call:
@@ -272,6 +303,13 @@ class Replay:
         self.sinks_cap: list[tuple[Tensor, int]] = []  # (tensor, output)
         self.sinks_weak: list[tuple[weakref.ref[Tensor], int]] = []
         self.sinks_other: list[tuple[Source, Source]] = []  # (target, source) of the rare kinds
+        # A folded trace's: the pending segment's parts, bound at each replay from the call's own
+        # pending segment (same structure): (input slot, its input), (binding, its binding),
+        # (its entry, output). `folded` is False where the trace cannot be replayed folded.
+        self.folded = False
+        self.pend_in: list[tuple[int, int]] = []
+        self.pend_bind: list[tuple[int, int]] = []
+        self.pend_out: list[tuple[int, int]] = []
 
     def set_graph(self, trace: Trace) -> None:
         assert trace.captured is not None
@@ -281,7 +319,24 @@ class Replay:
         self.out_specs = [v.spec for v in values]
         self.keep = [False] * self.n_out
         self.in_template = list(call.inputs)
+        in_slots, bind_slots = memo.input_slots, memo.binding_slots
+        if trace.pending:
+            self.folded = not trace.pend_reads
+            for j, v in enumerate(values):
+                held = trace.pending.get(id(v))
+                if held is not None:
+                    self.pend_out.append((held[0], j))
+                    self.keep[j] = True
+            if len(self.pend_out) != len(trace.pending):
+                self.folded = False  # (cannot happen: the trace holds them) replayed unfolded
         for slot, buf in enumerate(call.inputs):
+            if trace.pending and (slot if in_slots is None else in_slots[slot]) < trace.pend_in:
+                # The pending segment's input: the call's own pending segment says which buffer.
+                # If the function reads that buffer too, a replay could not tell the two apart.
+                self.pend_in.append((slot, slot if in_slots is None else in_slots[slot]))
+                if buf in trace.arg_bufs or buf in trace.bufs:
+                    self.folded = False
+                continue
             k = trace.arg_bufs.get(buf)
             holder, v = trace.bufs[buf]  # every input was an operand of an op
             if k is not None:
@@ -292,7 +347,11 @@ class Replay:
                 self.consts.append(v)
         template: list[Scalar] = []
         for j, b in enumerate(call.bindings):
-            if isinstance(b, _Traced):
+            at = j if bind_slots is None else bind_slots[j]
+            if trace.pending and at < trace.pend_bind:
+                self.pend_bind.append((j, at))
+                template.append(b)
+            elif isinstance(b, _Traced):
                 self.bind_args.append((j, b._jit_index))
                 template.append(b.plain())
             else:
@@ -305,7 +364,7 @@ class Replay:
         if graph is None:
             return False
         first, last = len(graph.inputs), len(graph.inputs) + len(graph.bindings)
-        named = {first + j for j, _ in self.bind_args}
+        named = {first + j for j, _ in (*self.bind_args, *self.pend_bind)}
         return any(
             n.op in RANDOM_OPS and first <= i < last and i not in named for n in graph.nodes for i in n.inputs
         )
@@ -325,21 +384,29 @@ class Replay:
         for s in self.returns:
             if s[0] == "out":
                 self.keep[s[1]] = True
-        self.kept = [j for j in range(self.n_out) if self.keep[j]]
+        pend = {j for _, j in self.pend_out}  # the pending values themselves get these buffers
+        self.kept = [j for j in range(self.n_out) if self.keep[j] and j not in pend]
         self.drop = [j for j in range(self.n_out) if not self.keep[j]]
         only = self.returns[0] if len(self.returns) == 1 else None
         self.single_out = only[1] if self.tree is None and only is not None and only[0] == "out" else None
 
-    def run(self, leaves: list[Any]) -> Any:
-        """One replay: bind this call's arguments, run the graph, rebind state, build the result."""
+    def run(self, leaves: list[Any], folded: bool = False) -> Any:
+        """One replay: bind this call's arguments, run the graph, rebind state, build the result.
+        `folded`: a folded trace's replay, in place of the device's pending segment (which has the
+        structure the trace had: the caller checked)."""
         dev = self.dev
         if dev is None:  # nothing on a device: the result is made of arguments and constants
             return self.result(leaves, [], None)
         if dev._closed:
             dev._check_open()
-        if dev._entries:  # earlier work goes first (and pending arguments get their buffers)
+        if folded:
+            seg_in, seg_bind, seg_weak = dev._in_bufs, dev._bind_vals, dev._weak
+        elif dev._entries:  # earlier work goes first (and pending arguments get their buffers)
             dev.flush()
         ins: list[Any] = self.in_template.copy()
+        if folded:
+            for slot, at in self.pend_in:
+                ins[slot] = seg_in[at]
         for slot, k in self.in_args:
             ins[slot] = leaves[k]._v.buf
         for slot, t, spec in self.in_caps:
@@ -357,11 +424,19 @@ class Replay:
             for j, k in self.bind_args:
                 bound[j] = scalar(leaves[k])
             binds = tuple(bound)
+        if folded and self.pend_bind:
+            bound = list(binds)
+            for j, b in self.pend_bind:
+                bound[j] = seg_bind[b]
+            binds = tuple(bound)
         # Values that come from arguments or captured state are read before anything is rebound.
         early = [_read_source(s, leaves) for s in self.returns] if self.early else None
         other = [_read_source(s, leaves) for _, s in self.sinks_other] if self.sinks_other else None
         vals: list[Value | None] = []
         graph = self.graph
+        if folded:  # the pending segment is this graph's now, as a flush would take it
+            dev._nodes_recorded += len(dev._entries)
+            dev._new_segment()
         if graph is not None:
             n = self.n_out
             base = dev._next_buf
@@ -371,6 +446,15 @@ class Replay:
             vals = [None] * n
             for j in self.kept:
                 vals[j] = Value(dev, base + j, None, specs[j])
+            if folded:
+                for i, j in self.pend_out:  # pending values get their buffers, as a flush gives them
+                    pv = seg_weak[i]()
+                    if pv is None:
+                        dev._dropped.append(base + j)
+                    else:
+                        pv.node = None
+                        pv.buf = base + j
+                        vals[j] = pv
             for t, j in self.sinks_cap:
                 t._v = vals[j]  # type: ignore[assignment]
             for ref, j in self.sinks_weak:
@@ -490,7 +574,7 @@ def finish(trace: Trace, result: Any, name: str) -> tuple[Replay, Any]:
                 replay.add_sink(("weak", ref), src)
                 sunk.add(id(c._v))
     if trace.captured is not None:
-        _sink_unseen(replay, trace.captured[2], sunk | {id(x) for x in kept})
+        _sink_unseen(replay, trace.captured[2], sunk | {id(x) for x in kept} | set(trace.pending))
         _check_not_replaced(replay, trace, name)
     replay.done()
     return replay, build_result(tree, now, [0])
@@ -519,10 +603,11 @@ def _check_not_replaced(replay: Replay, trace: Trace, name: str) -> None:
     """Refuse a trace that reads a tensor nothing but the trace holds any more: the function replaced
     it by a new Tensor object (`self.ema = self.ema * 0.9 + x`), and every replay would read the old one."""
     caps = {id(t): t for _, t, _ in replay.in_caps}
+    caps.update(trace.pend_reads)  # (a folded trace's: read pending, then replaced, alike)
     if not caps:
         return
     ours = {id(x) for x in (*trace.seen.values(), *trace.bufs.values(), *replay.in_caps)}
-    ours |= {id(trace.seen), id(trace.bufs), id(replay.in_caps), id(caps)}
+    ours |= {id(trace.seen), id(trace.bufs), id(replay.in_caps), id(caps), id(trace.pend_reads)}
     held: set[int] = set()
     for r in gc.get_referrers(*caps.values()):
         if id(r) not in ours:

@@ -120,17 +120,26 @@ class EarlySplit:
 
 
 def early_split(plan: Plan) -> EarlySplit | None:
-    """The cut just after the first step that makes a small output (at most EARLY_BYTES), when at
-    least a quarter of the plan's steps, and EARLY_MIN_AFTER, come after it; None otherwise (one
-    graph serves).
+    """The cut just after the first step that makes a small output (at most EARLY_BYTES) from a
+    value another step made, when at least a quarter of the plan's steps, and EARLY_MIN_AFTER, come
+    after it; None otherwise (one graph serves).
 
-    Every output made before the cut, whatever its size, is copied out with the first graph.
+    A small output made from the graph's inputs alone (a resident batch's labels, gathered in a
+    jitted step's own graph: client/jit.py folds the gather in) is no cut: it comes first, and
+    cutting there would leave the loss to the end of the step. Every output made before the cut,
+    whatever its size, is copied out with the first graph.
     """
     first_node = plan.graph.first_node_value
     outputs = {v for v in plan.outputs if v >= first_node}
     steps = plan.steps
     at = next(
-        (i + 1 for i, s in enumerate(steps) if s.out in outputs and plan.specs[s.out].nbytes <= EARLY_BYTES),
+        (
+            i + 1
+            for i, s in enumerate(steps)
+            if s.out in outputs
+            and plan.specs[s.out].nbytes <= EARLY_BYTES
+            and any(v >= first_node for v in s.inputs)
+        ),
         None,
     )
     if at is None or len(steps) - at < max(EARLY_MIN_AFTER, len(steps) // 4):

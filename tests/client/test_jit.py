@@ -501,3 +501,79 @@ def test_state_replaced_by_a_new_tensor_object_is_refused(dev: Device) -> None:
     update(dev.ones(2))
     with pytest.raises(el.JitError, match="replaced by a new Tensor object"):
         update(dev.ones(2))
+
+
+# -- pending work folded into a call's graph --------------------------------------------------------------
+
+
+def _executes(dev: Device) -> int:
+    stats = dev.stats()
+    return int(stats["graphs_registered"]) + int(stats["graph_replays"])
+
+
+def _runs(dev: Device, f: Callable[..., el.Tensor], *args: el.Tensor) -> tuple[list[float], int]:
+    """What `f(*args)` returns, read, and how many graphs ran for it (`args` are pending work)."""
+    before = _executes(dev)
+    out = f(*args).numpy().tolist()
+    return out, _executes(dev) - before
+
+
+def test_a_pending_argument_and_its_work_run_as_one_graph_with_its_bindings(dev: Device) -> None:
+    f = el.jit(lambda x: x * 10.0)
+    base = dev.tensor([1.0, 2.0])
+    got = [_runs(dev, f, base + float(i)) for i in range(5)]  # a new binding each call
+    assert [v for v, _ in got] == [[10.0 * (1 + i), 10.0 * (2 + i)] for i in range(5)]
+    assert [n for _, n in got[2:]] == [1, 1, 1]  # replays: `base + i` and `* 10` one graph
+    assert dev.stats()["pending_nodes"] == 0
+
+
+def test_pending_arguments_passed_in_another_order_are_bound_where_they_are_passed(dev: Device) -> None:
+    f = el.jit(lambda a, b: a - b * 2.0)
+    for i in range(6):
+        p, q = dev.tensor([1.0]) + float(i), dev.tensor([100.0]) + 0.0  # recorded in this order
+        args = (p, q) if i % 2 == 0 else (q, p)
+        want = [1.0 + i - 200.0] if i % 2 == 0 else [100.0 - 2.0 * (1.0 + i)]
+        assert f(*args).numpy().tolist() == want, i
+
+
+@pytest.mark.parametrize("first", ["read", "other"])
+def test_state_the_function_reads_that_is_pending_too_runs_first(dev: Device, first: str) -> None:
+    """Eager updates of the state the function reads (`read`) or of other state with the same
+    structure (`other`) are pending work like the argument's; the results follow the state read."""
+    read, other = nn.Linear(2, 2, seed=0).to(dev), nn.Linear(2, 2, seed=1).to(dev)
+    opts = {id(m): el.optim.SGD(m.parameters(), lr=0.1) for m in (read, other)}
+    f = el.jit(lambda x: read(x))
+    order = [read, other] if first == "read" else [other, read]
+    for i in range(6):
+        updated = order[i % 2]
+        F.mse_loss(updated(dev.tensor(np.ones((1, 2), np.float32))), dev.zeros((1, 2))).backward()
+        opts[id(updated)].step()  # the new parameters are pending
+        opts[id(updated)].zero_grad()
+        x = np.array([[1.0, -2.0]], np.float32)
+        got = f(dev.tensor(x) * 1.0).numpy()
+        assert got.tobytes() == read(dev.tensor(x)).numpy().tobytes(), i
+
+
+def test_a_pending_argument_that_requires_grad_runs_its_work_first(dev: Device) -> None:
+    w = dev.tensor([1.0, 2.0])
+    w.requires_grad = True
+    f = el.jit(lambda x: (x * x).sum())
+    for i in range(4):
+        got, runs = _runs(dev, f, w * float(i + 1))  # pending, with autograd history
+        assert got == pytest.approx(5.0 * (i + 1) ** 2)
+        if i >= 2:
+            assert runs == 2  # the pending work's own graph, then the replay
+
+
+def test_pending_work_of_more_structures_than_the_bound_runs_first_and_stays_exact(dev: Device) -> None:
+    f = el.jit(lambda x: x * 3.0, max_signatures=1)
+    base = dev.tensor([1.0, 2.0])
+    runs = []
+    for i in range(8):
+        x = base + 1.0 if i % 2 == 0 else (base * 2.0) - 1.0  # two structures of pending work
+        got, n = _runs(dev, f, x)
+        assert got == ([6.0, 9.0] if i % 2 == 0 else [3.0, 9.0]), i
+        runs.append(n)
+    # The structure of the second call (which traced) is folded; the other, past the bound of one,
+    # runs as its own graph before the plain replay.
+    assert runs[4:] == [2, 1, 2, 1]

@@ -367,28 +367,30 @@ def test_resident_steps_replay_one_graph_where_slices_would_make_one_per_batch(d
 
 
 def doubled_sum() -> Callable[[el.Tensor], el.Tensor]:
-    """A jitted step, after which the resident loader gathers through its own jitted gather (its
-    first two calls trace, the next ones replay)."""
+    """A jitted step: its first call runs eagerly, its second traces (with the batch's gather
+    folded in), the next ones replay that trace."""
     return el.jit(lambda t: (t * 2.0).sum())
 
 
-def test_after_a_jitted_step_the_next_batch_is_gathered_by_one_replay_when_asked_for(
+def test_a_jitted_step_on_a_resident_batch_runs_its_gather_in_its_own_graph(
     dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x, y = data
     total = doubled_sum()
     it = iter(DataLoader(data, batch_size=1, device=dev, resident=True))
-    for _ in range(5):  # the step's and then the loader's jitted gather's first two calls trace
+    for _ in range(3):  # eager, traced with the gather folded in, replayed
         float(total(next(it)[0]))
-    xb, _ = next(it)
     calls = spy_on(dev, monkeypatch)
-    assert float(total(xb)) == pytest.approx(2.0 * float(x[5].sum()), rel=1e-5)
-    assert calls == ["execute", "read"]
-    xb6, yb6 = next(it)  # its indices, then one Execute: nothing is left to record
-    assert calls[2:] == ["upload", "execute"]
-    assert dev.stats()["pending_nodes"] == 0
-    np.testing.assert_array_equal(xb6.numpy(), x[6:7])
-    np.testing.assert_array_equal(yb6.numpy(), y[6:7])
+    for k in range(3, 6):
+        xb, yb = next(it)  # its indices go; its take is recorded, not run
+        assert calls == ["upload"]
+        assert dev.stats()["pending_nodes"] == 2  # (x's take and y's)
+        assert float(total(xb)) == pytest.approx(2.0 * float(x[k].sum()), rel=1e-5)
+        assert calls == ["upload", "execute", "read"]  # the gather and the step: one graph
+        assert dev.stats()["pending_nodes"] == 0
+        np.testing.assert_array_equal(xb.numpy(), x[k : k + 1])  # the batch came out of it too
+        np.testing.assert_array_equal(yb.numpy(), y[k : k + 1])
+        calls.clear()
 
 
 def test_after_an_eager_step_the_next_batchs_take_joins_the_next_steps_graph(
@@ -468,3 +470,202 @@ def test_training_through_the_loader_gives_the_losses_of_a_plain_loop(
         batches = expected_batches(data, 4, 5, 3)
         want = [float(train(model, opt, cpu.tensor(bx), cpu.tensor(by))) for bx, by in batches]
     assert got == want
+
+
+# -- the resident loader and emberlink.jit: the gather folded into the step's graph --------------------
+
+
+def executes(dev: Device) -> int:
+    """Graphs the device's executor has run (a first run registers one, later ones replay)."""
+    stats = dev.stats()
+    return int(stats["graphs_registered"]) + int(stats["graph_replays"])
+
+
+def jit_train(model: el.nn.Module, opt: el.optim.SGD) -> Callable[[el.Tensor, el.Tensor], el.Tensor]:
+    return el.jit(lambda x, y: train(model, opt, x, y))
+
+
+def momentum_model(dev: Device) -> tuple[el.nn.Module, el.optim.SGD]:
+    nn = el.nn
+    model = nn.Sequential(nn.Linear(FEATURES, 8, seed=1), nn.ReLU(), nn.Linear(8, CLASSES, seed=2)).to(dev)
+    return model, el.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_a_jitted_step_on_resident_batches_trains_as_eager_and_as_uploaded_batches_in_one_graph(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """Four shuffled epochs of 4 + 4 + 2 rows: the folded step (gather and step one graph, the
+    short batch a signature of its own) gives the losses, parameters and momentum of eager steps on
+    the same loader and of the jitted step on the same batches uploaded beforehand (a plain
+    replay), bit for bit; from the third epoch on, every step is one graph run."""
+    epochs = 4
+    runs: dict[str, tuple[list[float], list[np.ndarray]]] = {}
+    per_step: list[int] = []
+    for feed in ("eager", "folded", "uploaded"):
+        model, opt = momentum_model(dev)
+        step = jit_train(model, opt)
+        losses: list[float] = []
+        if feed == "uploaded":
+            for bx, by in expected_batches(data, 4, 11, epochs):
+                losses.append(float(step(dev.tensor(bx), dev.tensor(by))))
+        else:
+            loader = DataLoader(data, batch_size=4, shuffle=True, seed=11, device=dev, resident=True)
+            for epoch in range(epochs):
+                for xb, yb in loader:
+                    before = executes(dev)
+                    if feed == "eager":
+                        losses.append(float(train(model, opt, xb, yb)))
+                        continue
+                    losses.append(float(step(xb, yb)))
+                    if epoch >= 2:
+                        per_step.append(executes(dev) - before)
+        state = [p.numpy() for p in model.parameters()]
+        state += [opt.state[id(p)]["momentum"].numpy() for p in model.parameters()]
+        runs[feed] = (losses, state)
+    assert per_step == [1] * 6
+    for feed in ("folded", "uploaded"):
+        assert runs[feed][0] == runs["eager"][0], feed
+        for got, want in zip(runs[feed][1], runs["eager"][1], strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+def warm_loader_step(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> tuple[Iterator[Any], Callable[[el.Tensor, el.Tensor], el.Tensor], el.nn.Module, el.optim.SGD]:
+    """A resident loader (batches of 2, one epoch of 5) and a jitted step past its warm-up calls
+    (eager, then traced with the gather folded in)."""
+    model, opt = momentum_model(dev)
+    step = jit_train(model, opt)
+    it = iter(DataLoader(data, batch_size=2, device=dev, resident=True))
+    for _ in range(2):
+        float(step(*next(it)))
+    return it, step, model, opt
+
+
+def eager_losses(dev: Device, data: tuple[np.ndarray, np.ndarray], calls: list[int]) -> list[float]:
+    """The losses eager steps give on the unshuffled batches of 2 rows: `calls[k]` steps on batch k."""
+    model, opt = momentum_model(dev)
+    x, y = data
+    out = []
+    for k, n in enumerate(calls):
+        for _ in range(n):
+            out.append(
+                float(train(model, opt, dev.tensor(x[2 * k : 2 * k + 2]), dev.tensor(y[2 * k : 2 * k + 2])))
+            )
+    return out
+
+
+def test_a_batch_read_before_the_jitted_step_is_gathered_on_its_own_then_the_step_replays(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    x, _ = data
+    it, step, _, _ = warm_loader_step(dev, data)
+    xb, yb = next(it)
+    np.testing.assert_array_equal(xb.numpy(), x[4:6])  # the gather runs here, for this read
+    before = executes(dev)
+    loss = float(step(xb, yb))
+    assert executes(dev) - before == 1  # the step alone
+    assert [*eager_losses(dev, data, [1, 1]), loss] == eager_losses(dev, data, [1, 1, 1])
+
+
+def test_a_batch_used_by_two_jitted_steps_is_folded_into_the_first_only(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    it, step, _, _ = warm_loader_step(dev, data)
+    xb, yb = next(it)
+    before = executes(dev)
+    losses = [float(step(xb, yb)) for _ in range(2)]
+    assert executes(dev) - before == 2  # the folded step, then a plain replay on the same batch
+    assert eager_losses(dev, data, [1, 1]) + losses == eager_losses(dev, data, [1, 1, 2])
+
+
+def test_eager_ops_on_the_batch_before_the_jitted_step_join_its_graph(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    x, y = data
+    model, opt = momentum_model(dev)
+    step = jit_train(model, opt)
+    losses, runs = [], []
+    for xb, yb in DataLoader(data, batch_size=2, device=dev, resident=True):
+        scaled = xb * 0.5  # recorded after the gather: both are pending work of the step
+        before = executes(dev)
+        losses.append(float(step(scaled, yb)))
+        runs.append(executes(dev) - before)
+        np.testing.assert_array_equal(scaled.numpy(), xb.numpy() * 0.5)  # still held: valid
+    assert runs[2:] == [1, 1, 1]
+    model, opt = momentum_model(dev)
+    want = [
+        float(train(model, opt, dev.tensor(x[k : k + 2]) * 0.5, dev.tensor(y[k : k + 2])))
+        for k in range(0, ROWS, 2)
+    ]
+    assert losses == want
+
+
+def test_a_batch_pending_on_another_device_is_left_to_that_device(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """Only the call's own device's pending work is folded in: a batch gathered on another device
+    stays pending there, and a step on it fails as an eager step across devices does."""
+    x, _ = data
+    model, opt = momentum_model(dev)
+    step = jit_train(model, opt)
+    with Device.cpu() as other:
+        elsewhere = iter(DataLoader(data, batch_size=2, device=other, resident=True))
+        here = iter(DataLoader(data, batch_size=2, device=dev, resident=True))
+        runs = []
+        for _ in range(4):
+            far, _ = next(elsewhere)  # pending on `other`
+            xb, yb = next(here)
+            before = executes(dev)
+            float(step(xb, yb))
+            runs.append(executes(dev) - before)
+            assert other.stats()["pending_nodes"] == 2  # (its take of x and of y)
+        assert runs[2:] == [1, 1]
+        np.testing.assert_array_equal(far.numpy(), x[6:8])
+        far, far_y = next(elsewhere)
+        with pytest.raises(el.DeviceError, match="operands are on different devices"):
+            step(far, far_y)  # the model is on `dev` (a new signature: run eagerly)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_folded_step_is_one_captured_graph_cut_after_its_loss() -> None:
+    """Device.cuda: the resident loader's gather and the jitted step run as one captured plan a
+    step, whose loss is readable early (the cut is after the loss, not after the labels' take),
+    with the losses of the same jitted step on batches uploaded beforehand."""
+    pytest.importorskip("cupy")
+    pytest.importorskip("nvmath")
+    from emberlink.graph_replay.capture import early_split
+
+    rng = np.random.default_rng(4)
+    data = rng.standard_normal((64, 20), dtype=np.float32), rng.integers(0, CLASSES, 64)
+    with Device.cuda(0) as dev:
+        runs: dict[str, list[float]] = {}
+        for feed in ("folded", "uploaded"):
+            nn = el.nn
+            model = nn.Sequential(nn.Linear(20, 32, seed=1), nn.ReLU(), nn.Linear(32, CLASSES, seed=2)).to(
+                dev
+            )
+            step = jit_train(model, el.optim.SGD(model.parameters(), lr=0.1))
+            losses = runs.setdefault(feed, [])
+            if feed == "uploaded":
+                for bx, by in expected_batches(data, 16, 9, 4):
+                    losses.append(float(step(dev.tensor(bx), dev.tensor(by))))
+                continue
+            for epoch in range(4):
+                for xb, yb in DataLoader(
+                    data, batch_size=16, shuffle=True, seed=9, device=dev, resident=True
+                ):
+                    before = (executes(dev), int(dev.stats()["captured_replays"]))
+                    losses.append(float(step(xb, yb)))
+                    if epoch == 3:
+                        assert (executes(dev), int(dev.stats()["captured_replays"])) == (
+                            before[0] + 1,
+                            before[1] + 1,
+                        )
+        np.testing.assert_allclose(runs["folded"], runs["uploaded"], rtol=1e-5)
+        captures = dev._executor._captures  # type: ignore[attr-defined]
+        plans = [e.captured.plan for e in captures._entries.values() if e.captured is not None]
+        folded = [p for p in plans if p.steps[0].op == "take"]
+        assert folded
+        split = early_split(folded[0])
+        assert split is not None and folded[0].steps[split.at - 1].op == "cross_entropy"

@@ -85,6 +85,24 @@ def test_every_output_made_before_the_cut_is_copied_out_with_the_first_graph() -
     assert split is not None and split.outputs == (loss, z)
 
 
+def test_a_small_output_gathered_from_inputs_alone_is_no_cut_the_loss_after_it_is() -> None:
+    """A resident batch gathered in the step's own graph (DataLoader + emberlink.jit): its labels
+    are a small output made first; the cut stays after the loss."""
+    g = Builder([_x(64, 4), TensorSpec("int64", (64,)), TensorSpec("int32", (8,)), _x(4, 300)], ["float"])
+    data_x, data_y, idx, w, lr = range(5)
+    x = g.add("take", data_x, idx, axis=0)
+    y = g.add("take", data_y, idx, axis=0)
+    loss = g.add("cross_entropy", g.add("matmul", x, w), y)
+    new_w = w
+    for _ in range(4):
+        new_w = g.add("subtract", new_w, g.add("multiply", w, lr))
+    plan = compile_plan(g.graph([x, y, loss, new_w]))
+    split = cap.early_split(plan)
+    assert split is not None
+    assert plan.steps[split.at - 1].out == loss
+    assert split.outputs == (x, y, loss)
+
+
 def test_no_cut_when_the_small_output_is_made_last_or_little_work_follows_it() -> None:
     g = Builder([_x(8, 4), _x(4, 3), TensorSpec("int64", (8,))], [])
     x, w, y = range(3)
