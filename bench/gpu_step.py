@@ -11,7 +11,8 @@ batches on every row: the small MLP (batch 128, 784-512-512-10) and a big one (b
 step is on its way). "host" rows give each step a batch from host memory (`dev.tensor(x)`; "from a DataLoader":
 `DataLoader(..., resident=False)`, which uploads batch k+1 right after step k's read is sent);
 "resident" rows keep the data set on the device: emberlink's through `DataLoader(...,
-resident=True)`, which gathers each batch with a `take` of an index tensor (a second plan a step),
+resident=True)`, which gathers each batch with a `take` of an index tensor (after a jitted step,
+folded into that step's own graph: one plan a step),
 PyTorch's and CuPy's as batches uploaded beforehand. emberlink's "batches uploaded beforehand" rows
 do what those do: each batch uploaded once (`dev.tensor`) before the steps, so a step is the
 training step alone; compare those with PyTorch's and CuPy's resident rows.
@@ -33,10 +34,11 @@ interleaved: 6 rounds each run a share of every row's blocks in turn, so a load 
 during the run (the machine is shared) weighs on every row alike. Each remote row has a worker
 process to itself, as a user's training loop has: a worker applies a captured replay on its
 event loop only while it serves one session (server/session.py, `_dispatch`). Measured on the
-H200, this costs the big MLP's remote rows about 3% (1.05x PyTorch eager resident, against
-1.01x-1.02x for the same tree measured one row after another with one worker), likely the 18
-worker processes' CUDA contexts; whether interleaving steadies the small MLP's ratios from run to
-run, three runs could not tell (its host-batch row: 0.77x, 0.77x, and 0.87x one row at a time).
+H200 when it came in, this cost the big MLP's remote rows about 3% (1.05x PyTorch eager
+resident, against 1.01x-1.02x for the same tree measured one row after another with one worker),
+likely the 18 worker processes' CUDA contexts; whether interleaving steadies the small MLP's
+ratios from run to run, three runs could not tell (its host-batch row: 0.77x, 0.77x, and 0.87x
+one row at a time).
 "GPU time" is the kernel time of one step alone, measured with CUDA events around back-to-back
 replays of the step's captured graph (PyTorch's, and emberlink's from `Device.cuda` jit). Each
 row's first four losses, from fresh weights, are checked against the first emberlink row's.
