@@ -17,7 +17,7 @@ import numpy as np
 from emberlink.client.executor import Call, ExecutorStats
 from emberlink.errors import EmberlinkError, ExecutionError, UnknownTensor
 from emberlink.graph_replay.backend import Backend, HostCopy
-from emberlink.graph_replay.captured import open_captures
+from emberlink.graph_replay.captured import HostUploads, open_captures
 from emberlink.graph_replay.ir import Graph
 
 
@@ -57,6 +57,7 @@ class LocalExecutor:
         self._closed = False
         # Device.cuda: plans replayed as captured CUDA graphs where capture serves (None if not).
         self._captures = open_captures(backend)
+        self._host_uploads = HostUploads()  # uploads in host memory that captured replays read
 
     def _put(self, buf: int, array: Any) -> None:
         old = self._store.get(buf)
@@ -84,8 +85,10 @@ class LocalExecutor:
     def upload(self, buf: int, array: np.ndarray) -> None:
         self._uploaded += array.nbytes
         self._poisoned.pop(buf, None)
+        self._host_uploads.forget((buf,))
         # With captures, an upload stays in host memory until a plan uses it: a captured graph
-        # copies it to the device itself (one node of the graph); `_on_device` uploads the rest.
+        # copies it to the device itself (one node of the graph); `_on_device` uploads the rest,
+        # and `HostUploads.place` an upload a second replay reads.
         self._put(buf, array if self._captures is not None else self._backend.from_numpy(array))
 
     def execute(self, graph: Graph, gid: bytes, call: Call) -> None:
@@ -106,6 +109,9 @@ class LocalExecutor:
             if self._captures is not None:
                 if not self._captures.takes_host(plan):
                     inputs = self._on_device(call.inputs, inputs)
+                else:
+                    checked = self._captures.host_checked(plan)
+                    inputs = self._host_uploads.place(call.inputs, inputs, checked, self._to_device)
                 outs = self._captures.run(plan, inputs, call.bindings)
             else:
                 outs = self._backend.run(plan, inputs, call.bindings)
@@ -120,6 +126,12 @@ class LocalExecutor:
             if poisoned:
                 poisoned.pop(buf, None)
             self._put(buf, array)
+
+    def _to_device(self, buf: int, a: np.ndarray) -> Any:
+        """Upload `buf`'s host array to the device; the store keeps the device copy from now on."""
+        moved = self._backend.from_numpy(a)
+        self._put(buf, moved)
+        return moved
 
     def _on_device(self, bufs: Sequence[int], inputs: list[Any]) -> list[Any]:
         """An eager run's inputs, with uploads still in host memory moved to the device for good."""
@@ -168,6 +180,7 @@ class LocalExecutor:
         return self._backend.to_numpy_async(array)
 
     def drop(self, bufs: Sequence[int]) -> None:
+        self._host_uploads.forget(bufs)
         store, poisoned, nbytes = self._store, self._poisoned, self._backend.nbytes
         for b in bufs:
             array = store.pop(b, None)

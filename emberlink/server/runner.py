@@ -29,7 +29,7 @@ import numpy as np
 
 from emberlink.errors import EmberlinkError, ErrorCode, ExecutionError, ProtocolError
 from emberlink.graph_replay.backend import Backend
-from emberlink.graph_replay.captured import open_captures
+from emberlink.graph_replay.captured import HostUploads, open_captures
 from emberlink.graph_replay.plan import Plan
 from emberlink.protocol import messages as m
 from emberlink.protocol.dtypes import DTYPES
@@ -147,8 +147,7 @@ class BatchRunner:
         # and to the client's cache entry of the plan; None where capture cannot serve.
         self._captures = open_captures(backend, admit=self._admit_capture, release=self._release_capture)
         self._peaks: dict[bytes, int] = {}  # gid -> its plan's peak bytes (graphs.Costs, memoized here)
-        # Uploads still in host memory that one captured replay has read (see `_host_inputs`).
-        self._host_read_once: set[int] = set()
+        self._host_uploads = HostUploads()  # uploads in host memory that captured replays read
 
     # -- one batch ----------------------------------------------------------------------------------
 
@@ -200,8 +199,7 @@ class BatchRunner:
                 self._read(msg, out)
             elif type(msg) is _Drop:
                 self._store.drop_many(msg.ids)
-                if self._host_read_once:
-                    self._host_read_once.difference_update(msg.ids)
+                self._host_uploads.forget(msg.ids)
             elif type(msg) is _Sync:
                 self._sync(msg, out)
             elif type(msg) is _Stats:
@@ -318,8 +316,7 @@ class BatchRunner:
         store = self._store
         quota = store.quota
         store.drop(msg.tid)  # an upload replaces its id: the old value's bytes are free first
-        if self._host_read_once:
-            self._host_read_once.discard(msg.tid)  # and the new value has been read by no replay
+        self._host_uploads.forget((msg.tid,))  # and the new value has been read by no replay
         need = msg.nbytes + ID_BYTES
         if not quota.reserve(need):
             self._fail((msg.tid,), quota.refusal(need, f"upload {msg.tid}"))
@@ -327,7 +324,7 @@ class BatchRunner:
         try:
             # With captures, an upload stays in host memory until a plan uses it: a captured graph
             # copies it to the device itself (one node of the graph); `_on_device` uploads the rest,
-            # and `_host_inputs` an upload a second replay reads.
+            # and `HostUploads.place` an upload a second replay reads.
             value = array if self._captures is not None else self._backend.from_numpy(array)
         except EmberlinkError as e:
             quota.release(need)
@@ -367,7 +364,8 @@ class BatchRunner:
                 if not self._captures.takes_host(plan):
                     inputs = self._on_device(msg.inputs, inputs)
                 else:
-                    inputs = self._host_inputs(msg.inputs, inputs, self._captures.host_checked(plan))
+                    checked = self._captures.host_checked(plan)
+                    inputs = self._host_uploads.place(msg.inputs, inputs, checked, self._to_device)
                 results = self._captures.run(plan, inputs, msg.bindings, msg.gid)
                 self.counters.captured_replays = self._captures.replays
                 if self._captures.captured(plan):
@@ -403,25 +401,6 @@ class BatchRunner:
         host memory moved to the device for good."""
         for k, (tid, a) in enumerate(zip(tids, inputs, strict=True)):
             if isinstance(a, np.ndarray):
-                inputs[k] = self._to_device(tid, a)
-        return inputs
-
-    def _host_inputs(self, tids: Sequence[int], inputs: list[Any], checked: frozenset[int]) -> list[Any]:
-        """A captured replay's inputs (changed in place): an upload stays in (pinned) host memory for
-        its first replay, which copies it in as a node of the graph; one that a second replay reads
-        is moved to the device for good, so data uploaded once and used on many steps (batches a
-        client uploaded beforehand, as PyTorch keeps resident data) is not copied over again on
-        every step. Inputs in `checked` (a take's indices, which a replay checks on the host) stay
-        in host memory: moved, every later replay of the plan would run eagerly (on the H200, a
-        small MLP step taking its batch with indices uploaded once: 2.7 ms a step against 0.39 ms
-        with indices uploaded each step)."""
-        seen = self._host_read_once
-        for k, (tid, a) in enumerate(zip(tids, inputs, strict=True)):
-            if type(a) is np.ndarray and k not in checked:
-                if tid not in seen:
-                    seen.add(tid)
-                    continue
-                seen.discard(tid)
                 inputs[k] = self._to_device(tid, a)
         return inputs
 

@@ -325,6 +325,42 @@ def test_host_inputs_are_wanted_once_the_next_run_captures_or_replays() -> None:
     assert not caps.takes_host(take)  # eager for good
 
 
+def test_a_takes_input_indices_are_the_inputs_a_replay_checks_on_the_host() -> None:
+    caps = Captures(NumpyBackend(), FakeCapture())
+    take = Node("take", (0, 1), check_attrs("take", {"axis": 0}))
+    plan = compile_plan(Graph((TensorSpec("float32", (5, 2)), TensorSpec("int32", (3,))), (), (take,), (2,)))
+    assert caps.host_checked(plan) == frozenset()  # unknown until its first run
+    caps.run(plan, [np.zeros((5, 2), np.float32), np.array([0, 4, 1], np.int32)], [])
+    assert caps.host_checked(plan) == {1}
+    scale = compile_plan(_scale_graph())
+    caps.run(scale, _IN, [0.5, 1.0])
+    assert caps.host_checked(scale) == frozenset()
+
+
+def test_an_upload_moves_to_the_device_when_a_second_replay_reads_it_unless_checked_on_the_host() -> None:
+    moved: list[int] = []
+
+    def to_device(i: int, a: np.ndarray) -> Any:
+        moved.append(i)
+        return ("device", i)
+
+    uploads = captured_mod.HostUploads()
+    batch, indices, data = np.ones(4), np.arange(2), ("device", 9)
+
+    def call() -> list[Any]:
+        return uploads.place([7, 8, 9], [batch, indices, data], frozenset({1}), to_device)
+
+    assert call() == [batch, indices, data]  # the first replay copies them in itself
+    assert call() == [("device", 7), indices, data]  # read again: moved, but for the checked indices
+    assert moved == [7]
+    uploads.place([5], [batch], frozenset(), to_device)  # id 5 read once by a replay
+    uploads.forget([5])  # then given a new value (or dropped): no replay has read that one
+    uploads.place([5], [batch], frozenset(), to_device)
+    assert moved == [7]  # read once since: stays on the host
+    uploads.place([5], [batch], frozenset(), to_device)
+    assert moved == [7, 5]  # read twice: moved
+
+
 def test_a_plan_with_an_uncapturable_op_runs_eagerly_and_the_reason_is_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

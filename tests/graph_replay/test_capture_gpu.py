@@ -401,6 +401,31 @@ def test_a_large_batch_on_a_cuda_device_is_staged_in_page_locked_memory() -> Non
         assert dev.stats()["captured_replays"] == 2
 
 
+def test_on_a_cuda_device_data_uploaded_once_moves_to_the_gpu_when_a_second_replay_reads_it() -> None:
+    """Batches uploaded beforehand end up on the GPU, as PyTorch keeps resident data (not copied
+    in from page-locked memory by every replay); a take's indices, checked on the host before each
+    replay, stay in host memory, so the plan stays captured."""
+    pytest.importorskip("nvmath")
+    import cupy
+
+    data = np.random.default_rng(13).standard_normal((256, 256)).astype(np.float32)  # page-locked
+    rows = np.arange(0, 256, 2, dtype=np.int32)
+
+    @el.jit
+    def gathered(x: el.Tensor, idx: el.Tensor) -> el.Tensor:
+        return (x.take(idx, axis=0) * 2.0).sum(axis=0)
+
+    with el.Device.cuda(0) as dev:
+        x, idx = dev.tensor(data), dev.tensor(rows)
+        store = dev._executor._store  # type: ignore[attr-defined]
+        for _ in range(6):
+            got = gathered(x, idx).numpy()
+            np.testing.assert_allclose(got, (data[rows] * 2.0).sum(axis=0), rtol=1e-5, atol=1e-4)
+        assert isinstance(store[x._v.buf], cupy.ndarray)
+        assert isinstance(store[idx._v.buf], np.ndarray)
+        assert dev.stats()["captured_replays"] >= 3
+
+
 def test_a_take_of_uploaded_indices_is_captured_and_checked_on_the_host(
     backend: Any, captures: Captures
 ) -> None:
