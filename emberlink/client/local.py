@@ -87,7 +87,7 @@ class LocalExecutor:
         self._poisoned.pop(buf, None)
         self._host_uploads.forget((buf,))
         # With captures, an upload stays in host memory until a plan uses it: a captured graph
-        # copies it to the device itself (one node of the graph); `_on_device` uploads the rest,
+        # copies it to the device itself (one node of the graph); `HostUploads.eager` the rest,
         # and `HostUploads.place` an upload a second replay reads.
         self._put(buf, array if self._captures is not None else self._backend.from_numpy(array))
 
@@ -107,10 +107,12 @@ class LocalExecutor:
             return
         try:
             if self._captures is not None:
+                checked = self._captures.host_checked(plan)
                 if not self._captures.takes_host(plan):
-                    inputs = self._on_device(call.inputs, inputs)
+                    inputs = self._host_uploads.eager(
+                        call.inputs, inputs, checked, self._to_device, self._backend.from_numpy
+                    )
                 else:
-                    checked = self._captures.host_checked(plan)
                     inputs = self._host_uploads.place(call.inputs, inputs, checked, self._to_device)
                 outs = self._captures.run(plan, inputs, call.bindings)
             else:
@@ -132,16 +134,6 @@ class LocalExecutor:
         moved = self._backend.from_numpy(a)
         self._put(buf, moved)
         return moved
-
-    def _on_device(self, bufs: Sequence[int], inputs: list[Any]) -> list[Any]:
-        """An eager run's inputs, with uploads still in host memory moved to the device for good."""
-        out = []
-        for buf, a in zip(bufs, inputs, strict=True):
-            if isinstance(a, np.ndarray):
-                a = self._backend.from_numpy(a)
-                self._put(buf, a)
-            out.append(a)
-        return out
 
     def _input_failure(self, bufs: Sequence[int]) -> ExecutionError:
         for b in bufs:

@@ -130,6 +130,23 @@ class HostUploads:
                 inputs[k] = to_device(i, a)
         return inputs
 
+    def eager(
+        self,
+        ids: Sequence[int],
+        inputs: list[Any],
+        checked: frozenset[int],
+        to_device: Callable[[int, np.ndarray], Any],
+        copy: Callable[[np.ndarray], Any],
+    ) -> list[Any]:
+        """An eager run's `inputs` (changed in place, and returned), all on the device: each host
+        array moved there for good by `to_device(id, array)`, but those in `checked` (indices
+        that the plan's replays check on the host), which this run gets a copy of (`copy`) while
+        the id keeps its host array."""
+        for k, (i, a) in enumerate(zip(ids, inputs, strict=True)):
+            if isinstance(a, np.ndarray):
+                inputs[k] = copy(a) if k in checked else to_device(i, a)
+        return inputs
+
     def forget(self, ids: Iterable[int]) -> None:
         """`ids` were dropped or given new values: no replay has read what they hold now."""
         if self._read_once:
@@ -186,7 +203,9 @@ class Captures:
         """The inputs of `plan` whose indices a replay checks on the host (a `take`'s indices that
         are an input): they must reach a replay as host arrays, or it runs eagerly."""
         entry = self._entries.get(id(plan))
-        return entry.checked if entry is not None and entry.ref() is plan else frozenset()
+        if entry is None or entry.ref() is not plan:  # its first run: captured from the next one on
+            return frozenset(c.input for c in host_checks(plan))
+        return entry.checked
 
     def _eager(self, plan: Plan, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> list[Any]:
         if self._backend.name != "numpy" and any(isinstance(a, np.ndarray) for a in inputs):

@@ -323,7 +323,7 @@ class BatchRunner:
             return
         try:
             # With captures, an upload stays in host memory until a plan uses it: a captured graph
-            # copies it to the device itself (one node of the graph); `_on_device` uploads the rest,
+            # copies it to the device itself (one node of the graph); `HostUploads.eager` the rest,
             # and `HostUploads.place` an upload a second replay reads.
             value = array if self._captures is not None else self._backend.from_numpy(array)
         except EmberlinkError as e:
@@ -361,10 +361,12 @@ class BatchRunner:
             return
         try:
             if self._captures is not None:
+                checked = self._captures.host_checked(plan)
                 if not self._captures.takes_host(plan):
-                    inputs = self._on_device(msg.inputs, inputs)
+                    inputs = self._host_uploads.eager(
+                        msg.inputs, inputs, checked, self._to_device, self._backend.from_numpy
+                    )
                 else:
-                    checked = self._captures.host_checked(plan)
                     inputs = self._host_uploads.place(msg.inputs, inputs, checked, self._to_device)
                 results = self._captures.run(plan, inputs, msg.bindings, msg.gid)
                 self.counters.captured_replays = self._captures.replays
@@ -395,14 +397,6 @@ class BatchRunner:
             self._fail(outs, Failure(ErrorCode.EXECUTION, f"{type(error).__name__}: {error}"))
         else:
             raise error
-
-    def _on_device(self, tids: Sequence[int], inputs: list[Any]) -> list[Any]:
-        """An eager run's inputs (this Execute's own list, changed in place), with uploads still in
-        host memory moved to the device for good."""
-        for k, (tid, a) in enumerate(zip(tids, inputs, strict=True)):
-            if isinstance(a, np.ndarray):
-                inputs[k] = self._to_device(tid, a)
-        return inputs
 
     def _to_device(self, tid: int, a: np.ndarray) -> Any:
         """Upload tid's host array to the device; the store keeps the device copy from now on."""

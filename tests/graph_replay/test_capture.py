@@ -329,7 +329,7 @@ def test_a_takes_input_indices_are_the_inputs_a_replay_checks_on_the_host() -> N
     caps = Captures(NumpyBackend(), FakeCapture())
     take = Node("take", (0, 1), check_attrs("take", {"axis": 0}))
     plan = compile_plan(Graph((TensorSpec("float32", (5, 2)), TensorSpec("int32", (3,))), (), (take,), (2,)))
-    assert caps.host_checked(plan) == frozenset()  # unknown until its first run
+    assert caps.host_checked(plan) == {1}  # its first run is eager, later ones replay
     caps.run(plan, [np.zeros((5, 2), np.float32), np.array([0, 4, 1], np.int32)], [])
     assert caps.host_checked(plan) == {1}
     scale = compile_plan(_scale_graph())
@@ -359,6 +359,9 @@ def test_an_upload_moves_to_the_device_when_a_second_replay_reads_it_unless_chec
     assert moved == [7]  # read once since: stays on the host
     uploads.place([5], [batch], frozenset(), to_device)
     assert moved == [7, 5]  # read twice: moved
+    copied = uploads.eager([3, 4], [batch, indices], frozenset({1}), to_device, lambda a: ("copy", len(a)))
+    assert copied == [("device", 3), ("copy", 2)]  # an eager run: checked indices only copied
+    assert moved == [7, 5, 3]
 
 
 def test_a_plan_with_an_uncapturable_op_runs_eagerly_and_the_reason_is_logged_once(
