@@ -297,19 +297,26 @@ def _fold(xp: Any, args: Sequence[Any], step: Step) -> Array:
 # -- training --------------------------------------------------------------------------------------
 
 
-def _log_softmax_wide(xp: Any, x: Any, axis: int) -> Any:
-    """log_softmax in the accumulation dtype (float16 widened), stable by subtracting the max."""
-    xf = x.astype(_wide(str(x.dtype)), copy=False)
+def _log_softmax_wide(xp: Any, x: Any, dtype: str, axis: int) -> Any:
+    """log_softmax of `x` (of dtype `dtype`: named by the step's spec, as `str(x.dtype)` costs
+    ~2 µs) in the accumulation dtype (float16 widened), stable by subtracting the max. A new array
+    of its own (never `x`), so callers may write into it."""
+    xf = x.astype(_wide(dtype), copy=False)
     if xf.size == 0:
-        return xf
+        return xf.copy()
+    if xp is np:  # the same ufuncs without np.max's and np.sum's Python wrappers, in place where
+        # the value dies (identical results: those wrappers call these reductions)
+        shifted = np.subtract(xf, np.maximum.reduce(xf, axis=axis, keepdims=True))
+        total = np.add.reduce(np.exp(shifted), axis=axis, keepdims=True)
+        return np.subtract(shifted, np.log(total, out=total), out=shifted)
     shifted = xf - xp.max(xf, axis=axis, keepdims=True)
     return shifted - xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True))
 
 
 def _softmax(xp: Any, args: Sequence[Any], step: Step) -> Array:
     x = _operands(xp, args, step)[0]
-    lsm = _log_softmax_wide(xp, x, cast(int, step.attrs["axis"]))
-    out = lsm if step.op == "log_softmax" else xp.exp(lsm)
+    lsm = _log_softmax_wide(xp, x, cast(str, step.operand_dtype), cast(int, step.attrs["axis"]))
+    out = lsm if step.op == "log_softmax" else xp.exp(lsm, out=lsm)
     return out.astype(step.out_spec.dtype, copy=False)
 
 
@@ -317,14 +324,20 @@ def _cross_entropy(xp: Any, args: Sequence[Any], step: Step) -> Array:
     """Mean/sum/none of -log_softmax(logits)[i, labels[i]]; a label outside [0, C) gives NaN."""
     logits, labels = args[0], wide_indices(args[1])
     n, c = logits.shape
-    lsm = _log_softmax_wide(xp, logits, 1)
-    valid = (labels >= 0) & (labels < c)
-    picked = xp.take_along_axis(lsm, xp.where(valid, labels, 0)[:, None], axis=1)[:, 0]
-    nll = xp.where(valid, -picked, host_scalar(float("nan"), str(lsm.dtype)))
-    if step.attrs["reduction"] == "sum":
-        nll = xp.sum(nll)
-    elif step.attrs["reduction"] == "mean":
-        nll = xp.sum(nll) / host_scalar(n, str(lsm.dtype))
+    wide = _wide(step.in_specs[0].dtype)
+    lsm = _log_softmax_wide(xp, logits, wide, 1)
+    if xp is np and n and 0 <= np.minimum.reduce(labels) and np.maximum.reduce(labels) < c:
+        # every label valid (the usual case): one gather, no masks (the same values)
+        nll = np.negative(lsm[np.arange(n), labels])
+    else:
+        valid = (labels >= 0) & (labels < c)
+        picked = xp.take_along_axis(lsm, xp.where(valid, labels, 0)[:, None], axis=1)[:, 0]
+        nll = xp.where(valid, -picked, host_scalar(float("nan"), wide))
+    reduction = step.attrs["reduction"]
+    if reduction != "none":
+        nll = np.add.reduce(nll, axis=None) if xp is np else xp.sum(nll)  # np.sum's own reduction
+        if reduction == "mean":
+            nll = nll / host_scalar(n, wide)
     return nll.astype(step.out_spec.dtype, copy=False)
 
 
