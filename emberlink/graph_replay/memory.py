@@ -12,6 +12,15 @@ sampled every time an array is registered, i.e. after every step of a run, befor
 Not counted: temporaries inside one op (an op's own scratch arrays), and memory that is not an
 array (Python objects, the allocator's own caches).
 
+A run repeats: which steps make a new buffer and which write into one or view one is decided by
+the plan, the ops and the inputs' layouts (strides), never by values. So the NumPy backend counts
+every step of a plan's first run with given input strides, keeps how far `in_use` rose above its
+start (`start_rise`/`end_rise`), and for later runs with those strides records that high point at
+once (`add_rise`) and counts no step (a weak reference per new buffer and a call per step cost
+~50 µs of a ~3 ms MLP step on the 2-core machine). The figure is the same, exactly so unless another
+thread allocated during the measured run (then it is higher). While such a run is under way its
+intermediates show in `peak`, not in `in_use`.
+
 Thread-safe: arrays may die on any thread. A dying array's callback only appends to a deque and
 pops a dict entry (both atomic in CPython); counters change under a lock the callbacks never take.
 
@@ -129,6 +138,30 @@ class MemoryMeter:
         with self._lock:
             self._settle()
             self._peak = self._in_use
+
+    def start_rise(self) -> tuple[int, int]:
+        """Start measuring how far `in_use` rises above what is in use now; pass the result to
+        `end_rise`. The high point goes on as before meanwhile."""
+        with self._lock:
+            self._settle()
+            token = (self._in_use, self._peak)
+            self._peak = self._in_use
+        return token
+
+    def end_rise(self, token: tuple[int, int]) -> int:
+        """How far `in_use` rose above its value at `start_rise` (bytes, at least 0)."""
+        start, before = token
+        with self._lock:
+            self._settle()
+            rise = max(self._peak, self._in_use) - start
+            self._peak = max(self._peak, before)  # the high point from before the measurement
+        return max(rise, 0)
+
+    def add_rise(self, rise: int) -> None:
+        """Record a high point `rise` bytes above what is in use now (a run measured before)."""
+        with self._lock:
+            self._settle()
+            self._peak = max(self._peak, self._in_use + rise)
 
 
 PURE_VIEW_OPS = frozenset({"permute_dims", "broadcast_to", "expand_dims", "getitem"})

@@ -394,6 +394,9 @@ INTO_TABLE: dict[str, IntoFn] = dict.fromkeys(REUSE_OPS, _elementwise_into)
 """Op name -> implementation writing into a given buffer; exactly `plan.REUSE_OPS`."""
 
 
+MAX_LAYOUTS = 8
+"""Input layouts (strides) whose measured rise a plan keeps at once (memory.py)."""
+
 _DTYPE_OBJECTS = frozenset(np.dtype(name) for name in DTYPES)
 """The dtypes a backend array may have, as dtype objects (native byte order only)."""
 
@@ -415,6 +418,8 @@ class NumpyBackend:
         self.reuse = reuse and not keep_intermediates
         self._meter = MemoryMeter()
         self._variants: weakref.WeakKeyDictionary[Plan, Plan] = weakref.WeakKeyDictionary()
+        # How far each plan's run raised memory in use, by its inputs' strides (memory.py).
+        self._rises: weakref.WeakKeyDictionary[Plan, dict[tuple[Any, ...], int]] = weakref.WeakKeyDictionary()
 
     def plan_for(self, plan: Plan) -> Plan:
         """The plan this backend runs for `plan`: `plan` itself, or its variant with this backend's options."""
@@ -436,20 +441,34 @@ class NumpyBackend:
         return np.asarray(a, order="C")
 
     def run(self, plan: Plan, inputs: Sequence[Array], bindings: Sequence[Scalar]) -> list[Array]:
-        track = self._meter.track  # inputs are checked by run_plan, before any step
+        meter = self._meter
+        track = meter.track  # inputs are checked by run_plan, before any step
         for a in inputs:
             track(a)
+        plan = self.plan_for(plan)
+        # A run's rise in memory depends on the plan and its inputs' layouts only (memory.py): count
+        # each step the first time, then record the rise measured then.
+        rises = self._rises.get(plan)
+        layout = tuple(a.strides for a in inputs)
+        rise = None if rises is None else rises.get(layout)
         # inf and nan are results here, as on a GPU, not warnings.
         with np.errstate(all="ignore"):
-            outs = run_plan(
-                self.plan_for(plan),
-                inputs,
-                bindings,
-                xp=np,
-                table=OP_TABLE,
-                into_table=INTO_TABLE,
-                after_step=track,
-            )
+            if rise is not None:
+                meter.add_rise(rise)
+                outs = run_plan(plan, inputs, bindings, xp=np, table=OP_TABLE, into_table=INTO_TABLE)
+            else:
+                token = meter.start_rise()
+                try:
+                    outs = run_plan(
+                        plan, inputs, bindings, xp=np, table=OP_TABLE, into_table=INTO_TABLE, after_step=track
+                    )
+                finally:
+                    rise = meter.end_rise(token)
+                if rises is None:
+                    rises = self._rises[plan] = {}
+                if len(rises) >= MAX_LAYOUTS:
+                    rises.clear()
+                rises[layout] = rise
         for a in outs:
             track(a)
         return outs
