@@ -158,6 +158,8 @@ def _reduce(xp: Any, args: Sequence[Any], step: Step) -> Array:
 
 def _matmul(xp: Any, args: Sequence[Any], step: Step) -> Array:
     dtype = step.out_spec.dtype
+    if not step.casts and step.operand_dtype == dtype and dtype != "float16":
+        return xp.matmul(args[0], args[1])  # both operands of the result's dtype already
     a, b = (a.astype(_wide(dtype), copy=False) for a in args)
     return xp.matmul(a, b).astype(dtype, copy=False)
 
