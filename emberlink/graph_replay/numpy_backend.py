@@ -111,11 +111,11 @@ def _elementwise_operands(xp: Any, args: Sequence[Any], step: Step) -> Sequence[
 
 
 def _elementwise(xp: Any, args: Sequence[Any], step: Step) -> Array:
-    return _REF[step.op](xp, *_elementwise_operands(xp, args, step))
+    return _REF[step.op](xp, *(_elementwise_operands(xp, args, step) if step.casts else args))
 
 
 def _elementwise_into(xp: Any, args: Sequence[Any], step: Step, out: Any) -> Array:
-    return _REF[step.op](xp, *_elementwise_operands(xp, args, step), out=out)
+    return _REF[step.op](xp, *(_elementwise_operands(xp, args, step) if step.casts else args), out=out)
 
 
 _REF: dict[str, Elementwise] = {name: d.ref for name, d in OPS.items() if d.ref is not None}
@@ -451,7 +451,7 @@ class NumpyBackend:
         # A run's rise in memory depends on the plan and its inputs' layouts only (memory.py): count
         # each step the first time, then record the rise measured then.
         rises = self._rises.get(plan)
-        layout = tuple(a.strides for a in inputs)
+        layout = tuple([a.strides for a in inputs])
         rise = None if rises is None else rises.get(layout)
         # inf and nan are results here, as on a GPU, not warnings.
         with np.errstate(all="ignore"):
