@@ -115,11 +115,20 @@ class LocalExecutor:
         except EmberlinkError as e:
             self._poison(call, ExecutionError(str(e)))
             return
-        poisoned = self._poisoned
+        # `_put` for each output, inlined (a replay stores one output per updated parameter).
+        poisoned, nbytes = self._poisoned, self._backend.nbytes
+        in_use, peak = self._in_use, self._peak
         for buf, array in zip(call.outputs, outs, strict=True):
             if poisoned:
                 poisoned.pop(buf, None)
-            self._put(buf, array)
+            old = store.get(buf)
+            if old is not None:
+                in_use -= nbytes(old)
+            store[buf] = array
+            in_use += nbytes(array)
+            if in_use > peak:  # noqa: PLR1730 - no max() call: once per output of every replay
+                peak = in_use
+        self._in_use, self._peak = in_use, peak
 
     def _on_device(self, bufs: Sequence[int], inputs: list[Any]) -> list[Any]:
         """An eager run's inputs, with uploads still in host memory moved to the device for good."""
