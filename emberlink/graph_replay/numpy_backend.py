@@ -474,18 +474,19 @@ class NumpyBackend:
                 meter.add_rise(rise)
                 outs = run_plan(plan, inputs, bindings, xp=np, table=OP_TABLE, into_table=INTO_TABLE)
             else:
-                token = meter.start_rise()
+                start = meter.start_rise()
                 try:
                     outs = run_plan(
                         plan, inputs, bindings, xp=np, table=OP_TABLE, into_table=INTO_TABLE, after_step=track
                     )
                 finally:
-                    rise = meter.end_rise(token)
-                if rises is None:
-                    rises = self._rises[plan] = {}
-                if len(rises) >= MAX_LAYOUTS:
-                    rises.clear()
-                rises[layout] = rise
+                    rise = None if start is None else meter.end_rise(start)
+                if rise is not None:  # None: another run was measuring (on another thread)
+                    if rises is None:
+                        rises = self._rises[plan] = {}
+                    if len(rises) >= MAX_LAYOUTS:
+                        rises.clear()
+                    rises[layout] = rise
         for a in outs:
             track(a)
         return outs

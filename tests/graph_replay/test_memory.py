@@ -115,6 +115,7 @@ def test_a_rise_measured_from_a_start_is_recorded_again_above_a_later_start() ->
     held = np.zeros(1000, np.uint8)
     meter.track(held)
     token = meter.start_rise()
+    assert token == 1000
     temp = np.zeros(500, np.uint8)
     meter.track(temp)
     del temp
@@ -127,14 +128,20 @@ def test_a_rise_measured_from_a_start_is_recorded_again_above_a_later_start() ->
     assert meter.peak == 1700 and meter.in_use == 1200
 
 
-def test_a_measurement_keeps_the_high_point_from_before_it() -> None:
+def test_a_measurement_leaves_the_high_point_and_its_reset_alone() -> None:
     meter = MemoryMeter()
     temp = np.zeros(5000, np.uint8)
     meter.track(temp)
     del temp
-    token = meter.start_rise()
-    assert meter.end_rise(token) == 0
-    assert meter.peak == 5000
+    start = meter.start_rise()
+    assert start == 0
+    assert meter.start_rise() is None  # one measurement at a time
+    assert meter.peak == 5000  # the high point from before it still reads
+    meter.reset_peak()
+    assert meter.peak == 0
+    assert meter.end_rise(start) == 0
+    assert meter.peak == 0  # the reset holds after it
+    assert meter.start_rise() == 0  # the next one may start
 
 
 def _reshape_graph() -> Graph:
