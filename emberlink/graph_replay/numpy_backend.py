@@ -99,30 +99,15 @@ def _randn(xp: Any, args: Sequence[Any], step: Step) -> Array:
 
 def _elementwise_operands(xp: Any, args: Sequence[Any], step: Step) -> Sequence[Any]:
     """The operands cast as `_operands` casts them, touching only those `step.casts` names (an
-    `astype` call on an array of the right dtype already costs ~0.3 µs, and a step has several).
-
-    On NumPy a bool array beside an array of the operand dtype in a binary op stays bool: the
-    ufunc's own loop for the operand dtype converts it (True to 1, exactly as `astype` does) a
-    buffer at a time, with no whole-array copy (a ReLU's gradient mask: ~6 µs of 128x512)."""
+    `astype` call on an array of the right dtype already costs ~0.3 µs, and a step has several)."""
+    casts = step.casts
+    if not casts:
+        return args
     dtype = cast(str, step.operand_dtype)
     out = list(args)
-    for k in step.casts:
-        if xp is np and _bool_beside(step, k, dtype):
-            continue
+    for k in casts:
         out[k] = as_operand(xp, out[k], dtype)
     return out
-
-
-def _bool_beside(step: Step, k: int, dtype: str) -> bool:
-    """Whether operand `k` of a binary op is a bool array and the other an array of `dtype`
-    (so NumPy's promotion picks the `dtype` loop by itself)."""
-    if step.op not in _BINARY or dtype == "bool":
-        return False
-    mine, other = step.in_specs[k], step.in_specs[1 - k]
-    return mine.dtype == "bool" and not mine.weak and other.dtype == dtype and not other.weak
-
-
-_BINARY = frozenset(names("binary"))
 
 
 def _elementwise(xp: Any, args: Sequence[Any], step: Step) -> Array:
