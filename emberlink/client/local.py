@@ -123,11 +123,20 @@ class LocalExecutor:
         except EmberlinkError as e:
             self._poison(call, ExecutionError(str(e)))
             return
-        poisoned = self._poisoned
+        # `_put` for each output, inlined (a replay stores one output per updated parameter).
+        poisoned, nbytes = self._poisoned, self._backend.nbytes
+        in_use, peak = self._in_use, self._peak
         for buf, array in zip(call.outputs, outs, strict=True):
             if poisoned:
                 poisoned.pop(buf, None)
-            self._put(buf, array)
+            old = store.get(buf)
+            if old is not None:
+                in_use -= nbytes(old)
+            store[buf] = array
+            in_use += nbytes(array)
+            if in_use > peak:  # noqa: PLR1730 - no max() call: once per output of every replay
+                peak = in_use
+        self._in_use, self._peak = in_use, peak
 
     def _to_device(self, buf: int, a: np.ndarray) -> Any:
         """Upload `buf`'s host array to the device; the store keeps the device copy from now on."""

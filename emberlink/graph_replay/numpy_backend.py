@@ -98,15 +98,24 @@ def _randn(xp: Any, args: Sequence[Any], step: Step) -> Array:
 
 
 def _elementwise_operands(xp: Any, args: Sequence[Any], step: Step) -> Sequence[Any]:
-    return args if step.operand_dtype is None else _operands(xp, args, step)
+    """The operands cast as `_operands` casts them, touching only those `step.casts` names (an
+    `astype` call on an array of the right dtype already costs ~0.3 µs, and a step has several)."""
+    casts = step.casts
+    if not casts:
+        return args
+    dtype = cast(str, step.operand_dtype)
+    out = list(args)
+    for k in casts:
+        out[k] = as_operand(xp, out[k], dtype)
+    return out
 
 
 def _elementwise(xp: Any, args: Sequence[Any], step: Step) -> Array:
-    return _REF[step.op](xp, *_elementwise_operands(xp, args, step))
+    return _REF[step.op](xp, *(_elementwise_operands(xp, args, step) if step.casts else args))
 
 
 def _elementwise_into(xp: Any, args: Sequence[Any], step: Step, out: Any) -> Array:
-    return _REF[step.op](xp, *_elementwise_operands(xp, args, step), out=out)
+    return _REF[step.op](xp, *(_elementwise_operands(xp, args, step) if step.casts else args), out=out)
 
 
 _REF: dict[str, Elementwise] = {name: d.ref for name, d in OPS.items() if d.ref is not None}
@@ -149,6 +158,8 @@ def _reduce(xp: Any, args: Sequence[Any], step: Step) -> Array:
 
 def _matmul(xp: Any, args: Sequence[Any], step: Step) -> Array:
     dtype = step.out_spec.dtype
+    if not step.casts and step.operand_dtype == dtype and dtype != "float16":
+        return xp.matmul(args[0], args[1])  # both operands of the result's dtype already
     a, b = (a.astype(_wide(dtype), copy=False) for a in args)
     return xp.matmul(a, b).astype(dtype, copy=False)
 
@@ -297,19 +308,26 @@ def _fold(xp: Any, args: Sequence[Any], step: Step) -> Array:
 # -- training --------------------------------------------------------------------------------------
 
 
-def _log_softmax_wide(xp: Any, x: Any, axis: int) -> Any:
-    """log_softmax in the accumulation dtype (float16 widened), stable by subtracting the max."""
-    xf = x.astype(_wide(str(x.dtype)), copy=False)
+def _log_softmax_wide(xp: Any, x: Any, dtype: str, axis: int) -> Any:
+    """log_softmax of `x` (of dtype `dtype`: named by the step's spec, as `str(x.dtype)` costs
+    ~2 µs) in the accumulation dtype (float16 widened), stable by subtracting the max. A new array
+    of its own (never `x`), so callers may write into it."""
+    xf = x.astype(_wide(dtype), copy=False)
     if xf.size == 0:
-        return xf
+        return xf.copy()
+    if xp is np:  # the same ufuncs without np.max's and np.sum's Python wrappers, in place where
+        # the value dies (identical results: those wrappers call these reductions)
+        shifted = np.subtract(xf, np.maximum.reduce(xf, axis=axis, keepdims=True))
+        total = np.add.reduce(np.exp(shifted), axis=axis, keepdims=True)
+        return np.subtract(shifted, np.log(total, out=total), out=shifted)
     shifted = xf - xp.max(xf, axis=axis, keepdims=True)
     return shifted - xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True))
 
 
 def _softmax(xp: Any, args: Sequence[Any], step: Step) -> Array:
     x = _operands(xp, args, step)[0]
-    lsm = _log_softmax_wide(xp, x, cast(int, step.attrs["axis"]))
-    out = lsm if step.op == "log_softmax" else xp.exp(lsm)
+    lsm = _log_softmax_wide(xp, x, cast(str, step.operand_dtype), cast(int, step.attrs["axis"]))
+    out = lsm if step.op == "log_softmax" else xp.exp(lsm, out=lsm)
     return out.astype(step.out_spec.dtype, copy=False)
 
 
@@ -317,14 +335,20 @@ def _cross_entropy(xp: Any, args: Sequence[Any], step: Step) -> Array:
     """Mean/sum/none of -log_softmax(logits)[i, labels[i]]; a label outside [0, C) gives NaN."""
     logits, labels = args[0], wide_indices(args[1])
     n, c = logits.shape
-    lsm = _log_softmax_wide(xp, logits, 1)
-    valid = (labels >= 0) & (labels < c)
-    picked = xp.take_along_axis(lsm, xp.where(valid, labels, 0)[:, None], axis=1)[:, 0]
-    nll = xp.where(valid, -picked, host_scalar(float("nan"), str(lsm.dtype)))
-    if step.attrs["reduction"] == "sum":
-        nll = xp.sum(nll)
-    elif step.attrs["reduction"] == "mean":
-        nll = xp.sum(nll) / host_scalar(n, str(lsm.dtype))
+    wide = _wide(step.in_specs[0].dtype)
+    lsm = _log_softmax_wide(xp, logits, wide, 1)
+    if xp is np and n and 0 <= np.minimum.reduce(labels) and np.maximum.reduce(labels) < c:
+        # every label valid (the usual case): one gather, no masks (the same values)
+        nll = np.negative(lsm[np.arange(n), labels])
+    else:
+        valid = (labels >= 0) & (labels < c)
+        picked = xp.take_along_axis(lsm, xp.where(valid, labels, 0)[:, None], axis=1)[:, 0]
+        nll = xp.where(valid, -picked, host_scalar(float("nan"), wide))
+    reduction = step.attrs["reduction"]
+    if reduction != "none":
+        nll = np.add.reduce(nll, axis=None) if xp is np else xp.sum(nll)  # np.sum's own reduction
+        if reduction == "mean":
+            nll = nll / host_scalar(n, wide)
     return nll.astype(step.out_spec.dtype, copy=False)
 
 
@@ -372,6 +396,9 @@ INTO_TABLE: dict[str, IntoFn] = dict.fromkeys(REUSE_OPS, _elementwise_into)
 """Op name -> implementation writing into a given buffer; exactly `plan.REUSE_OPS`."""
 
 
+MAX_LAYOUTS = 8
+"""Input layouts (strides) whose measured rise a plan keeps at once (memory.py)."""
+
 _DTYPE_OBJECTS = frozenset(np.dtype(name) for name in DTYPES)
 """The dtypes a backend array may have, as dtype objects (native byte order only)."""
 
@@ -393,6 +420,8 @@ class NumpyBackend:
         self.reuse = reuse and not keep_intermediates
         self._meter = MemoryMeter()
         self._variants: weakref.WeakKeyDictionary[Plan, Plan] = weakref.WeakKeyDictionary()
+        # How far each plan's run raised memory in use, by its inputs' strides (memory.py).
+        self._rises: weakref.WeakKeyDictionary[Plan, dict[tuple[Any, ...], int]] = weakref.WeakKeyDictionary()
 
     def plan_for(self, plan: Plan) -> Plan:
         """The plan this backend runs for `plan`: `plan` itself, or its variant with this backend's options."""
@@ -414,20 +443,35 @@ class NumpyBackend:
         return np.asarray(a, order="C")
 
     def run(self, plan: Plan, inputs: Sequence[Array], bindings: Sequence[Scalar]) -> list[Array]:
-        track = self._meter.track  # inputs are checked by run_plan, before any step
+        meter = self._meter
+        track = meter.track  # inputs are checked by run_plan, before any step
         for a in inputs:
             track(a)
+        plan = self.plan_for(plan)
+        # A run's rise in memory depends on the plan and its inputs' layouts only (memory.py): count
+        # each step the first time, then record the rise measured then.
+        rises = self._rises.get(plan)
+        layout = tuple([a.strides for a in inputs])
+        rise = None if rises is None else rises.get(layout)
         # inf and nan are results here, as on a GPU, not warnings.
         with np.errstate(all="ignore"):
-            outs = run_plan(
-                self.plan_for(plan),
-                inputs,
-                bindings,
-                xp=np,
-                table=OP_TABLE,
-                into_table=INTO_TABLE,
-                after_step=track,
-            )
+            if rise is not None:
+                meter.add_rise(rise)
+                outs = run_plan(plan, inputs, bindings, xp=np, table=OP_TABLE, into_table=INTO_TABLE)
+            else:
+                start = meter.start_rise()
+                try:
+                    outs = run_plan(
+                        plan, inputs, bindings, xp=np, table=OP_TABLE, into_table=INTO_TABLE, after_step=track
+                    )
+                finally:
+                    rise = None if start is None else meter.end_rise(start)
+                if rise is not None:  # None: another run was measuring (on another thread)
+                    if rises is None:
+                        rises = self._rises[plan] = {}
+                    if len(rises) >= MAX_LAYOUTS:
+                        rises.clear()
+                    rises[layout] = rise
         for a in outs:
             track(a)
         return outs

@@ -52,7 +52,12 @@ MAX_FUSED = 32
 @dataclass(frozen=True, eq=False, slots=True)
 class Step:
     """One node to run: its value numbers, specs, attrs, what to drop once it has run, and where
-    its result may go (`into`: a dying input's value number, or None for a fresh array)."""
+    its result may go (`into`: a dying input's value number, or None for a fresh array).
+
+    `casts`: the positions of the operands a backend must bring to `operand_dtype` before
+    computing (bindings, and arrays of another dtype); every other operand has that dtype already,
+    and `where`'s condition is never cast. Empty where the op has no operand dtype.
+    """
 
     node: int
     op: str
@@ -66,6 +71,7 @@ class Step:
     into: int | None = None
     chain: tuple[Step, ...] = ()
     kernel: Any = None
+    casts: tuple[int, ...] = ()
 
     @property
     def label(self) -> str:
@@ -196,6 +202,7 @@ def _base_steps(graph: Graph, specs: Sequence[TensorSpec]) -> list[Step]:
         if not needed:
             continue
         in_specs = tuple(specs[v] for v in node.inputs)
+        cast = operand_dtype(node.op, in_specs)
         steps.append(
             Step(
                 node=i,
@@ -205,11 +212,20 @@ def _base_steps(graph: Graph, specs: Sequence[TensorSpec]) -> list[Step]:
                 in_specs=in_specs,
                 out_spec=specs[first + i],
                 out=first + i,
-                operand_dtype=operand_dtype(node.op, in_specs),
+                operand_dtype=cast,
                 free=(),
+                casts=_casts(node.op, in_specs, cast),
             )
         )
     return steps
+
+
+def _casts(op: str, in_specs: Sequence[TensorSpec], cast: str | None) -> tuple[int, ...]:
+    """`Step.casts`: the operands not already of the operand dtype `cast`."""
+    if cast is None:
+        return ()
+    skip = 1 if op == "where" else 0  # the condition stays bool
+    return tuple(k for k in range(skip, len(in_specs)) if in_specs[k].weak or in_specs[k].dtype != cast)
 
 
 def _assign_reuse(

@@ -14,6 +14,7 @@ from emberlink.graph_replay import memory
 from emberlink.graph_replay.ir import Graph, Node, Scalar, TensorSpec, kind_of_scalar
 from emberlink.graph_replay.memory import MemoryMeter, plan_peak_bytes
 from emberlink.graph_replay.numpy_backend import NumpyBackend
+from emberlink.graph_replay.ops import check_attrs
 from emberlink.graph_replay.plan import compile_plan
 
 from .graphs import Builder, mlp_inputs, mlp_step
@@ -107,6 +108,78 @@ def test_the_measured_peak_follows_the_plan_estimate_on_a_chain() -> None:
         backend.run(plan, [np.zeros(1000, np.float32)], [])
         measured = backend.memory_stats()["peak_bytes"]
         assert measured == plan.input_bytes + plan.peak_bytes == 4000 + results * 4000
+
+
+def test_a_rise_measured_from_a_start_is_recorded_again_above_a_later_start() -> None:
+    meter = MemoryMeter()
+    held = np.zeros(1000, np.uint8)
+    meter.track(held)
+    token = meter.start_rise()
+    assert token == 1000
+    temp = np.zeros(500, np.uint8)
+    meter.track(temp)
+    del temp
+    assert meter.end_rise(token) == 500
+    assert meter.peak == 1500 and meter.in_use == 1000
+    meter.reset_peak()
+    more = np.zeros(200, np.uint8)
+    meter.track(more)
+    meter.add_rise(500)  # the same run again, now above 1200 bytes in use
+    assert meter.peak == 1700 and meter.in_use == 1200
+
+
+def test_a_measurement_leaves_the_high_point_and_its_reset_alone() -> None:
+    meter = MemoryMeter()
+    temp = np.zeros(5000, np.uint8)
+    meter.track(temp)
+    del temp
+    start = meter.start_rise()
+    assert start == 0
+    assert meter.start_rise() is None  # one measurement at a time
+    assert meter.peak == 5000  # the high point from before it still reads
+    meter.reset_peak()
+    assert meter.peak == 0
+    assert meter.end_rise(start) == 0
+    assert meter.peak == 0  # the reset holds after it
+    assert meter.start_rise() == 0  # the next one may start
+
+
+def _reshape_graph() -> Graph:
+    """exp of a reshaped input: the reshape is a view of a C-ordered input, a copy of any other."""
+    spec = TensorSpec("float32", (100, 10))
+    nodes = (Node("reshape", (0,), check_attrs("reshape", {"shape": (1000,)})), Node("exp", (1,)))
+    return Graph((spec,), (), nodes, (2,))
+
+
+def test_replays_report_the_same_peak_as_the_run_that_counted_every_step() -> None:
+    graph = mlp_step(batch=64, sizes=(100, 128, 10))
+    inputs, bindings = mlp_inputs(graph)
+    backend = NumpyBackend()
+    plan = compile_plan(graph)
+    held = [backend.from_numpy(a) for a in inputs]
+    peaks = []
+    for _ in range(3):
+        backend.reset_peak()
+        outs = backend.run(plan, held, bindings)
+        peaks.append(backend.memory_stats()["peak_bytes"])
+        del outs
+    assert peaks[0] > sum(a.nbytes for a in held)
+    assert peaks == [peaks[0]] * 3
+
+
+def test_a_replay_with_inputs_of_another_layout_is_counted_step_by_step() -> None:
+    plan = compile_plan(_reshape_graph())
+    backend = NumpyBackend()
+    c_order = backend.from_numpy(np.ones((100, 10), np.float32))
+    f_order = backend.from_numpy(np.asfortranarray(np.ones((100, 10), np.float32)))
+    peaks = []
+    for x in (c_order, f_order, c_order, f_order):
+        backend.reset_peak()
+        outs = backend.run(plan, [x], [])
+        peaks.append(backend.memory_stats()["peak_bytes"])
+        del outs
+    held = c_order.nbytes + f_order.nbytes
+    assert peaks == [held + 4000, held + 8000] * 2  # exp's result; with the F-ordered input, the copy too
 
 
 def test_keeping_every_intermediate_of_an_mlp_step_costs_more_than_freeing() -> None:

@@ -166,6 +166,31 @@ def test_plan_never_frees_inputs_or_outputs() -> None:
     assert reusing.peak_values == 2
 
 
+def test_plan_casts_only_bindings_and_arrays_of_another_dtype() -> None:
+    g = Graph(
+        (TensorSpec("float32", (3,)), TensorSpec("int32", (3,)), TensorSpec("bool", (3,))),
+        ("float",),
+        (
+            Node("add", (0, 0)),  # both float32 already: nothing to cast
+            Node("add", (0, 1)),  # the int32 array
+            Node("multiply", (0, 3)),  # the binding
+            Node("where", (2, 1, 0)),  # the int32 value, never the condition
+            Node("exp", (2,)),  # bool to float32
+        ),
+        (4, 5, 6, 7, 8),
+    )
+    plan = compile_plan(g)
+    assert [s.casts for s in plan.steps] == [(), (1,), (1,), (1,), (0,)]
+    outs = NumpyBackend().run(
+        plan, [np.ones(3, np.float32), np.arange(3, dtype=np.int32), np.ones(3, bool)], [2.5]
+    )
+    np.testing.assert_array_equal(outs[1], [1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(outs[2], [2.5, 2.5, 2.5])
+    np.testing.assert_array_equal(outs[3], [0.0, 1.0, 2.0])
+    np.testing.assert_array_equal(outs[4], np.exp(np.ones(3, np.float32)))
+    assert all(o.dtype == np.float32 for o in outs)
+
+
 def test_plan_drops_nodes_no_output_needs() -> None:
     g = Graph((TensorSpec("float32", (4,)),), (), (Node("exp", (0,)), Node("log", (0,))), (2,))
     plan = compile_plan(g)
