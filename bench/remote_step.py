@@ -87,9 +87,9 @@ def split_ticket(text: str) -> tuple[str, str]:
 
 
 @contextmanager
-def worker_process(client: Identity, device: str = "cpu") -> Any:
+def worker_process(client: Identity, device: str = "cpu", pids: list[int] | None = None) -> Any:
     """An `emberlink worker` process on `device`, 127.0.0.1:0 (gRPC) and 127.0.0.1:0 (raw TCP),
-    admitting `client`; yields its ticket."""
+    admitting `client`; yields its ticket (and appends its pid to `pids`)."""
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "worker.key"
         Identity.generate(os.urandom).save(key)
@@ -103,6 +103,8 @@ def worker_process(client: Identity, device: str = "cpu") -> Any:
             text=True,
         )
         bare.place_server(proc.pid)
+        if pids is not None:
+            pids.append(proc.pid)
         try:
             assert proc.stdout is not None
             yield proc.stdout.readline().strip()
@@ -118,6 +120,12 @@ def worker_thread(client: Identity) -> Any:
 
     with BackgroundWorker(allow=AllowPolicy.of([client.node_id]), tcp=True) as worker:
         yield worker.ticket
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) process `pid` has used, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def median_us(fn: Callable[[], object], n: int) -> float:
@@ -315,6 +323,16 @@ def _loader_step(fn: Callable[..., el.Tensor], batches: Iterator[Any]) -> float:
     return float(fn(*next(batches)))
 
 
+def _take_step(
+    fn: Callable[..., el.Tensor], data: tuple[el.Tensor, el.Tensor], rows: Iterator[np.ndarray]
+) -> float:
+    """The hand-written resident step: this batch's row indices uploaded, the take inside the jit."""
+    return float(fn(*data, data[0].device.tensor(next(rows))))
+
+
+MANUAL = "hand-written take in the jit, index uploaded"
+
+
 def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes: tuple[int, ...]) -> None:
     """The jitted small MLP over tcp, batches from a resident DataLoader (this tree's, and
     `others`' if given) against batches uploaded beforehand, each in its own session; medians of
@@ -336,9 +354,11 @@ def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes:
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "client.key"
         client.save(key)
-        with (worker_process if worker == "process" else worker_thread)(client) as ticket:
+        pids: list[int] = []
+        started = worker_process(client, pids=pids) if worker == "process" else worker_thread(client)
+        with started as ticket:
             _, tcp_ticket = split_ticket(ticket)
-            names = ["uploaded beforehand", *loaders]
+            names = ["uploaded beforehand", MANUAL, *loaders]
             devs = {k: el.Device.remote(tcp_ticket, key=str(key)) for k in names}
             nn = el.nn
             steps_of: dict[str, Callable[[], float]] = {}
@@ -359,6 +379,19 @@ def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes:
 
                 fn = el.jit(train)
                 batches: Iterator[Any]
+                if name == MANUAL:
+
+                    def train_take(
+                        xd: el.Tensor, yd: el.Tensor, idx: el.Tensor, train: Any = train
+                    ) -> el.Tensor:
+                        return train(xd.take(idx, axis=0), yd.take(idx, axis=0))  # type: ignore[no-any-return]
+
+                    data = (dev.tensor(xs), dev.tensor(ys))
+                    rows = itertools.cycle(
+                        [np.arange(k, k + 128, dtype=np.int32) for k in range(0, len(xs), 128)]
+                    )
+                    steps_of[name] = functools.partial(_take_step, el.jit(train_take), data, rows)
+                    continue
                 if name in loaders:
                     loader = loaders[name]((xs, ys), batch_size=128, device=dev, resident=True)
                     batches = itertools.chain.from_iterable(itertools.repeat(loader))
@@ -373,9 +406,23 @@ def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes:
             for k, got in losses.items():  # the same batches in the same order: the same losses
                 assert got == losses["uploaded beforehand"], f"{k}: losses differ"
             times: dict[str, list[float]] = {k: [] for k in steps_of}
+            # CPU a step over each block (its warm-up included): this process's main thread, this
+            # whole process, the worker process (its clock ticks are 10 ms: blocks of >= 300 steps)
+            cpu: dict[str, list[tuple[float, float, float]]] = {k: [] for k in steps_of}
             for _ in range(repeats):
                 for k, step in steps_of.items():
+                    t0, p0 = time.thread_time(), time.process_time()
+                    w0 = process_cpu_s(pids[0]) if pids else 0.0
                     times[k].append(median_us(step, steps))
+                    count = steps + min(steps, 200)
+                    w1 = process_cpu_s(pids[0]) if pids else 0.0
+                    cpu[k].append(
+                        (
+                            (time.thread_time() - t0) / count * 1e6,
+                            (time.process_time() - p0) / count * 1e6,
+                            (w1 - w0) / count * 1e6,
+                        )
+                    )
             stats = {k: dev.stats() for k, dev in devs.items()}
             repeated = {k: st["batches_repeated"] / st["round_trips"] for k, st in stats.items()}
             # Executes sent (a registration or a replay each) per read, i.e. per step: the folded
@@ -392,13 +439,17 @@ def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes:
     )
     print(
         "| feed | median µs | vs uploaded beforehand | minus uploaded, µs "
+        "| CPU µs a step: client main thread / client / worker "
         "| batches sent as a Repeat, per step | graphs run per step |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for k, v in times.items():
         med = statistics.median(v)
+        main, proc, work = (statistics.median(c[i] for c in cpu[k]) for i in range(3))
+        shown = f"{main:.0f} / {proc:.0f} / {work:.0f}" if pids else f"{main:.0f} / {proc:.0f} / -"
         print(
-            f"| {k} | {med:.0f} | {med / base:.2f}x | {med - base:+.0f} | {repeated[k]:.3f} | {graphs[k]:.3f} |"
+            f"| {k} | {med:.0f} | {med / base:.2f}x | {med - base:+.0f} | {shown} "
+            f"| {repeated[k]:.3f} | {graphs[k]:.3f} |"
         )
 
 

@@ -3,6 +3,7 @@ data set on the device (gathering each batch there, so only its indices travel).
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import sys
@@ -220,11 +221,15 @@ def test_loader_refuses_what_it_cannot_batch(dev: Device, data: tuple[np.ndarray
 # -- the loader: what travels, and when ---------------------------------------------------------------
 
 
-def spy_on(dev: Device, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The executor calls the device makes from now on, in order: upload, execute, read, send."""
+def spy_on(
+    dev: Device,
+    monkeypatch: pytest.MonkeyPatch,
+    names: tuple[str, ...] = ("upload", "execute", "read", "send"),
+) -> list[str]:
+    """The executor calls the device makes from now on, in order: upload, execute, read, send (or `names`)."""
     calls: list[str] = []
     executor = dev._executor
-    for name in ("upload", "execute", "read", "send"):
+    for name in names:
         method = getattr(executor, name)
 
         def logged(*args: Any, _name: str = name, _method: Any = method, **kwargs: Any) -> Any:
@@ -390,6 +395,30 @@ def test_a_jitted_step_on_a_resident_batch_runs_its_gather_in_its_own_graph(
         assert dev.stats()["pending_nodes"] == 0
         np.testing.assert_array_equal(xb.numpy(), x[k : k + 1])  # the batch came out of it too
         np.testing.assert_array_equal(yb.numpy(), y[k : k + 1])
+        calls.clear()
+
+
+def test_a_resident_jitted_loop_drops_what_a_step_let_go_after_the_next_steps_work_not_before_its_batch(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The buffers let go between steps (the last loss, batch and indices) are not sent on their
+    own when the next batch is asked for: they follow that step's work, so every step, an epoch's
+    first included, is the same four calls (on a remote device, one batch a Repeat of the last)."""
+    x, _ = data
+    total = doubled_sum()
+    loader = DataLoader(data, batch_size=2, device=dev, resident=True)  # 5 batches an epoch
+    batches = itertools.chain.from_iterable(itertools.repeat(loader))
+    for _ in range(3):  # eager, traced with the gather folded in, replayed
+        xb, _ = next(batches)
+        float(total(xb))
+    calls = spy_on(dev, monkeypatch, ("upload", "execute", "drop", "read", "send"))
+    for k in range(3, 13):  # across two epochs' ends
+        xb, _ = next(batches)
+        assert calls == ["upload"], k
+        assert float(total(xb)) == pytest.approx(
+            2.0 * float(x[2 * (k % 5) : 2 * (k % 5) + 2].sum()), rel=1e-5
+        )
+        assert calls == ["upload", "execute", "drop", "read"], k
         calls.clear()
 
 
