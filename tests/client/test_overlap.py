@@ -608,6 +608,45 @@ def test_a_batch_used_by_two_jitted_steps_is_folded_into_the_first_only(
     assert eager_losses(dev, data, [1, 1]) + losses == eager_losses(dev, data, [1, 1, 2])
 
 
+def test_a_folded_step_replays_the_trace_of_this_calls_pending_work_when_it_differs_from_the_last(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """Seven forms of pending work at the call, in turn, each for two steps running (so each
+    form's trace is looked up again right after the same form and right after another): the
+    batch's labels let go first; the batch alone; the batch scaled two ways first, the first or
+    the second passed (the same work, another argument); another op on the labels first (the same
+    argument, more work); the batch times or plus a number (the same shape of work, another op).
+    Every step gives the sum a plain step gives, and every tensor still held reads right after."""
+    x, y = data
+    total = doubled_sum()
+    loader = DataLoader(data, batch_size=2, device=dev, resident=True)
+    batches = itertools.chain.from_iterable(itertools.repeat(loader))
+    for k in range(84):
+        xb, yb = next(batches)
+        rows, labels = x[2 * (k % 5) : 2 * (k % 5) + 2], y[2 * (k % 5) : 2 * (k % 5) + 2]
+        form = (k // 2) % 7
+        held = [(xb, rows)]
+        if form == 0:
+            del yb  # the labels' take is no longer live: another pending structure
+        else:
+            held.append((yb, labels))
+        arg, scale = xb, 1.0
+        if form in (2, 3):
+            halved, doubled = xb * 0.5, xb * 2.0
+            arg, scale = (halved, 0.5) if form == 2 else (doubled, 2.0)
+            held += [(halved, rows * 0.5), (doubled, rows * 2.0)]
+        if form == 4:
+            held.append((yb + 1, labels + 1))
+        want = 2.0 * scale * float(rows.sum())
+        if form == 5:
+            arg, want = xb * 0.5, float(rows.sum())
+        if form == 6:
+            arg, want = xb + 0.5, 2.0 * float((rows + 0.5).sum())
+        assert float(total(arg)) == pytest.approx(want, rel=1e-5), k
+        for t, expected in held:
+            np.testing.assert_array_equal(t.numpy(), expected)
+
+
 def test_eager_ops_on_the_batch_before_the_jitted_step_join_its_graph(
     dev: Device, data: tuple[np.ndarray, np.ndarray]
 ) -> None:
