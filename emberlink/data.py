@@ -160,9 +160,9 @@ class DataLoader(Generic[Batch]):
         rows = None if order is None else order.astype(self._index_dtype)
         for bound in bounds:
             # The step before this batch is its own graph. Buffers dropped since (the last batch,
-            # the last loss) are not sent on their own: they go after the next work, in its
-            # message, so that every step sends the same messages, an epoch's first included
-            # (measured: a Drop of their own before each batch cost ~? µs a step).
+            # the last loss) are not sent on their own: they go after the next step's work, so a
+            # step sends one Drop, not two, and every step the same messages, an epoch's first
+            # included (a batch of another form is no Repeat).
             if device._entries:
                 device.flush()
             # Yielded as made, in no local: the loop never holds a batch the user has (measured:
