@@ -41,6 +41,15 @@ PyTorch's `DataLoader` over a `TensorDataset`, with the device named, in one of 
   tensors got its fast path). What is left of the gap is that `next()` (the index's upload, the
   takes recorded) and the worker's share: the index's Upload, the gather's own work (13 µs on
   NumPy at 128x784 float32) and the batch's two outputs, stored and then dropped.
+  Against the same step written by hand (`X.take(idx, axis=0)` inside the jitted function, the
+  index uploaded each step: `bench/remote_step.py --loader`'s second row) what the loader adds
+  is its bookkeeping and the batch's two outputs: one Upload, one Execute, one Drop and one
+  read a step on both (the loader's step sent the buffers it let go as a Drop of their own
+  before each batch until it flushed only pending work); on the client alone (784-64-10, an
+  executor that runs nothing, the trees alternated 3 times) the hand-written step costs
+  9.1-9.6 µs, the loader's 21.3-22.0 before the folded call's lookup compared lists
+  (client/jit.py, `_Hot`) and 19.2-19.7 after: the two takes recorded, the batch's Tensors,
+  the fold's checks, and the two outputs' Values and drops.
   Tried and measured slower here: gathering batch k+1 in a batch of its own right after step
   k's read is sent, as host data goes (the two batches alternate, so neither is a Repeat, and a
   batch costs each side ~60 µs: 849 -> 862-944 µs at 784-16-10, 650 -> 764 at 16-16-10).
