@@ -172,14 +172,12 @@ class DataLoader(Generic[Batch]):
             # the last loss) are not sent on their own: they go after the next step's work, so a
             # step sends one Drop, not two, and every step the same messages, an epoch's first
             # included (a batch of another form is no Repeat).
-            if device._entries:
-                device.flush()
+            device._flush_work()
             # Yielded as made, in no local: the loop never holds a batch the user has (measured:
             # holding each until the next one is asked for, so that it is dropped a step later,
             # cost ~40 µs a step on a NumPy worker with 128x64 batches).
             yield self._gather(rows, bound)
-        if device._entries:
-            device.flush()
+        device._flush_work()
 
     def _gather(self, rows: np.ndarray | None, bound: tuple[int, int]) -> Batch:
         """The batch of `rows[start:stop]` (index values; None: rows start to stop in order), its

@@ -422,6 +422,25 @@ def test_a_resident_jitted_loop_drops_what_a_step_let_go_after_the_next_steps_wo
         calls.clear()
 
 
+def test_a_resident_loader_iterated_inside_a_jitted_function_is_refused_at_its_first_batch(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """A replay runs no Python, so a loop over a loader inside would gather the traced batch on
+    every replay: its first batch already raises, even with nothing else pending (a loop left
+    after one batch never reaches a second batch's flush)."""
+    loader = DataLoader(data, batch_size=2, device=dev, resident=True)
+
+    @el.jit
+    def first_batch_sum() -> el.Tensor:
+        for xb, _ in loader:
+            return xb.sum()
+        raise AssertionError("an empty loader")
+
+    for _ in range(3):  # the eager call, the tracing one, and any after
+        with pytest.raises(el.JitError, match="flush or sync"):
+            first_batch_sum()
+
+
 def test_after_an_eager_step_the_next_batchs_take_joins_the_next_steps_graph(
     dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
 ) -> None:
