@@ -3,6 +3,7 @@
     .venv/bin/python bench/remote_step.py [--quick] [--worker process|thread] [--tiny N] [--cpus split|same|any]
     .venv/bin/python bench/remote_step.py --upload N [--quick] [--device cuda:0]   # only the host-batch rows
     .venv/bin/python bench/remote_step.py --loader N [--loader-sizes 784-64-10] [--device cuda:0] [--loader-from OTHER/emberlink/data.py]
+    .venv/bin/python bench/remote_step.py --loader-client N [--loader-sizes 784-64-10]
     EMBERLINK_UVLOOP=0 .venv/bin/python bench/remote_step.py   # asyncio's loop even where uvloop is installed
 
 Rows, each a median over interleaved repeats so machine noise hits both sides alike:
@@ -39,7 +40,8 @@ Rows, each a median over interleaved repeats so machine noise hits both sides al
   (the client's includes its spin while it waits for an answer, up to EMBERLINK_SPIN_US; run
   with EMBERLINK_SPIN_US=0 for its work alone); `--loader-from` adds the resident row through
   the DataLoader of another tree's data.py (an A/B of the loader in one run; that tree's loader
-  runs with this tree's jit).
+  runs with this tree's jit). `--loader-client N`: the same three rows' client work alone, over an
+  executor that runs nothing (CPU time of this thread a step).
 
 Both sides run on the event loop emberlink picks (transport/loop.py: uvloop where installed, unless
 EMBERLINK_UVLOOP=0); the bare servers in other processes too. The worker runs as an `emberlink worker` process (default; as a user would run it) or in this
@@ -338,6 +340,108 @@ def _take_step(
 MANUAL = "hand-written take in the jit, index uploaded"
 
 
+class _Answered:
+    """A read's answer from `_NullExecutor`: zeros of the read's shape (a scalar here)."""
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        return np.zeros((), np.float32)
+
+    def done(self) -> bool:
+        return True
+
+
+class _NullExecutor:
+    """An executor that runs and stores nothing: what a Device costs its caller alone."""
+
+    def upload(self, buf: int, array: np.ndarray) -> None:
+        pass
+
+    def execute(self, graph: Any, gid: bytes, call: Any) -> None:
+        pass
+
+    def read(self, buf: int, wait: bool = False, after_sent: Callable[[], None] | None = None) -> _Answered:
+        if after_sent is not None:
+            after_sent()
+        return _Answered()
+
+    def drop(self, bufs: Any) -> None:
+        pass
+
+    def send(self) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def memory_stats(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def loader_client_only(repeats: int, steps: int, sizes: tuple[int, ...]) -> None:
+    """The `--loader` rows' client work alone: each step's CPU time on this thread over an
+    executor that runs nothing (no worker, no link), medians of interleaved blocks of steps."""
+    rng = np.random.default_rng(1)
+    xs = rng.standard_normal((16 * 128, sizes[0]), dtype=np.float32)
+    ys = rng.integers(0, sizes[-1], 16 * 128)
+    index = [np.arange(k, k + 128, dtype=np.int32) for k in range(0, len(xs), 128)]
+    nn = el.nn
+    steps_of: dict[str, Callable[[], float]] = {}
+    for name in ("uploaded beforehand", MANUAL, "resident loader"):
+        dev = el.Device(_NullExecutor(), "null")  # type: ignore[arg-type]
+        model = nn.Sequential(
+            nn.Linear(sizes[0], sizes[1], seed=0), nn.ReLU(), nn.Linear(sizes[1], sizes[2], seed=1)
+        ).to(dev)
+        opt = el.optim.SGD(model.parameters(), lr=0.01)
+
+        def train(x: el.Tensor, y: el.Tensor, model: Any = model, opt: Any = opt) -> el.Tensor:
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        if name == MANUAL:
+
+            def train_take(xd: el.Tensor, yd: el.Tensor, idx: el.Tensor, train: Any = train) -> el.Tensor:
+                return train(xd.take(idx, axis=0), yd.take(idx, axis=0))  # type: ignore[no-any-return]
+
+            data = (dev.tensor(xs), dev.tensor(ys))
+            steps_of[name] = functools.partial(_take_step, el.jit(train_take), data, itertools.cycle(index))
+            continue
+        batches: Iterator[Any]
+        if name == "resident loader":
+            loader = el.data.DataLoader((xs, ys), batch_size=128, device=dev, resident=True)
+            batches = itertools.chain.from_iterable(itertools.repeat(loader))
+        else:
+            batches = itertools.cycle(
+                [(dev.tensor(xs[k : k + 128]), dev.tensor(ys[k : k + 128])) for k in range(0, len(xs), 128)]
+            )
+        steps_of[name] = functools.partial(_loader_step, el.jit(train), batches)
+    for step in steps_of.values():
+        for _ in range(100):
+            step()
+    times: dict[str, list[float]] = {k: [] for k in steps_of}
+    for _ in range(repeats):
+        for k, step in steps_of.items():
+            start = time.thread_time()
+            for _ in range(steps):
+                step()
+            times[k].append((time.thread_time() - start) / steps * 1e6)
+    print(
+        f"{repeats} interleaved repeat(s) of {steps} steps, jitted MLP 128x{'-'.join(map(str, sizes))}, client alone"
+    )
+    print("| feed | client CPU µs a step |")
+    print("|---|---:|")
+    for k, v in times.items():
+        print(f"| {k} | {statistics.median(v):.1f} |")
+
+
 def loader_only(
     repeats: int, steps: int, worker: str, others: list[str], sizes: tuple[int, ...], device: str = "cpu"
 ) -> None:
@@ -507,10 +611,20 @@ def main() -> None:
         help="with --loader: another data.py too",
     )
     parser.add_argument("--loader-sizes", default="784-64-10", help="with --loader: the MLP's layer sizes")
+    parser.add_argument(
+        "--loader-client",
+        type=int,
+        metavar="REPEATS",
+        help="only the --loader rows' client work, over an executor that runs nothing",
+    )
     args = parser.parse_args()
     print(bare.place(args.cpus))
     if args.upload:
         upload_only(args.upload, 200 if args.quick else 500, args.worker, args.device)
+        return
+    if args.loader_client:
+        sizes = tuple(int(d) for d in args.loader_sizes.split("-"))
+        loader_client_only(args.loader_client, 300 if args.quick else 2000, sizes)
         return
     if args.loader:
         sizes = tuple(int(d) for d in args.loader_sizes.split("-"))

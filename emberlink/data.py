@@ -45,11 +45,12 @@ PyTorch's `DataLoader` over a `TensorDataset`, with the device named, in one of 
   index uploaded each step: `bench/remote_step.py --loader`'s second row) what the loader adds
   is its bookkeeping and the batch's two outputs: one Upload, one Execute, one Drop and one
   read a step on both (the loader's step sent the buffers it let go as a Drop of their own
-  before each batch until it flushed only pending work); on the client alone (784-64-10, an
-  executor that runs nothing, the trees alternated 3 times) the hand-written step costs
-  9.1-9.6 µs, the loader's 21.3-22.0 before the folded call's lookup compared lists
-  (client/jit.py, `_Hot`) and 19.2-19.7 after: the two takes recorded, the batch's Tensors,
-  the fold's checks, and the two outputs' Values and drops.
+  before each batch until it flushed only pending work); on the client alone
+  (`bench/remote_step.py --loader-client 9`, 784-64-10, an executor that runs nothing, the
+  trees alternated 5 times) the hand-written step costs 8.5-9.3 µs, the loader's 18.8-19.3
+  before the folded call's lookup compared lists (client/jit.py, `_Hot`) and 16.6-18.5 after:
+  the two takes recorded, the batch's Tensors, the fold's checks, and the two outputs' Values
+  and drops (the hand-written step returning its x and y too costs 12.2-14.4).
   Tried and measured slower here: gathering batch k+1 in a batch of its own right after step
   k's read is sent, as host data goes (the two batches alternate, so neither is a Repeat, and a
   batch costs each side ~60 µs: 849 -> 862-944 µs at 784-16-10, 650 -> 764 at 16-16-10).
