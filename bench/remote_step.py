@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/remote_step.py [--quick] [--worker process|thread] [--tiny N] [--cpus split|same|any]
     .venv/bin/python bench/remote_step.py --upload N [--quick] [--device cuda:0]   # only the host-batch rows
-    .venv/bin/python bench/remote_step.py --loader N [--loader-from OTHER/emberlink/data.py]
+    .venv/bin/python bench/remote_step.py --loader N [--loader-sizes 784-64-10] [--device cuda:0] [--loader-from OTHER/emberlink/data.py]
+    .venv/bin/python bench/remote_step.py --loader-client N [--loader-sizes 784-64-10]
     EMBERLINK_UVLOOP=0 .venv/bin/python bench/remote_step.py   # asyncio's loop even where uvloop is installed
 
 Rows, each a median over interleaved repeats so machine noise hits both sides alike:
@@ -29,12 +30,18 @@ Rows, each a median over interleaved repeats so machine noise hits both sides al
 - what bounds the tiny step: the bare ping-pong (server in another process) plus only the work a
   tiny step cannot skip, in three steps (see `floor_rows`).
 - `--loader N` (alone): a small jitted MLP step (batch 128, 784-64-10 or `--loader-sizes`, SGD;
-  NumPy's compute small enough not to hide the feed) over tcp, fed by `DataLoader(resident=True)`
-  against the same step on batches uploaded beforehand, N interleaved repeats, every row's losses
-  checked equal, with the Executes sent per step (the resident loader's gather is folded into the
-  jitted step's graph: one, as with uploaded batches); `--loader-from` adds the resident row
-  through the DataLoader of another tree's data.py (an A/B of the loader in one run; that tree's
-  loader runs with this tree's jit).
+  NumPy's compute small enough not to hide the feed; `--device cuda:0` for a GPU worker) over
+  tcp, fed by `DataLoader(resident=True)`, against the same step written by hand on the data set
+  uploaded once (`X.take(idx, axis=0)` inside the jitted function, the index uploaded each step:
+  what the loader's folded gather should cost no more than) and on batches uploaded beforehand, N
+  interleaved repeats, every row's losses checked equal, with the Executes sent per step (the
+  resident loader's gather is folded into the jitted step's graph: one, as with uploaded
+  batches) and the CPU a step of the client's main thread, the client and the worker process
+  (the client's includes its spin while it waits for an answer, up to EMBERLINK_SPIN_US; run
+  with EMBERLINK_SPIN_US=0 for its work alone); `--loader-from` adds the resident row through
+  the DataLoader of another tree's data.py (an A/B of the loader in one run; that tree's loader
+  runs with this tree's jit). `--loader-client N`: the same three rows' client work alone, over an
+  executor that runs nothing (CPU time of this thread a step).
 
 Both sides run on the event loop emberlink picks (transport/loop.py: uvloop where installed, unless
 EMBERLINK_UVLOOP=0); the bare servers in other processes too. The worker runs as an `emberlink worker` process (default; as a user would run it) or in this
@@ -87,9 +94,9 @@ def split_ticket(text: str) -> tuple[str, str]:
 
 
 @contextmanager
-def worker_process(client: Identity, device: str = "cpu") -> Any:
+def worker_process(client: Identity, device: str = "cpu", pids: list[int] | None = None) -> Any:
     """An `emberlink worker` process on `device`, 127.0.0.1:0 (gRPC) and 127.0.0.1:0 (raw TCP),
-    admitting `client`; yields its ticket."""
+    admitting `client`; yields its ticket (and appends its pid to `pids`)."""
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "worker.key"
         Identity.generate(os.urandom).save(key)
@@ -103,6 +110,8 @@ def worker_process(client: Identity, device: str = "cpu") -> Any:
             text=True,
         )
         bare.place_server(proc.pid)
+        if pids is not None:
+            pids.append(proc.pid)
         try:
             assert proc.stdout is not None
             yield proc.stdout.readline().strip()
@@ -118,6 +127,12 @@ def worker_thread(client: Identity) -> Any:
 
     with BackgroundWorker(allow=AllowPolicy.of([client.node_id]), tcp=True) as worker:
         yield worker.ticket
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) process `pid` has used, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def median_us(fn: Callable[[], object], n: int) -> float:
@@ -315,7 +330,121 @@ def _loader_step(fn: Callable[..., el.Tensor], batches: Iterator[Any]) -> float:
     return float(fn(*next(batches)))
 
 
-def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes: tuple[int, ...]) -> None:
+def _take_step(
+    fn: Callable[..., el.Tensor], data: tuple[el.Tensor, el.Tensor], rows: Iterator[np.ndarray]
+) -> float:
+    """The hand-written resident step: this batch's row indices uploaded, the take inside the jit."""
+    return float(fn(*data, data[0].device.tensor(next(rows))))
+
+
+MANUAL = "hand-written take in the jit, index uploaded"
+
+
+class _Answered:
+    """A read's answer from `_NullExecutor`: zeros of the read's shape (a scalar here)."""
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        return np.zeros((), np.float32)
+
+    def done(self) -> bool:
+        return True
+
+
+class _NullExecutor:
+    """An executor that runs and stores nothing: what a Device costs its caller alone."""
+
+    def upload(self, buf: int, array: np.ndarray) -> None:
+        pass
+
+    def execute(self, graph: Any, gid: bytes, call: Any) -> None:
+        pass
+
+    def read(self, buf: int, wait: bool = False, after_sent: Callable[[], None] | None = None) -> _Answered:
+        if after_sent is not None:
+            after_sent()
+        return _Answered()
+
+    def drop(self, bufs: Any) -> None:
+        pass
+
+    def send(self) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, int]:
+        return {}
+
+    def memory_stats(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def loader_client_only(repeats: int, steps: int, sizes: tuple[int, ...]) -> None:
+    """The `--loader` rows' client work alone: each step's CPU time on this thread over an
+    executor that runs nothing (no worker, no link), medians of interleaved blocks of steps."""
+    rng = np.random.default_rng(1)
+    xs = rng.standard_normal((16 * 128, sizes[0]), dtype=np.float32)
+    ys = rng.integers(0, sizes[-1], 16 * 128)
+    index = [np.arange(k, k + 128, dtype=np.int32) for k in range(0, len(xs), 128)]
+    nn = el.nn
+    steps_of: dict[str, Callable[[], float]] = {}
+    for name in ("uploaded beforehand", MANUAL, "resident loader"):
+        dev = el.Device(_NullExecutor(), "null")  # type: ignore[arg-type]
+        model = nn.Sequential(
+            nn.Linear(sizes[0], sizes[1], seed=0), nn.ReLU(), nn.Linear(sizes[1], sizes[2], seed=1)
+        ).to(dev)
+        opt = el.optim.SGD(model.parameters(), lr=0.01)
+
+        def train(x: el.Tensor, y: el.Tensor, model: Any = model, opt: Any = opt) -> el.Tensor:
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        if name == MANUAL:
+
+            def train_take(xd: el.Tensor, yd: el.Tensor, idx: el.Tensor, train: Any = train) -> el.Tensor:
+                return train(xd.take(idx, axis=0), yd.take(idx, axis=0))  # type: ignore[no-any-return]
+
+            data = (dev.tensor(xs), dev.tensor(ys))
+            steps_of[name] = functools.partial(_take_step, el.jit(train_take), data, itertools.cycle(index))
+            continue
+        batches: Iterator[Any]
+        if name == "resident loader":
+            loader = el.data.DataLoader((xs, ys), batch_size=128, device=dev, resident=True)
+            batches = itertools.chain.from_iterable(itertools.repeat(loader))
+        else:
+            batches = itertools.cycle(
+                [(dev.tensor(xs[k : k + 128]), dev.tensor(ys[k : k + 128])) for k in range(0, len(xs), 128)]
+            )
+        steps_of[name] = functools.partial(_loader_step, el.jit(train), batches)
+    for step in steps_of.values():
+        for _ in range(100):
+            step()
+    times: dict[str, list[float]] = {k: [] for k in steps_of}
+    for _ in range(repeats):
+        for k, step in steps_of.items():
+            start = time.thread_time()
+            for _ in range(steps):
+                step()
+            times[k].append((time.thread_time() - start) / steps * 1e6)
+    print(
+        f"{repeats} interleaved repeat(s) of {steps} steps, jitted MLP 128x{'-'.join(map(str, sizes))}, client alone"
+    )
+    print("| feed | client CPU µs a step |")
+    print("|---|---:|")
+    for k, v in times.items():
+        print(f"| {k} | {statistics.median(v):.1f} |")
+
+
+def loader_only(
+    repeats: int, steps: int, worker: str, others: list[str], sizes: tuple[int, ...], device: str = "cpu"
+) -> None:
     """The jitted small MLP over tcp, batches from a resident DataLoader (this tree's, and
     `others`' if given) against batches uploaded beforehand, each in its own session; medians of
     interleaved blocks of steps. Every row's losses are checked against the uploaded row's."""
@@ -336,9 +465,11 @@ def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes:
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "client.key"
         client.save(key)
-        with (worker_process if worker == "process" else worker_thread)(client) as ticket:
+        pids: list[int] = []
+        started = worker_process(client, device, pids) if worker == "process" else worker_thread(client)
+        with started as ticket:
             _, tcp_ticket = split_ticket(ticket)
-            names = ["uploaded beforehand", *loaders]
+            names = ["uploaded beforehand", MANUAL, *loaders]
             devs = {k: el.Device.remote(tcp_ticket, key=str(key)) for k in names}
             nn = el.nn
             steps_of: dict[str, Callable[[], float]] = {}
@@ -359,6 +490,19 @@ def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes:
 
                 fn = el.jit(train)
                 batches: Iterator[Any]
+                if name == MANUAL:
+
+                    def train_take(
+                        xd: el.Tensor, yd: el.Tensor, idx: el.Tensor, train: Any = train
+                    ) -> el.Tensor:
+                        return train(xd.take(idx, axis=0), yd.take(idx, axis=0))  # type: ignore[no-any-return]
+
+                    data = (dev.tensor(xs), dev.tensor(ys))
+                    rows = itertools.cycle(
+                        [np.arange(k, k + 128, dtype=np.int32) for k in range(0, len(xs), 128)]
+                    )
+                    steps_of[name] = functools.partial(_take_step, el.jit(train_take), data, rows)
+                    continue
                 if name in loaders:
                     loader = loaders[name]((xs, ys), batch_size=128, device=dev, resident=True)
                     batches = itertools.chain.from_iterable(itertools.repeat(loader))
@@ -371,11 +515,29 @@ def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes:
                 steps_of[name] = functools.partial(_loader_step, fn, batches)
             losses = {k: [step() for _ in range(3 * n_batches)] for k, step in steps_of.items()}
             for k, got in losses.items():  # the same batches in the same order: the same losses
-                assert got == losses["uploaded beforehand"], f"{k}: losses differ"
+                want = losses["uploaded beforehand"]
+                if device == "cpu":
+                    assert got == want, f"{k}: losses differ"
+                else:  # (a GPU's kernels may sum in another order in another plan)
+                    np.testing.assert_allclose(got, want, rtol=1e-4, err_msg=f"{k}: losses differ")
             times: dict[str, list[float]] = {k: [] for k in steps_of}
+            # CPU a step over each block (its warm-up included): this process's main thread, this
+            # whole process, the worker process (its clock ticks are 10 ms: blocks of >= 300 steps)
+            cpu: dict[str, list[tuple[float, float, float]]] = {k: [] for k in steps_of}
             for _ in range(repeats):
                 for k, step in steps_of.items():
+                    t0, p0 = time.thread_time(), time.process_time()
+                    w0 = process_cpu_s(pids[0]) if pids else 0.0
                     times[k].append(median_us(step, steps))
+                    count = steps + min(steps, 200)
+                    w1 = process_cpu_s(pids[0]) if pids else 0.0
+                    cpu[k].append(
+                        (
+                            (time.thread_time() - t0) / count * 1e6,
+                            (time.process_time() - p0) / count * 1e6,
+                            (w1 - w0) / count * 1e6,
+                        )
+                    )
             stats = {k: dev.stats() for k, dev in devs.items()}
             repeated = {k: st["batches_repeated"] / st["round_trips"] for k, st in stats.items()}
             # Executes sent (a registration or a replay each) per read, i.e. per step: the folded
@@ -392,13 +554,17 @@ def loader_only(repeats: int, steps: int, worker: str, others: list[str], sizes:
     )
     print(
         "| feed | median µs | vs uploaded beforehand | minus uploaded, µs "
+        "| CPU µs a step: client main thread / client / worker "
         "| batches sent as a Repeat, per step | graphs run per step |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for k, v in times.items():
         med = statistics.median(v)
+        main, proc, work = (statistics.median(c[i] for c in cpu[k]) for i in range(3))
+        shown = f"{main:.0f} / {proc:.0f} / {work:.0f}" if pids else f"{main:.0f} / {proc:.0f} / -"
         print(
-            f"| {k} | {med:.0f} | {med / base:.2f}x | {med - base:+.0f} | {repeated[k]:.3f} | {graphs[k]:.3f} |"
+            f"| {k} | {med:.0f} | {med / base:.2f}x | {med - base:+.0f} | {shown} "
+            f"| {repeated[k]:.3f} | {graphs[k]:.3f} |"
         )
 
 
@@ -427,7 +593,9 @@ def main() -> None:
         "pipelined and not, interleaved, and 64 MiB transfers",
     )
     parser.add_argument(
-        "--device", default="cpu", help="with --upload: the worker's device, e.g. cuda:0 (default: cpu)"
+        "--device",
+        default="cpu",
+        help="with --upload or --loader: the worker's device, e.g. cuda:0 (default: cpu)",
     )
     parser.add_argument(
         "--loader",
@@ -443,14 +611,26 @@ def main() -> None:
         help="with --loader: another data.py too",
     )
     parser.add_argument("--loader-sizes", default="784-64-10", help="with --loader: the MLP's layer sizes")
+    parser.add_argument(
+        "--loader-client",
+        type=int,
+        metavar="REPEATS",
+        help="only the --loader rows' client work, over an executor that runs nothing",
+    )
     args = parser.parse_args()
     print(bare.place(args.cpus))
     if args.upload:
         upload_only(args.upload, 200 if args.quick else 500, args.worker, args.device)
         return
+    if args.loader_client:
+        sizes = tuple(int(d) for d in args.loader_sizes.split("-"))
+        loader_client_only(args.loader_client, 300 if args.quick else 2000, sizes)
+        return
     if args.loader:
         sizes = tuple(int(d) for d in args.loader_sizes.split("-"))
-        loader_only(args.loader, 300 if args.quick else 1000, args.worker, args.loader_from, sizes)
+        loader_only(
+            args.loader, 300 if args.quick else 1000, args.worker, args.loader_from, sizes, args.device
+        )
         return
     if args.tiny:
         tiny_only(args.tiny, 500 if args.quick else 1000, args.worker)

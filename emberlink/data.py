@@ -41,6 +41,16 @@ PyTorch's `DataLoader` over a `TensorDataset`, with the device named, in one of 
   tensors got its fast path). What is left of the gap is that `next()` (the index's upload, the
   takes recorded) and the worker's share: the index's Upload, the gather's own work (13 µs on
   NumPy at 128x784 float32) and the batch's two outputs, stored and then dropped.
+  Against the same step written by hand (`X.take(idx, axis=0)` inside the jitted function, the
+  index uploaded each step: `bench/remote_step.py --loader`'s second row) what the loader adds
+  is its bookkeeping and the batch's two outputs: one Upload, one Execute, one Drop and one
+  read a step on both (the loader's step sent the buffers it let go as a Drop of their own
+  before each batch until it flushed only pending work); on the client alone
+  (`bench/remote_step.py --loader-client 9`, 784-64-10, an executor that runs nothing, the
+  trees alternated 5 times) the hand-written step costs 8.5-9.3 µs, the loader's 18.8-19.3
+  before the folded call's lookup compared lists (client/jit.py, `_Hot`) and 16.6-18.5 after:
+  the two takes recorded, the batch's Tensors, the fold's checks, and the two outputs' Values
+  and drops (the hand-written step returning its x and y too costs 12.2-14.4).
   Tried and measured slower here: gathering batch k+1 in a batch of its own right after step
   k's read is sent, as host data goes (the two batches alternate, so neither is a Repeat, and a
   batch costs each side ~60 µs: 849 -> 862-944 µs at 784-16-10, 650 -> 764 at 16-16-10).
@@ -158,13 +168,17 @@ class DataLoader(Generic[Batch]):
         device = self.device
         # A shuffled epoch's rows as index values once: a batch's index is a slice of them.
         rows = None if order is None else order.astype(self._index_dtype)
-        device.flush()
         for bound in bounds:
+            # The step before this batch is its own graph. Buffers dropped since (the last batch,
+            # the last loss) are not sent on their own: they go after the next step's work, so a
+            # step sends one Drop, not two, and every step the same messages, an epoch's first
+            # included (a batch of another form is no Repeat).
+            device._flush_work()
             # Yielded as made, in no local: the loop never holds a batch the user has (measured:
             # holding each until the next one is asked for, so that it is dropped a step later,
             # cost ~40 µs a step on a NumPy worker with 128x64 batches).
             yield self._gather(rows, bound)
-            device.flush()  # the step before the next batch is its own graph
+        device._flush_work()
 
     def _gather(self, rows: np.ndarray | None, bound: tuple[int, int]) -> Batch:
         """The batch of `rows[start:stop]` (index values; None: rows start to stop in order), its

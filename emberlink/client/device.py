@@ -218,12 +218,17 @@ class Device:
 
     def flush(self) -> None:
         """Send the pending segment to the executor (no wait); reads and `sync()` call this."""
+        self._flush_work()
+        self._send_drops()
+
+    def _flush_work(self) -> None:
+        """`flush` less the drops, which wait for the next work (emberlink.data's resident loader
+        marks a step's end with this: a Drop of their own would be one more message a step)."""
         self._check_open()
         if _tensor.JIT_TRACE is not None:  # emberlink.jit refuses a flush inside a jitted function
             _tensor.JIT_TRACE.refuse(self, "flush or sync")
         if self._entries:
             self._send_segment()
-        self._send_drops()
 
     def _send_segment(self) -> None:
         entries, in_bufs, bind_vals = self._entries, self._in_bufs, self._bind_vals

@@ -3,6 +3,7 @@ data set on the device (gathering each batch there, so only its indices travel).
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import sys
@@ -220,11 +221,15 @@ def test_loader_refuses_what_it_cannot_batch(dev: Device, data: tuple[np.ndarray
 # -- the loader: what travels, and when ---------------------------------------------------------------
 
 
-def spy_on(dev: Device, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The executor calls the device makes from now on, in order: upload, execute, read, send."""
+def spy_on(
+    dev: Device,
+    monkeypatch: pytest.MonkeyPatch,
+    names: tuple[str, ...] = ("upload", "execute", "read", "send"),
+) -> list[str]:
+    """The executor calls the device makes from now on, in order: upload, execute, read, send (or `names`)."""
     calls: list[str] = []
     executor = dev._executor
-    for name in ("upload", "execute", "read", "send"):
+    for name in names:
         method = getattr(executor, name)
 
         def logged(*args: Any, _name: str = name, _method: Any = method, **kwargs: Any) -> Any:
@@ -391,6 +396,49 @@ def test_a_jitted_step_on_a_resident_batch_runs_its_gather_in_its_own_graph(
         np.testing.assert_array_equal(xb.numpy(), x[k : k + 1])  # the batch came out of it too
         np.testing.assert_array_equal(yb.numpy(), y[k : k + 1])
         calls.clear()
+
+
+def test_a_resident_jitted_loop_drops_what_a_step_let_go_after_the_next_steps_work_not_before_its_batch(
+    dev: Device, data: tuple[np.ndarray, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The buffers let go between steps (the last loss, batch and indices) are not sent on their
+    own when the next batch is asked for: they follow that step's work, so every step, an epoch's
+    first included, is the same four calls (on a remote device, one batch a Repeat of the last)."""
+    x, _ = data
+    total = doubled_sum()
+    loader = DataLoader(data, batch_size=2, device=dev, resident=True)  # 5 batches an epoch
+    batches = itertools.chain.from_iterable(itertools.repeat(loader))
+    for _ in range(3):  # eager, traced with the gather folded in, replayed
+        xb, _ = next(batches)
+        float(total(xb))
+    calls = spy_on(dev, monkeypatch, ("upload", "execute", "drop", "read", "send"))
+    for k in range(3, 13):  # across two epochs' ends
+        xb, _ = next(batches)
+        assert calls == ["upload"], k
+        assert float(total(xb)) == pytest.approx(
+            2.0 * float(x[2 * (k % 5) : 2 * (k % 5) + 2].sum()), rel=1e-5
+        )
+        assert calls == ["upload", "execute", "drop", "read"], k
+        calls.clear()
+
+
+def test_a_resident_loader_iterated_inside_a_jitted_function_is_refused_at_its_first_batch(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """A replay runs no Python, so a loop over a loader inside would gather the traced batch on
+    every replay: its first batch already raises, even with nothing else pending (a loop left
+    after one batch never reaches a second batch's flush)."""
+    loader = DataLoader(data, batch_size=2, device=dev, resident=True)
+
+    @el.jit
+    def first_batch_sum() -> el.Tensor:
+        for xb, _ in loader:
+            return xb.sum()
+        raise AssertionError("an empty loader")
+
+    for _ in range(3):  # the eager call, the tracing one, and any after
+        with pytest.raises(el.JitError, match="flush or sync"):
+            first_batch_sum()
 
 
 def test_after_an_eager_step_the_next_batchs_take_joins_the_next_steps_graph(
@@ -577,6 +625,45 @@ def test_a_batch_used_by_two_jitted_steps_is_folded_into_the_first_only(
     losses = [float(step(xb, yb)) for _ in range(2)]
     assert executes(dev) - before == 2  # the folded step, then a plain replay on the same batch
     assert eager_losses(dev, data, [1, 1]) + losses == eager_losses(dev, data, [1, 1, 2])
+
+
+def test_a_folded_step_replays_the_trace_of_this_calls_pending_work_when_it_differs_from_the_last(
+    dev: Device, data: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """Seven forms of pending work at the call, in turn, each for two steps running (so each
+    form's trace is looked up again right after the same form and right after another): the
+    batch's labels let go first; the batch alone; the batch scaled two ways first, the first or
+    the second passed (the same work, another argument); another op on the labels first (the same
+    argument, more work); the batch times or plus a number (the same shape of work, another op).
+    Every step gives the sum a plain step gives, and every tensor still held reads right after."""
+    x, y = data
+    total = doubled_sum()
+    loader = DataLoader(data, batch_size=2, device=dev, resident=True)
+    batches = itertools.chain.from_iterable(itertools.repeat(loader))
+    for k in range(84):
+        xb, yb = next(batches)
+        rows, labels = x[2 * (k % 5) : 2 * (k % 5) + 2], y[2 * (k % 5) : 2 * (k % 5) + 2]
+        form = (k // 2) % 7
+        held = [(xb, rows)]
+        if form == 0:
+            del yb  # the labels' take is no longer live: another pending structure
+        else:
+            held.append((yb, labels))
+        arg, scale = xb, 1.0
+        if form in (2, 3):
+            halved, doubled = xb * 0.5, xb * 2.0
+            arg, scale = (halved, 0.5) if form == 2 else (doubled, 2.0)
+            held += [(halved, rows * 0.5), (doubled, rows * 2.0)]
+        if form == 4:
+            held.append((yb + 1, labels + 1))
+        want = 2.0 * scale * float(rows.sum())
+        if form == 5:
+            arg, want = xb * 0.5, float(rows.sum())
+        if form == 6:
+            arg, want = xb + 0.5, 2.0 * float((rows + 0.5).sum())
+        assert float(total(arg)) == pytest.approx(want, rel=1e-5), k
+        for t, expected in held:
+            np.testing.assert_array_equal(t.numpy(), expected)
 
 
 def test_eager_ops_on_the_batch_before_the_jitted_step_join_its_graph(
