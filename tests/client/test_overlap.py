@@ -171,10 +171,11 @@ def expected_batches(
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """What the loader documents: epoch e uses the e-th permutation of default_rng(seed)."""
     rng = np.random.default_rng(seed)
+    rows_in = len(data[0])
     out = []
     for _ in range(epochs):
-        order = rng.permutation(ROWS)
-        for start in range(0, ROWS, batch):
+        order = rng.permutation(rows_in)
+        for start in range(0, rows_in, batch):
             rows = order[start : start + batch]
             out.append((data[0][rows], data[1][rows]))
     return out
