@@ -27,8 +27,8 @@ captured.py decides when to capture; this module does it. A captured plan owns:
   memory: a view costs far less than an array from the pool);
 - where capture.early_split cuts the plan after its first small output (a training step's loss,
   made by the forward pass), an event between the two parts: the graph runs the steps up to the
-  cut, copies out the outputs made so far, records its staging buffer's `made` event (an event
-  record node), then runs the rest. A replay tells the backend (`mark_ready`), so a read of such
+  cut, copies out the small outputs made so far, records its staging buffer's `made` event (an
+  event record node), then runs the rest. A replay tells the backend (`mark_ready`), so a read of such
   an output waits for that event only, and the time a reader takes to act on it (a client's round
   trip, the next step's Python) overlaps the backward pass and the update. Measured on the H200
   (bench/gpu_step.py), see the README. Where the driver cannot record an event inside a graph,

@@ -739,10 +739,9 @@ def test_on_a_gpu_the_folded_step_is_one_captured_graph_cut_after_its_loss() -> 
                 for bx, by in expected_batches(data, 16, 9, 4):
                     losses.append(float(step(dev.tensor(bx), dev.tensor(by))))
                 continue
-            for epoch in range(4):
-                for xb, yb in DataLoader(
-                    data, batch_size=16, shuffle=True, seed=9, device=dev, resident=True
-                ):
+            loader = DataLoader(data, batch_size=16, shuffle=True, seed=9, device=dev, resident=True)
+            for epoch in range(4):  # one loader: epoch e takes the e-th permutation of its seed
+                for xb, yb in loader:
                     before = (executes(dev), int(dev.stats()["captured_replays"]))
                     losses.append(float(step(xb, yb)))
                     if epoch == 3:

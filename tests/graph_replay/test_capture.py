@@ -70,9 +70,10 @@ def test_a_training_step_is_cut_after_its_loss_so_the_loss_is_readable_before_ba
         assert [s.op for s in plan.steps[split.at :]].count("matmul") == 3
 
 
-def test_every_output_made_before_the_cut_is_copied_out_with_the_first_graph() -> None:
-    """z (the logits, over EARLY_BYTES) is made before the loss, so it comes out early too; the
-    bias made after the loss does not."""
+def test_the_small_outputs_made_before_the_cut_come_out_with_the_first_graph_a_large_one_at_the_end() -> None:
+    """The loss comes out early; z (the logits, over EARLY_BYTES), made before the loss too, waits
+    for the end (an early output is copied to page-locked host memory every replay), as does the
+    bias made after the loss."""
     g = Builder([_x(64, 4), _x(4, 300), TensorSpec("int64", (64,)), _x(300)], ["float"])
     x, w, y, b, lr = range(5)
     z = g.add("matmul", x, w)
@@ -82,7 +83,8 @@ def test_every_output_made_before_the_cut_is_copied_out_with_the_first_graph() -
         new_w = g.add("subtract", new_w, g.add("multiply", w, lr))
     new_b = g.add("subtract", b, g.add("multiply", b, lr))
     split = cap.early_split(compile_plan(g.graph([new_b, loss, z, new_w])))
-    assert split is not None and split.outputs == (loss, z)
+    assert split is not None and split.outputs == (loss,)
+    assert cap.EARLY_BYTES < 64 * 300 * 4
 
 
 def test_a_small_output_gathered_from_inputs_alone_is_no_cut_the_loss_after_it_is() -> None:
@@ -100,7 +102,19 @@ def test_a_small_output_gathered_from_inputs_alone_is_no_cut_the_loss_after_it_i
     split = cap.early_split(plan)
     assert split is not None
     assert plan.steps[split.at - 1].out == loss
-    assert split.outputs == (x, y, loss)
+    assert split.outputs == (x, y, loss)  # all small here
+    big = Builder(
+        [_x(4096, 32), TensorSpec("int64", (4096,)), TensorSpec("int32", (1024,)), _x(32, 10)], ["float"]
+    )
+    data_x, data_y, idx, w, lr = range(5)
+    x = big.add("take", data_x, idx, axis=0)  # the batch: 128 KiB, over EARLY_BYTES
+    y = big.add("take", data_y, idx, axis=0)
+    loss = big.add("cross_entropy", big.add("matmul", x, w), y)
+    new_w = w
+    for _ in range(4):
+        new_w = big.add("subtract", new_w, big.add("multiply", w, lr))
+    split = cap.early_split(compile_plan(big.graph([x, y, loss, new_w])))
+    assert split is not None and split.outputs == (y, loss)  # the batch itself waits for the end
 
 
 def test_no_cut_when_the_small_output_is_made_last_or_little_work_follows_it() -> None:
