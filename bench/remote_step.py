@@ -67,7 +67,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -383,6 +383,25 @@ class _NullExecutor:
         pass
 
 
+def _loader_train(dev: el.Device, sizes: Sequence[int]) -> Callable[[el.Tensor, el.Tensor], el.Tensor]:
+    """The loader rows' training step on `dev`: a 2-layer ReLU MLP (seeds 0 and 1), SGD lr=0.01."""
+    nn = el.nn
+    model = nn.Sequential(
+        nn.Linear(sizes[0], sizes[1], seed=0), nn.ReLU(), nn.Linear(sizes[1], sizes[2], seed=1)
+    )
+    model = model.to(dev)
+    opt = el.optim.SGD(model.parameters(), lr=0.01)
+
+    def train(x: el.Tensor, y: el.Tensor) -> el.Tensor:
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return train
+
+
 def loader_client_only(repeats: int, steps: int, sizes: tuple[int, ...]) -> None:
     """The `--loader` rows' client work alone: each step's CPU time on this thread over an
     executor that runs nothing (no worker, no link), medians of interleaved blocks of steps."""
@@ -390,21 +409,10 @@ def loader_client_only(repeats: int, steps: int, sizes: tuple[int, ...]) -> None
     xs = rng.standard_normal((16 * 128, sizes[0]), dtype=np.float32)
     ys = rng.integers(0, sizes[-1], 16 * 128)
     index = [np.arange(k, k + 128, dtype=np.int32) for k in range(0, len(xs), 128)]
-    nn = el.nn
     steps_of: dict[str, Callable[[], float]] = {}
     for name in ("uploaded beforehand", MANUAL, "resident loader"):
         dev = el.Device(_NullExecutor(), "null")  # type: ignore[arg-type]
-        model = nn.Sequential(
-            nn.Linear(sizes[0], sizes[1], seed=0), nn.ReLU(), nn.Linear(sizes[1], sizes[2], seed=1)
-        ).to(dev)
-        opt = el.optim.SGD(model.parameters(), lr=0.01)
-
-        def train(x: el.Tensor, y: el.Tensor, model: Any = model, opt: Any = opt) -> el.Tensor:
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
+        train = _loader_train(dev, sizes)
 
         if name == MANUAL:
 
@@ -471,22 +479,9 @@ def loader_only(
             _, tcp_ticket = split_ticket(ticket)
             names = ["uploaded beforehand", MANUAL, *loaders]
             devs = {k: el.Device.remote(tcp_ticket, key=str(key)) for k in names}
-            nn = el.nn
             steps_of: dict[str, Callable[[], float]] = {}
             for name, dev in devs.items():
-                model = nn.Sequential(
-                    nn.Linear(sizes[0], sizes[1], seed=0),
-                    nn.ReLU(),
-                    nn.Linear(sizes[1], sizes[2], seed=1),
-                ).to(dev)
-                opt = el.optim.SGD(model.parameters(), lr=0.01)
-
-                def train(x: el.Tensor, y: el.Tensor, model: Any = model, opt: Any = opt) -> el.Tensor:
-                    loss = nn.functional.cross_entropy(model(x), y)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                    return loss
+                train = _loader_train(dev, sizes)
 
                 fn = el.jit(train)
                 batches: Iterator[Any]
