@@ -25,7 +25,7 @@ from emberlink.graph_replay.plan import Plan, compile_plan
 
 from ..training import train_steps
 from .cases import CASE_IDS, CASES, Case, assert_close
-from .graphs import mlp_inputs, mlp_step
+from .graphs import Builder, mlp_inputs, mlp_step
 
 pytestmark = pytest.mark.gpu
 
@@ -142,6 +142,53 @@ def test_a_split_steps_later_outputs_keep_their_values_whether_held_for_steps_or
     for step, outs, want in kept:
         for g, w in zip(_numpy(backend, outs), want, strict=True):
             assert_close(g, w, f"mlp step {step}, held to the end", loose=True)
+
+
+@pytest.mark.parametrize("one_graph", [True, False], ids=["event-inside-one-graph", "two-graphs"])
+def test_a_large_output_made_before_the_cut_comes_out_at_the_end_with_the_eager_values(
+    backend: Any, captures: Captures, one_graph: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that gathers its batch in its own graph (the resident loader's take, folded into a
+    jitted step) makes the batch, an output over EARLY_BYTES, before its loss: the loss comes out
+    early, the batch at the end with the rest, each replay with the eager values."""
+    from emberlink.graph_replay import capture as cap
+    from emberlink.graph_replay.cuda_graph import capturer_for
+
+    if not one_graph:
+        monkeypatch.setattr(capturer_for(backend), "record_node", None)
+    f32 = "float32"
+    g = Builder(
+        [
+            TensorSpec(f32, (4096, 32)),
+            TensorSpec("int64", (4096,)),
+            TensorSpec("int32", (1024,)),
+            TensorSpec(f32, (32, 10)),
+        ],
+        ["float"],
+    )
+    data_x, data_y, idx, w, lr = range(5)
+    x = g.add("take", data_x, idx, axis=0)  # 128 KiB
+    y = g.add("take", data_y, idx, axis=0)
+    loss = g.add("cross_entropy", g.add("matmul", x, w), y)
+    new_w = w
+    for _ in range(4):
+        new_w = g.add("subtract", new_w, g.add("multiply", w, lr))
+    graph = g.graph([x, y, loss, new_w])
+    plan, eager_plan = compile_plan(graph), compile_plan(graph)
+    split = cap.early_split(plan)
+    assert split is not None and loss in split.outputs and x not in split.outputs
+    rng = np.random.default_rng(21)
+    dx = backend.from_numpy(rng.standard_normal((4096, 32)).astype(np.float32))
+    dy = backend.from_numpy(rng.integers(0, 10, 4096))
+    weight = backend.from_numpy(rng.standard_normal((32, 10)).astype(np.float32))
+    for step in range(6):  # eager, capture, four replays, each on other rows
+        rows = rng.integers(0, 4096, 1024).astype(np.int32)
+        outs_c = captures.run(plan, [dx, dy, rows, weight], [0.1])
+        outs_e = backend.run(eager_plan, [dx, dy, backend.from_numpy(rows), weight], [0.1])
+        for got, want in zip(_numpy(backend, outs_c), _numpy(backend, outs_e), strict=True):
+            assert_close(got, want, f"step {step}", loose=True)
+    captured = captures._entries[id(plan)].captured
+    assert isinstance(captured, CapturedPlan) and captured.split and captures.replays == 4
 
 
 _SPIN = r"""
