@@ -107,13 +107,9 @@ class LocalExecutor:
             return
         try:
             if self._captures is not None:
-                checked = self._captures.host_checked(plan)
-                if not self._captures.takes_host(plan):
-                    inputs = self._host_uploads.eager(
-                        call.inputs, inputs, checked, self._to_device, self._backend.from_numpy
-                    )
-                else:
-                    inputs = self._host_uploads.place(call.inputs, inputs, checked, self._to_device)
+                inputs = self._host_uploads.prepare(
+                    self._captures, plan, call.inputs, inputs, self._to_device, self._backend.from_numpy
+                )
                 outs = self._captures.run(plan, inputs, call.bindings)
             else:
                 outs = self._backend.run(plan, inputs, call.bindings)

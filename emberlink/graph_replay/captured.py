@@ -93,6 +93,11 @@ class _Entry:
     checked: frozenset[int] = frozenset()  # the inputs whose indices a replay checks on the host
 
 
+def _checked_inputs(plan: Plan) -> frozenset[int]:
+    """The inputs of `plan` whose indices a replay checks on the host (capture.host_checks)."""
+    return frozenset(c.input for c in host_checks(plan))
+
+
 class HostUploads:
     """Where uploads still in host memory go when captured replays read them, for one owner (a
     worker's session, a local device): its first replay copies an upload in as a node of the
@@ -129,6 +134,22 @@ class HostUploads:
                 seen.discard(i)
                 inputs[k] = to_device(i, a)
         return inputs
+
+    def prepare(
+        self,
+        captures: Captures,
+        plan: Plan,
+        ids: Sequence[int],
+        inputs: list[Any],
+        to_device: Callable[[int, np.ndarray], Any],
+        copy: Callable[[np.ndarray], Any],
+    ) -> list[Any]:
+        """The `inputs` of a run of `plan` through `captures` (changed in place, and returned): by
+        `place` where the run captures or replays the plan, by `eager` where it runs eagerly."""
+        checked = captures.host_checked(plan)
+        if captures.takes_host(plan):
+            return self.place(ids, inputs, checked, to_device)
+        return self.eager(ids, inputs, checked, to_device, copy)
 
     def eager(
         self,
@@ -204,7 +225,7 @@ class Captures:
         are an input): they must reach a replay as host arrays, or it runs eagerly."""
         entry = self._entries.get(id(plan))
         if entry is None or entry.ref() is not plan:  # its first run: captured from the next one on
-            return frozenset(c.input for c in host_checks(plan))
+            return _checked_inputs(plan)
         return entry.checked
 
     def _eager(self, plan: Plan, inputs: Sequence[Any], bindings: Sequence[Scalar]) -> list[Any]:
@@ -217,7 +238,7 @@ class Captures:
         if reason is not None and plan.steps:
             log_once(reason)
         state = _State.WARM if reason is None else _State.EAGER
-        checked = frozenset(c.input for c in host_checks(plan)) if reason is None else frozenset()
+        checked = _checked_inputs(plan) if reason is None else frozenset()
         pid = id(plan)
         ref = weakref.ref(plan, lambda _: self._forget(pid))
         with self._lock:

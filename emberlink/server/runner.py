@@ -361,13 +361,9 @@ class BatchRunner:
             return
         try:
             if self._captures is not None:
-                checked = self._captures.host_checked(plan)
-                if not self._captures.takes_host(plan):
-                    inputs = self._host_uploads.eager(
-                        msg.inputs, inputs, checked, self._to_device, self._backend.from_numpy
-                    )
-                else:
-                    inputs = self._host_uploads.place(msg.inputs, inputs, checked, self._to_device)
+                inputs = self._host_uploads.prepare(
+                    self._captures, plan, msg.inputs, inputs, self._to_device, self._backend.from_numpy
+                )
                 results = self._captures.run(plan, inputs, msg.bindings, msg.gid)
                 self.counters.captured_replays = self._captures.replays
                 if self._captures.captured(plan):

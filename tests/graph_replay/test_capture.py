@@ -378,6 +378,28 @@ def test_an_upload_moves_to_the_device_when_a_second_replay_reads_it_unless_chec
     assert moved == [7, 5, 3]
 
 
+def test_a_plans_first_run_gets_its_uploads_by_the_eager_rule_later_runs_by_the_replay_rule() -> None:
+    caps = Captures(NumpyBackend(), FakeCapture())
+    plan = compile_plan(_scale_graph())
+    uploads = captured_mod.HostUploads()
+    moved: list[int] = []
+
+    def to_device(i: int, a: np.ndarray) -> Any:
+        moved.append(i)
+        return a
+
+    def run() -> None:
+        inputs = uploads.prepare(caps, plan, [1], [np.array(_IN[0])], to_device, lambda a: a)
+        caps.run(plan, inputs, [0.5, 1.0])
+
+    run()  # eager: the upload moves at once
+    assert moved == [1]
+    run()  # captures: read once, it stays on the host
+    assert moved == [1]
+    run()  # replays: read twice, it moves
+    assert moved == [1, 1]
+
+
 def test_a_plan_with_an_uncapturable_op_runs_eagerly_and_the_reason_is_logged_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
