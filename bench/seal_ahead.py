@@ -109,13 +109,18 @@ class Helper:
             self.jobs.get()()
 
 
-def shared(frames: Frames, wire: Wire, helper: Helper) -> None:
-    """The helper and this thread take the next frame to seal in turn; this one writes in order."""
-    n = frames.count
-    sealed: list[bytearray | None] = [None] * n
+def _slots(n: int) -> tuple[list[bytearray | None], list[threading.Lock]]:
+    """`n` empty places for sealed frames, and a held lock for each, released once it is filled."""
     ready = [threading.Lock() for _ in range(n)]
     for lock in ready:
         lock.acquire()
+    return [None] * n, ready
+
+
+def shared(frames: Frames, wire: Wire, helper: Helper) -> None:
+    """The helper and this thread take the next frame to seal in turn; this one writes in order."""
+    n = frames.count
+    sealed, ready = _slots(n)
     claims = itertools.count()
 
     def work() -> None:
@@ -141,10 +146,7 @@ def shared(frames: Frames, wire: Wire, helper: Helper) -> None:
 def helper_seals(frames: Frames, wire: Wire, helper: Helper) -> None:
     """The helper seals every frame; this thread writes each once it is sealed."""
     n = frames.count
-    sealed: list[bytearray | None] = [None] * n
-    ready = [threading.Lock() for _ in range(n)]
-    for lock in ready:
-        lock.acquire()
+    sealed, ready = _slots(n)
 
     def work() -> None:
         for k in range(n):

@@ -575,6 +575,17 @@ def submit_staged(pair: Pair, k: int, arrays: list[np.ndarray]) -> None:
     pair.client.submit(step_batch(k, arrays), views, 80_024, where)
 
 
+def resume_and_check_each_applied_once(pair: Pair, arrays: dict[int, list[np.ndarray]]) -> None:
+    """Resume the dropped link and run it out: each step k read its own first array back, and the
+    worker applied each step's batch once."""
+    pair.resume()
+    pair.run()
+    for k in range(len(arrays)):
+        (got,) = pair.waiter.answers[k + 1]
+        np.testing.assert_array_equal(got, arrays[k][0])
+    assert pair.worker.applied == len(arrays)
+
+
 def step_batch(k: int, arrays: list[np.ndarray]) -> list[m.ClientMessage]:
     """A step's batch: its uploads, then a read of the first (ids shift by 10 a step)."""
     return [*(upload(10 * k + i + 1, a) for i, a in enumerate(arrays)), m.Read(k + 1, 10 * k + 1)]
@@ -612,12 +623,7 @@ def test_a_staged_batch_resent_after_a_drop_arrives_intact() -> None:
         if k == 0:
             pair.run()
     pair.send_all()  # batches 2 and 3 lost before the worker saw them: resent in full
-    pair.resume()
-    pair.run()
-    for k in range(3):
-        (got,) = pair.waiter.answers[k + 1]
-        np.testing.assert_array_equal(got, arrays[k][0])
-    assert pair.worker.applied == 3
+    resume_and_check_each_applied_once(pair, arrays)
 
 
 def test_an_ack_hands_back_the_staging_buffers_of_the_batches_it_acknowledges_only() -> None:
@@ -672,12 +678,7 @@ def test_staging_buffers_overwritten_as_soon_as_freed_never_change_a_batch_sent_
             pair.send_all()
             pair.deliver_up()  # applied; its reply is lost with the link
     pair.send_all()  # batches 3 and 4 lost before the worker saw them
-    pair.resume()
-    pair.run()
-    for k in range(4):
-        (got,) = pair.waiter.answers[k + 1]
-        np.testing.assert_array_equal(got, arrays[k][0])
-    assert pair.worker.applied == 4
+    resume_and_check_each_applied_once(pair, arrays)
 
 
 def test_a_reply_foreseen_by_the_client_is_taken_without_decoding_and_a_different_one_is_decoded(
