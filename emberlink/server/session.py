@@ -66,6 +66,7 @@ from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 from emberlink.protocol.resume import is_token
 from emberlink.protocol.session import MAX_KEPT_REPLIES, BatchArrived, BulkComplete, WorkerConnection
+from emberlink.server import awake
 from emberlink.server.detached import Attach, Resumable, ResumeRegistry
 from emberlink.server.device import AGAIN, DeviceThread, Turn
 from emberlink.server.graphs import Compiler, GraphView, Prepared
@@ -160,6 +161,7 @@ class Session:
         self._worker = worker
         self._link = link
         self._loop = asyncio.get_running_loop()
+        self._awake = awake.keeper(self._loop)  # polls on after each reply, where the cores allow
         self._limits = worker.limits
         self.peer = link.peer
         self.client: str | None = None
@@ -986,6 +988,7 @@ class Session:
         if not out.messages and out.close is None and self._defer_ack(out.ack):
             return
         self._post(out)
+        self._awake.poke()  # the client's next step comes soon: read it the moment it lands
 
     def _defer_ack(self, ack: int) -> bool:
         """Whether the reply to batch `ack`, an ack alone, may wait for the next reply (acks are

@@ -37,7 +37,7 @@ before it writes, reads or closes, waiting for an owner's release (it rings the 
 eventfd in the owner's poll, so it comes at once) and running what waited after it. An owner sends
 heartbeats and notices silence itself while it waits; a link parked for `KEEPALIVE_S` with
 nothing said either way goes back to the loop at the next keepalive tick. An owner polls without
-sleeping for up to `SPIN_S` before it sleeps, while answers come that fast (`read_direct`).
+sleeping for a while before it sleeps (`spin_setting`), while answers come that fast (`read_direct`).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ from typing import cast
 
 import numpy as np
 
-from emberlink.errors import ConfigError, TransportError, TransportTimeout
-from emberlink.settings import env_number
+from emberlink.errors import TransportError, TransportTimeout
+from emberlink.settings import spin_seconds
 from emberlink.transport.base import MAX_BLOB, Blob, Handler, OnBlob, check_size
 from emberlink.transport.sessions import SessionSet
 
@@ -93,9 +93,9 @@ _CLOSE_WAIT_S = 1.0
 #: Bytes a user thread asks the socket for at a time when it reads a reply itself.
 _DIRECT_READ = 256 * 1024
 #: How long an owner that waits for bytes polls the socket without sleeping first (while the last
-#: wait ended within that time), unless `SPIN_ENV` says otherwise (microseconds; 0: never).
-SPIN_S = 200e-6
-SPIN_ENV = "EMBERLINK_SPIN_US"
+#: wait ended within that time) on fewer than `SPIN_CPUS` CPUs, unless `SPIN_ENV` says otherwise
+#: (settings.spin_seconds: 2 ms on more CPUs).
+SPIN_FEW_CPUS_S = 200e-6
 _DIRECT = hasattr(os, "eventfd") and hasattr(select, "poll")  # Linux: user threads may own the socket
 
 
@@ -108,13 +108,8 @@ class Mode(Enum):
 
 
 def spin_setting() -> float:
-    """How long an owner polls before it sleeps (`SPIN_S`, or `SPIN_ENV` in microseconds)."""
-    us = env_number(SPIN_ENV, float, "microseconds")
-    if us is None:
-        return SPIN_S
-    if not 0 <= us <= 1_000_000:
-        raise ConfigError(f"{SPIN_ENV} must be between 0 and 1000000 microseconds, got {us!r}")
-    return us * 1e-6
+    """How long an owner polls before it sleeps (settings.spin_seconds)."""
+    return spin_seconds(SPIN_FEW_CPUS_S)
 
 
 def _address(host: str, port: int) -> str:

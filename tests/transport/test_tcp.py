@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from emberlink.errors import ConfigError, TransportError, TransportTimeout
+from emberlink.settings import SPIN_ENV
 from emberlink.transport import tcp
 from emberlink.transport.base import MAX_BLOB, Handler, Link
 
@@ -689,7 +690,7 @@ async def next_blob(reader: asyncio.StreamReader) -> bytes:
 async def test_an_owner_polls_without_sleeping_only_while_answers_come_within_the_spin_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(tcp.SPIN_ENV, "100000")  # 100 ms
+    monkeypatch.setenv(SPIN_ENV, "100000")  # 100 ms
     delays = [0.002, 0.5, 0.002, 0.002]  # seconds the peer takes to answer each request
     yields: list[int] = []  # sched_yield calls during each round trip (polls without sleeping)
     count = [0]
@@ -730,7 +731,7 @@ async def test_an_owner_polls_without_sleeping_only_while_answers_come_within_th
 async def test_an_owner_never_polls_without_sleeping_when_the_spin_time_is_zero(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(tcp.SPIN_ENV, "0")
+    monkeypatch.setenv(SPIN_ENV, "0")
     yields: list[None] = []
     monkeypatch.setattr(os, "sched_yield", lambda: yields.append(None))
 
@@ -754,6 +755,6 @@ async def test_an_owner_never_polls_without_sleeping_when_the_spin_time_is_zero(
 def test_a_spin_setting_that_is_not_a_number_of_microseconds_in_range_is_refused(
     monkeypatch: pytest.MonkeyPatch, text: str
 ) -> None:
-    monkeypatch.setenv(tcp.SPIN_ENV, text)
-    with pytest.raises(ConfigError, match=tcp.SPIN_ENV):
+    monkeypatch.setenv(SPIN_ENV, text)
+    with pytest.raises(ConfigError, match=SPIN_ENV):
         tcp.spin_setting()
