@@ -30,12 +30,15 @@ SPIN_S = 2e-3
 SPIN_CPUS = 4
 
 
-def spin_seconds(few_cpus: float) -> float:
+def spin_seconds(few_cpus: float, *, alone: bool = True) -> float:
     """How long a side that waits for its peer polls without sleeping: a client's thread for its
     answer over raw TCP (transport/tcp.py), a worker's event loop after each reply it sends
     (server/awake.py). $SPIN_ENV in microseconds (0: never); unset, SPIN_S where this process may
     run on SPIN_CPUS or more CPUs, as CUDA spins on a synchronize while it has the cores, else
-    `few_cpus` (on two cores a spinning side takes the CPU its peer needs).
+    `few_cpus` (on two cores a spinning side takes the CPU its peer needs). `alone` false (the
+    caller shares its process with the other side: a worker on a client's loop thread, as
+    `emberlink.testing` runs one) gets `few_cpus` too: a thread that spins holding Python's GIL
+    between polls keeps the thread it waits for from running, up to the 5 ms switch interval.
 
     Measured on the H200 machine (16 CPUs; the small MLP's jitted step on a worker over tcp, one
     process, the variants' blocks interleaved, two runs, median µs a step): batches uploaded
@@ -46,7 +49,7 @@ def spin_seconds(few_cpus: float) -> float:
     idle CPU a step, each with cold caches)."""
     us = env_number(SPIN_ENV, float, "microseconds")
     if us is None:
-        return SPIN_S if len(os.sched_getaffinity(0)) >= SPIN_CPUS else few_cpus
+        return SPIN_S if alone and len(os.sched_getaffinity(0)) >= SPIN_CPUS else few_cpus
     if not 0 <= us <= 1_000_000:
         raise ConfigError(f"{SPIN_ENV} must be between 0 and 1000000 microseconds, got {us!r}")
     return us * 1e-6

@@ -5,7 +5,9 @@ A client in a training loop sends its next step a few hundred microseconds after
 last one. An event loop that slept meanwhile pays a wake-up of an idle CPU, with cold caches, before
 it reads that step; one that kept polling reads it the moment it lands. So after each reply the
 loop keeps a callback of ours ready (asyncio then polls its sockets with no timeout) for
-`settings.spin_seconds` (2 ms on a machine with the cores for it, none on fewer: measured there).
+`settings.spin_seconds` (2 ms on a machine with the cores for it, none on fewer: measured there),
+where the loop is its process's main thread (`emberlink worker`): a worker on a loop thread shares
+its process with clients (`emberlink.testing`), which a polling loop would keep from the GIL.
 Past that window with no new reply it sleeps as before, so an idle worker costs no CPU. One keeper
 a loop, shared by its sessions.
 """
@@ -13,6 +15,7 @@ a loop, shared by its sessions.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import weakref
 
@@ -55,10 +58,11 @@ _KEEPERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Awake] = weakref.
 
 
 def keeper(loop: asyncio.AbstractEventLoop) -> Awake:
-    """The loop's keeper (made on first use, its window read from the environment then)."""
+    """The loop's keeper (made on first use, from the loop's thread: its window is read then)."""
     found = _KEEPERS.get(loop)
     if found is None:
-        found = _KEEPERS[loop] = Awake(loop, spin_seconds(0.0))
+        alone = threading.current_thread() is threading.main_thread()
+        found = _KEEPERS[loop] = Awake(loop, spin_seconds(0.0, alone=alone))
     return found
 
 

@@ -18,7 +18,7 @@ from typing import Any, Self, TypeVar
 from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.ticket import Ticket
 from emberlink.server.worker import Worker
-from emberlink.transport.loop import LoopThread, io_loop
+from emberlink.transport.loop import LoopThread, host_worker, io_loop
 
 T = TypeVar("T")
 log = logging.getLogger("emberlink.server")
@@ -43,6 +43,7 @@ class BackgroundWorker:
         self.identity = identity if identity is not None else Identity.generate(os.urandom)
         self.allow = allow if allow is not None else AllowPolicy.allow_any()
         self.loop_thread = loop_thread if loop_thread is not None else io_loop()
+        host_worker()  # clients of this process must not spin while it works (settings.spin_seconds)
         self.host = host
         self.port: int | None = None
         self.tcp_port: int | None = None

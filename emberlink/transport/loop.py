@@ -69,6 +69,21 @@ class LoopThread:
             self._thread.join()
 
 
+_worker_here = False
+
+
+def host_worker() -> None:
+    """Note that a worker serves from this process (an in-process one, on a loop thread)."""
+    global _worker_here
+    _worker_here = True
+
+
+def worker_here() -> bool:
+    """Whether a worker has served from this process: its client threads then share the GIL with
+    it, and must not spin while they wait for it (settings.spin_seconds)."""
+    return _worker_here
+
+
 _shared: LoopThread | None = None
 _shared_lock = threading.Lock()
 

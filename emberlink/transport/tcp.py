@@ -59,6 +59,7 @@ import numpy as np
 from emberlink.errors import TransportError, TransportTimeout
 from emberlink.settings import spin_seconds
 from emberlink.transport.base import MAX_BLOB, Blob, Handler, OnBlob, check_size
+from emberlink.transport.loop import worker_here
 from emberlink.transport.sessions import SessionSet
 
 _PREFIX = 4
@@ -109,7 +110,7 @@ class Mode(Enum):
 
 def spin_setting() -> float:
     """How long an owner polls before it sleeps (settings.spin_seconds)."""
-    return spin_seconds(SPIN_FEW_CPUS_S)
+    return spin_seconds(SPIN_FEW_CPUS_S, alone=not worker_here())
 
 
 def _address(host: str, port: int) -> str:

@@ -14,6 +14,8 @@ from emberlink.errors import ConfigError
 from emberlink.server.awake import Awake, keeper
 from emberlink.settings import SPIN_CPUS, SPIN_ENV, SPIN_S, spin_seconds
 from emberlink.testing import InProcessWorker
+from emberlink.transport import loop, tcp
+from emberlink.transport.loop import LoopThread
 
 
 class Counted(Awake):
@@ -30,13 +32,45 @@ class Counted(Awake):
         super()._tick()
 
 
-@pytest.mark.parametrize(("cpus", "want"), [(SPIN_CPUS, SPIN_S), (SPIN_CPUS - 2, 0.5e-3)])
-def test_the_spin_window_is_spin_s_with_the_cores_for_it_and_the_callers_own_below(
-    monkeypatch: pytest.MonkeyPatch, cpus: int, want: float
+@pytest.mark.parametrize(
+    ("cpus", "alone", "want"),
+    [(SPIN_CPUS, True, SPIN_S), (SPIN_CPUS - 2, True, 0.5e-3), (64, False, 0.5e-3)],
+    ids=["the-cores-for-it", "fewer-cores", "sharing-its-process"],
+)
+def test_the_spin_window_is_spin_s_with_the_cores_and_a_process_to_itself_else_the_callers_own(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, alone: bool, want: float
 ) -> None:
     monkeypatch.delenv(SPIN_ENV, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
-    assert spin_seconds(0.5e-3) == want
+    assert spin_seconds(0.5e-3, alone=alone) == want
+
+
+def test_a_worker_loop_on_its_main_thread_polls_by_default_and_one_on_a_loop_thread_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(SPIN_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+
+    async def window() -> float:
+        return keeper(asyncio.get_running_loop()).window
+
+    assert asyncio.run(window()) == SPIN_S  # `emberlink worker`: the loop is the main thread's
+    on_thread = LoopThread("test-awake")
+    try:
+        assert on_thread.call(window(), 10) == 0.0  # beside clients in one process
+    finally:
+        on_thread.stop()
+
+
+def test_a_client_does_not_spin_long_in_a_process_a_worker_serves_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(SPIN_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(loop, "_worker_here", False)
+    assert tcp.spin_setting() == SPIN_S
+    with InProcessWorker():
+        assert tcp.spin_setting() == tcp.SPIN_FEW_CPUS_S
 
 
 def test_a_spin_window_set_in_microseconds_is_used_on_any_machine(monkeypatch: pytest.MonkeyPatch) -> None:
