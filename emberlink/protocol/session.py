@@ -785,6 +785,11 @@ class _Expected:
     inline: int
     uploads: tuple[int, ...]
     sites: tuple[tuple[int, int, int], ...] | None
+    # A patched Repeat's patch positions and ids, and `messages.repatched_prefix` of it, made here
+    # (after a reply) rather than as the next batch comes.
+    positions: tuple[int, ...] = ()
+    ids: tuple[int, ...] = ()
+    prefix: bytes | None = None
 
     @classmethod
     def of(
@@ -796,11 +801,21 @@ class _Expected:
         expected (a shift or a patch changes no upload's size or layout)."""
         template, repeat, messages = predicted
         patches = repeat.patches
-        sites = None if patches is None else m.patch_sites(messages, [at for at, _ in patches])
+        sites = None
+        positions: tuple[int, ...] = ()
+        ids: tuple[int, ...] = ()
+        prefix = None
+        if patches is not None:
+            positions = tuple(at for at, _ in patches)
+            ids = tuple(tid for _, tid in patches)
+            sites = m.patch_sites(messages, positions)
+            prefix = m.repatched_prefix(repeat)
         if last is not None and last.messages is template:
-            return cls(template, repeat, messages, last.inline, last.uploads, sites)
-        uploads = tuple(x.nbytes for x in messages if type(x) is m.Upload)
-        return cls(template, repeat, messages, m.inline_bytes(messages), uploads, sites)
+            inline, uploads = last.inline, last.uploads
+        else:
+            inline = m.inline_bytes(messages)
+            uploads = tuple(x.nbytes for x in messages if type(x) is m.Upload)
+        return cls(template, repeat, messages, inline, uploads, sites, positions, ids, prefix)
 
 
 class Kept(Protocol):
@@ -986,21 +1001,15 @@ class WorkerConnection(Generic[K]):
                 return None
             seq, received = found
         else:  # patched: the same patches, or other ids at their positions (batches cycled)
-            refound = m.decode_repatched(head, repeat)
+            refound = m.decode_repatched(head, repeat, expected.prefix)
             if refound is None:
                 return None
             seq, received, ids = refound
-            patches = repeat.patches
-            assert patches is not None
-            if any(tid != was for tid, (_, was) in zip(ids, patches, strict=True)):
+            if ids != expected.ids:
                 repatched = True
                 messages = m.repatch(messages, expected.sites, ids)
-                repeat = m.Repeat(
-                    repeat.id_shift,
-                    repeat.rid_shift,
-                    None,
-                    tuple((at, tid) for (at, _), tid in zip(patches, ids, strict=True)),
-                )
+                patches = tuple(zip(expected.positions, ids, strict=True))
+                repeat = m.Repeat(repeat.id_shift, repeat.rid_shift, None, patches)
         self._repatched = repatched
         self._check_seq(seq)
         self._seq = self._template_seq = seq
