@@ -950,19 +950,22 @@ class Session:
         if runner is None:
             return False
         try:
-            out = runner.apply(incoming, deadline)
-        except ProtocolError as e:
-            runner.discard(incoming)
-            call_soon(self._refuse, e)
+            try:
+                out = runner.apply(incoming, deadline)
+            except ProtocolError as e:
+                runner.discard(incoming)
+                call_soon(self._refuse, e)
+                return False
+            except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
+                runner.discard(incoming)
+                call_soon(self._crash_applying, e)
+                return False
+            if not incoming.done:
+                return True
+            call_soon(self._finished, out)  # inline: the reply is written by the time it returns
             return False
-        except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
-            runner.discard(incoming)
-            call_soon(self._crash_applying, e)
-            return False
-        if not incoming.done:
-            return True
-        call_soon(self._finished, out)
-        return False
+        finally:
+            runner.let_go()  # what the batch's Drops freed, after its reply
 
     def _crash_applying(self, error: BaseException) -> None:
         self._crash(error, "applying a batch")
