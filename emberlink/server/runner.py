@@ -153,9 +153,13 @@ class BatchRunner:
 
     # -- one batch ----------------------------------------------------------------------------------
 
-    def apply(self, incoming: Incoming, deadline: float | None = None) -> Outgoing | None:
+    def apply(
+        self, incoming: Incoming, deadline: float | None = None, *, free_after: bool = False
+    ) -> Outgoing | None:
         """Apply a batch, or as much of it as fits before `deadline` (`time.perf_counter()`; at
-        least one message): None when it was discarded or is not done (`incoming.done`)."""
+        least one message): None when it was discarded or is not done (`incoming.done`).
+        `free_after`: what a Drop followed only by Reads frees waits for `let_go` (the caller
+        writes the reply first)."""
         batch = incoming.batch
         if self.closed:
             self.discard(incoming)
@@ -202,7 +206,8 @@ class BatchRunner:
             elif type(msg) is _Drop:
                 # Followed by reads alone (a step's Drop, then the read of its loss): the arrays
                 # it frees are let go of after the reply is out (`let_go`), not before it.
-                self._store.drop_many(msg.ids, self._later if _reads_only(messages, i) else None)
+                later = self._later if free_after and _reads_only(messages, i) else None
+                self._store.drop_many(msg.ids, later)
                 self._host_uploads.forget(msg.ids)
             elif type(msg) is _Sync:
                 self._sync(msg, out)

@@ -1,4 +1,4 @@
-"""When a batch's Drops free their arrays: before the reply when something after them may allocate, after it otherwise."""
+"""When a batch's Drops free their arrays: after the reply when only Reads follow them on the loop, else at once."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_arrays_a_drop_followed_only_by_reads_frees_are_let_go_after_the_reply_a
     runner.let_go()
     del a  # (the store holds it alone)
     dropped = weakref.ref(store.peek(1))
-    out = runner.apply(batch(2, [m.Drop((1,)), m.Read(1, 2)], []))
+    out = runner.apply(batch(2, [m.Drop((1,)), m.Read(1, 2)], []), free_after=True)
     assert out is not None and out.messages == [m.Result(1, "float32", (4,), 16)]
     assert store.peek(1) is None and store.quota.used == 16 + ID_BYTES  # id gone, bytes uncharged
     assert dropped() is not None  # ...the array itself waits for the reply
@@ -50,5 +50,15 @@ def test_arrays_a_drop_frees_before_an_upload_or_execute_are_freed_at_once() -> 
     runner.apply(batch(1, [upload(1, a)], [a]))
     del a  # (the store holds it alone)
     dropped = weakref.ref(store.peek(1))
-    runner.apply(batch(2, [m.Drop((1,)), upload(3, b), m.Read(1, 3)], [b]))
+    runner.apply(batch(2, [m.Drop((1,)), upload(3, b), m.Read(1, 3)], [b]), free_after=True)
     assert dropped() is None and store.quota.used == 16 + ID_BYTES
+
+
+def test_without_free_after_a_drop_frees_its_arrays_at_once() -> None:
+    runner, store = runner_and_store()
+    a, b = np.zeros(256, np.float32), np.ones(4, np.float32)
+    runner.apply(batch(1, [upload(1, a), upload(2, b)], [a, b]))
+    del a  # (the store holds it alone)
+    dropped = weakref.ref(store.peek(1))
+    runner.apply(batch(2, [m.Drop((1,)), m.Read(1, 2)], []))  # as on the device thread
+    assert dropped() is None
