@@ -269,7 +269,9 @@ def install_replay() -> None:
 
     wrap_capture_stages()
     wrap(TensorStore, "put_many", "w.put", "w.putted")
-    apply = BatchRunner.apply
+    # The probe inside the w.apply mark (in "apply the batch"): before it, it was counted in "to
+    # the batch being applied", which then looked like ~15 µs of hand-off on an inline loop.
+    apply = getattr(BatchRunner.apply, "__wrapped__", BatchRunner.apply)
 
     @functools.wraps(apply)
     def probed(*args: Any, **kwargs: Any) -> Any:
@@ -277,6 +279,7 @@ def install_replay() -> None:
         return apply(*args, **kwargs)
 
     BatchRunner.apply = probed  # type: ignore[method-assign]
+    wrap(BatchRunner, "apply", "w.apply", "w.applied")
 
 
 FINE_STAGES = [

@@ -1027,16 +1027,20 @@ def encode_repeat_batch(seq: int, repeat: Repeat, received: int) -> bytes:
     return b"".join((b"\x92", _pack(seq), middle))
 
 
-def decode_repatched(data: BytesLike, repeat: Repeat) -> tuple[int, int, tuple[int, ...]] | None:
+def decode_repatched(
+    data: BytesLike, repeat: Repeat, prefix: bytes | None = None
+) -> tuple[int, int, tuple[int, ...]] | None:
     """`(seq, received, ids)` of the batch that is the whole of `data` when it is `repeat` (a patched
     Repeat without bindings) with other tensor ids at the same patch positions, `ids` in order, and
     valid; None for anything else (decoded in full, as in `decode_repeat`). Batches uploaded
     beforehand and cycled patch other ids every step: `repatch` then makes its messages from those
-    the last patches expanded to."""
+    the last patches expanded to. `prefix`: `repatched_prefix(repeat)`, made ahead (a cycled
+    step's Repeat is a new one every step)."""
     patches = repeat.patches
     if repeat.bindings is not None or patches is None or len(data) > _FIRST_FEED:
         return None
-    prefix = _repeat_middle(repeat, patched=False)
+    if prefix is None:
+        prefix = _repeat_middle(repeat, patched=False)
     found = _batch_head(data)
     if found is None:
         return None
@@ -1065,6 +1069,12 @@ def decode_repatched(data: BytesLike, repeat: Repeat) -> tuple[int, int, tuple[i
         ids.append(tid)
     received = _batch_tail(data, at)
     return None if received is None else (seq, received, tuple(ids))
+
+
+def repatched_prefix(repeat: Repeat) -> bytes:
+    """The bytes `decode_repatched` compares before a patched Repeat's patches (its tag, shifts and
+    nil bindings, as the client encodes them)."""
+    return _repeat_middle(repeat, patched=False)
 
 
 def _batch_head(data: BytesLike) -> tuple[int, int] | None:

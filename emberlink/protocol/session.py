@@ -785,6 +785,11 @@ class _Expected:
     inline: int
     uploads: tuple[int, ...]
     sites: tuple[tuple[int, int, int], ...] | None
+    # A patched Repeat's patch positions and ids, and `messages.repatched_prefix` of it, made here
+    # (after a reply) rather than as the next batch comes.
+    positions: tuple[int, ...] = ()
+    ids: tuple[int, ...] = ()
+    prefix: bytes | None = None
 
     @classmethod
     def of(
@@ -796,11 +801,21 @@ class _Expected:
         expected (a shift or a patch changes no upload's size or layout)."""
         template, repeat, messages = predicted
         patches = repeat.patches
-        sites = None if patches is None else m.patch_sites(messages, [at for at, _ in patches])
+        sites = None
+        positions: tuple[int, ...] = ()
+        ids: tuple[int, ...] = ()
+        prefix = None
+        if patches is not None:
+            positions = tuple(at for at, _ in patches)
+            ids = tuple(tid for _, tid in patches)
+            sites = m.patch_sites(messages, positions)
+            prefix = m.repatched_prefix(repeat)
         if last is not None and last.messages is template:
-            return cls(template, repeat, messages, last.inline, last.uploads, sites)
-        uploads = tuple(x.nbytes for x in messages if type(x) is m.Upload)
-        return cls(template, repeat, messages, m.inline_bytes(messages), uploads, sites)
+            inline, uploads = last.inline, last.uploads
+        else:
+            inline = m.inline_bytes(messages)
+            uploads = tuple(x.nbytes for x in messages if type(x) is m.Upload)
+        return cls(template, repeat, messages, inline, uploads, sites, positions, ids, prefix)
 
 
 class Kept(Protocol):
@@ -896,6 +911,9 @@ class WorkerConnection(Generic[K]):
         self._predicted: Prediction = None
         self._expected: _Expected | None = None  # what the worker needs of the predicted batch
         self._repeat: m.Repeat | None = None  # the Repeat the last batch came as
+        # Whether the last batch patched other ids than the Repeat before it (batches uploaded
+        # beforehand and cycled): its successor's bytes are then not foreseen (`predict`).
+        self._repatched = False
         self._seq = 0  # the seq of the last batch
         self._template_seq = 0  # the seq of the last batch that is `_template` (not uploads only)
         # The predicted batch's exact bytes if it follows the last one at once, its client having
@@ -954,6 +972,7 @@ class WorkerConnection(Generic[K]):
         else:
             self._template_seq = batch.seq
             self._repeat = repeat if type(repeat) is m.Repeat and repeat.bindings is None else None
+            self._repatched = False
             self._template = batch.messages
         if batch.received:
             self.replies.confirm(batch.received)
@@ -969,31 +988,29 @@ class WorkerConnection(Generic[K]):
         if start <= 0:
             return None
         repeat, messages = expected.repeat, expected.messages
-        if expected.sites is None:
-            head = plaintext[:start]
-            next_batch = self._next_batch
-            if next_batch is not None and next_batch[3] is repeat and head == next_batch[0]:
-                seq, received = next_batch[1], next_batch[2]
-            else:
-                found = m.decode_repeat(head, repeat)
-                if found is None:
-                    return None
-                seq, received = found
+        head = plaintext[:start]
+        next_batch = self._next_batch
+        repatched = False
+        if next_batch is not None and next_batch[3] is repeat and head == next_batch[0]:
+            # The exact bytes foreseen (`_foresee_next`): a patched Repeat too, with the same
+            # patches as the last (a resident DataLoader's step), is taken in with one comparison.
+            seq, received = next_batch[1], next_batch[2]
+        elif expected.sites is None:
+            found = m.decode_repeat(head, repeat)
+            if found is None:
+                return None
+            seq, received = found
         else:  # patched: the same patches, or other ids at their positions (batches cycled)
-            refound = m.decode_repatched(plaintext[:start], repeat)
+            refound = m.decode_repatched(head, repeat, expected.prefix)
             if refound is None:
                 return None
             seq, received, ids = refound
-            patches = repeat.patches
-            assert patches is not None
-            if any(tid != was for tid, (_, was) in zip(ids, patches, strict=True)):
+            if ids != expected.ids:
+                repatched = True
                 messages = m.repatch(messages, expected.sites, ids)
-                repeat = m.Repeat(
-                    repeat.id_shift,
-                    repeat.rid_shift,
-                    None,
-                    tuple((at, tid) for (at, _), tid in zip(patches, ids, strict=True)),
-                )
+                patches = tuple(zip(expected.positions, ids, strict=True))
+                repeat = m.Repeat(repeat.id_shift, repeat.rid_shift, None, patches)
+        self._repatched = repatched
         self._check_seq(seq)
         self._seq = self._template_seq = seq
         self._repeat = repeat
@@ -1053,7 +1070,10 @@ class WorkerConnection(Generic[K]):
         worker's calls over tcp, three runs interleaved with the comparison). A patched Repeat is
         expanded even when the next will patch other ids (batches cycled): `_on_expected` then
         repatches the expansion. The next batch's exact bytes are made too, as a client that read
-        this reply sends it, so that it is taken in with one comparison."""
+        this reply sends it, so that it is taken in with one comparison; for a patched Repeat too,
+        unless the last batch patched other ids than the one before (batches cycled: those bytes
+        would not come). A resident DataLoader's step patches the same ids every step: its batch
+        went from `messages.decode_repatched` to one comparison."""
         template, repeat = self._template, self._repeat
         predicted = self._predicted = _prediction(template, repeat, self._predicted)
         if (
@@ -1072,7 +1092,12 @@ class WorkerConnection(Generic[K]):
         if predicted is not None and (last is None or last.messages is not predicted[2]):
             self._expected = last = _Expected.of(predicted, last)
         self._next_batch = None
-        if last is not None and last.sites is None and last.template is template and self._seq:
+        if (
+            last is not None
+            and (last.sites is None or not self._repatched)
+            and last.template is template
+            and self._seq
+        ):
             self._foresee_next()
 
     def _foresee_next(self) -> None:

@@ -148,12 +148,18 @@ class BatchRunner:
         self._captures = open_captures(backend, admit=self._admit_capture, release=self._release_capture)
         self._peaks: dict[bytes, int] = {}  # gid -> its plan's peak bytes (graphs.Costs, memoized here)
         self._host_uploads = HostUploads()  # uploads in host memory that captured replays read
+        # Arrays a Drop freed (uncharged already) that nothing may use, kept until `let_go`.
+        self._later: list[Any] = []
 
     # -- one batch ----------------------------------------------------------------------------------
 
-    def apply(self, incoming: Incoming, deadline: float | None = None) -> Outgoing | None:
+    def apply(
+        self, incoming: Incoming, deadline: float | None = None, *, free_after: bool = False
+    ) -> Outgoing | None:
         """Apply a batch, or as much of it as fits before `deadline` (`time.perf_counter()`; at
-        least one message): None when it was discarded or is not done (`incoming.done`)."""
+        least one message): None when it was discarded or is not done (`incoming.done`).
+        `free_after`: what a Drop followed only by Reads frees waits for `let_go` (the caller
+        writes the reply first)."""
         batch = incoming.batch
         if self.closed:
             self.discard(incoming)
@@ -198,7 +204,10 @@ class BatchRunner:
             elif type(msg) is _Read:
                 self._read(msg, out)
             elif type(msg) is _Drop:
-                self._store.drop_many(msg.ids)
+                # Followed by reads alone (a step's Drop, then the read of its loss): the arrays
+                # it frees are let go of after the reply is out (`let_go`), not before it.
+                later = self._later if free_after and _reads_only(messages, i) else None
+                self._store.drop_many(msg.ids, later)
                 self._host_uploads.forget(msg.ids)
             elif type(msg) is _Sync:
                 self._sync(msg, out)
@@ -218,6 +227,12 @@ class BatchRunner:
         self.counters.batches += 1
         out.nbytes += REPLY_MESSAGE_BYTES * len(out.messages)
         return out
+
+    def let_go(self) -> None:
+        """Free the arrays the last batch's Drops left to free after its reply (`drop_many`'s
+        `later`): the reply's write does not wait for their deallocation."""
+        if self._later:
+            self._later.clear()
 
     @property
     def replays_captured(self) -> bool:
@@ -475,6 +490,15 @@ class BatchRunner:
         self._store.quota.release(nbytes)
         if gid is not None and plan is not None:  # a plan that is gone took its cache entry with it
             self.graphs.charge(gid, plan, -nbytes)
+
+
+def _reads_only(messages: tuple[m.ClientMessage, ...], start: int) -> bool:
+    """Whether every message from `start` on is a Read (nothing after a Drop there allocates on
+    the device, so what it freed may wait for the reply)."""
+    for k in range(start, len(messages)):
+        if type(messages[k]) is not _Read:
+            return False
+    return True
 
 
 def _outputs(msg: m.Execute, count: int) -> range:

@@ -918,7 +918,7 @@ class Session:
         self._runner.counters.applied_on_loop += 1
         # Its reply is queued at once when nothing the device thread handed over is still waiting
         # on the loop (one loop iteration fewer a step); else with call_soon, behind those.
-        self._settle(incoming, self._loop.call_soon if self._handed else _call_now, None)
+        self._settle(incoming, self._loop.call_soon if self._handed else _call_now, None, free_after=True)
         return True
 
     # -- device thread -------------------------------------------------------------------------------------
@@ -943,26 +943,34 @@ class Session:
         incoming: Incoming,
         call_soon: Callable[[Callable[..., None], Any], object],
         deadline: float | None,
+        *,
+        free_after: bool = False,
     ) -> bool:
         """Apply (a turn of) one batch; its reply, or what ends the session, goes through call_soon.
-        True when the batch is not done."""
+        True when the batch is not done. `free_after` (on the loop, the reply written in
+        call_soon): what its Drops free waits until then (`BatchRunner.let_go`). Not on the device
+        thread, where freeing after the hand-over would hold the GIL while the loop writes the
+        reply (measured, the small MLP on NumPy: the hand-over 34-38 -> 40-42 µs)."""
         runner = self._runner
         if runner is None:
             return False
         try:
-            out = runner.apply(incoming, deadline)
-        except ProtocolError as e:
-            runner.discard(incoming)
-            call_soon(self._refuse, e)
+            try:
+                out = runner.apply(incoming, deadline, free_after=free_after)
+            except ProtocolError as e:
+                runner.discard(incoming)
+                call_soon(self._refuse, e)
+                return False
+            except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
+                runner.discard(incoming)
+                call_soon(self._crash_applying, e)
+                return False
+            if not incoming.done:
+                return True
+            call_soon(self._finished, out)  # inline: the reply is written by the time it returns
             return False
-        except Exception as e:  # noqa: BLE001 - any failure ends this session alone (logged in _crash)
-            runner.discard(incoming)
-            call_soon(self._crash_applying, e)
-            return False
-        if not incoming.done:
-            return True
-        call_soon(self._finished, out)
-        return False
+        finally:
+            runner.let_go()  # what the batch's Drops freed, after its reply
 
     def _crash_applying(self, error: BaseException) -> None:
         self._crash(error, "applying a batch")

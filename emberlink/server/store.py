@@ -285,8 +285,10 @@ class TensorStore:
         """Free tid; an unknown id is ignored (drops are idempotent on resend)."""
         self._forget(tid)
 
-    def drop_many(self, tids: Any) -> None:
-        """`drop` each (an unknown id is ignored)."""
+    def drop_many(self, tids: Any, later: list[Any] | None = None) -> None:
+        """`drop` each (an unknown id is ignored). `later`: the arrays this frees are appended to it
+        instead of being freed here (their charge is released all the same), for the caller to
+        let go of once it is done with what is urgent (a step's reply)."""
         entries, failures, quota = self._entries, self._failures, self.quota
         freed = 0  # released once for the whole Drop: one lock, not one per id
         for tid in tids:
@@ -300,6 +302,8 @@ class TensorStore:
                 keep_charged(quota, array, size + ID_BYTES)
             else:
                 freed += size + ID_BYTES
+                if later is not None:
+                    later.append(array)
         if freed:
             quota.release(freed)
 

@@ -428,6 +428,8 @@ def test_a_repeat_patching_other_ids_decodes_as_the_full_decoder_decodes_it_or_n
     if mutate:
         encoded = _mutate(encoded, change)
     found = m.decode_repatched(encoded, expected)
+    # the prefix made ahead (as the worker makes it after a reply) finds the same
+    assert m.decode_repatched(encoded, expected, m.repatched_prefix(expected)) == found
     if not mutate:
         assert found == (seq, received, new_ids)
     if found is None:

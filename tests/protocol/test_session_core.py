@@ -826,3 +826,46 @@ def test_a_repeat_sent_as_the_worker_foresaw_it_is_taken_in_as_the_full_decoding
     # The worker that never predicts decodes all five in full; the predicting one steps 0 and 1
     # (no Repeat yet, then the first), and takes 2, 3 and 4 by their foreseen bytes, unparsed.
     assert parsed == ["full"] * 7
+
+
+@pytest.mark.parametrize(
+    ("data", "parsed"),
+    [
+        # a data set's id kept (a resident DataLoader's step): the same patch every step, so steps
+        # 2 to 4 are taken in by the bytes the worker foresaw, neither decoder run
+        ((5,), ["full", "full"]),
+        # batches cycled: other ids every step; no bytes foreseen can match, each is repatched
+        ((1, 2), ["full", "full", "patched", "patched", "patched"]),
+    ],
+)
+def test_a_patched_repeat_with_the_last_patches_is_taken_in_by_its_foreseen_bytes(
+    monkeypatch: pytest.MonkeyPatch, data: tuple[int, ...], parsed: list[str]
+) -> None:
+    seen: list[str] = []  # which decoder each batch of the predicting worker went through
+    decode_repatched, decode_prefix = m.decode_repatched, m.decode_batch_prefix
+
+    def recording_patched(*a: Any) -> Any:
+        seen.append("patched")
+        return decode_repatched(*a)
+
+    def recording_prefix(*a: Any) -> Any:
+        seen.append("full")
+        return decode_prefix(*a)
+
+    monkeypatch.setattr(m, "decode_repatched", recording_patched)
+    monkeypatch.setattr(m, "decode_batch_prefix", recording_prefix)
+    client, predicting, plain = client_and_two_workers()
+    for step in range(5):
+        tid = 10 + 2 * step
+        x = np.full(4, step, np.float32)
+        inputs = (data[step % len(data)], tid)
+        client.submit(
+            [upload(tid, x), m.Execute(GID, inputs, (0.5,), tid + 1), m.Read(1 + step, tid + 1)], [x], 16
+        )
+        batch, reply = arrives_alike(client, predicting, plain, x, [m.Result(1 + step, "float32", (4,), 16)])
+        assert seen.pop() == "full"  # the worker that never predicts decodes every batch in full
+        assert batch.messages[1] == m.Execute(GID, inputs, (0.5,), tid + 1)
+        assert batch.received == step
+        for r in reply:
+            client.receive(r)
+    assert seen == parsed
