@@ -26,27 +26,24 @@ def env_number(name: str, parse: Callable[[str], N], unit: str) -> N | None:
 
 SPIN_ENV = "EMBERLINK_SPIN_US"
 SPIN_S = 2e-3
-"""How long a side that waits for its peer polls before it sleeps, where it may use SPIN_CPUS CPUs."""
+"""How long a client that waits for its answer polls before it sleeps, where it may use SPIN_CPUS CPUs."""
 SPIN_CPUS = 4
 
 
 def spin_seconds(few_cpus: float, *, alone: bool = True) -> float:
-    """How long a side that waits for its peer polls without sleeping: a client's thread for its
-    answer over raw TCP (transport/tcp.py), a worker's event loop after each reply it sends
-    (server/awake.py). $SPIN_ENV in microseconds (0: never); unset, SPIN_S where this process may
-    run on SPIN_CPUS or more CPUs, as CUDA spins on a synchronize while it has the cores, else
-    `few_cpus` (on two cores a spinning side takes the CPU its peer needs). `alone` false (the
-    caller shares its process with the other side: a worker on a client's loop thread, as
-    `emberlink.testing` runs one) gets `few_cpus` too: a thread that spins holding Python's GIL
-    between polls keeps the thread it waits for from running, up to the 5 ms switch interval.
+    """How long a client's thread that waits for its answer over raw TCP polls without sleeping
+    (transport/tcp.py's `read_direct`). $SPIN_ENV in microseconds (0: never); unset, SPIN_S where
+    this process may run on SPIN_CPUS or more CPUs, as CUDA spins on a synchronize while it has the
+    cores, else `few_cpus` (on two cores a spinning side takes the CPU its peer needs). `alone`
+    false (a worker serves from this process too, as `emberlink.testing` runs one) gets `few_cpus`
+    too: a thread that spins holding Python's GIL between polls keeps the worker's thread from
+    running, up to the 5 ms switch interval.
 
     Measured on the H200 machine (16 CPUs; the small MLP's jitted step on a worker over tcp, one
     process, the variants' blocks interleaved, two runs, median µs a step): batches uploaded
-    beforehand 717 / 682 with the client spinning 200 µs and the worker's loop never, 626 / 546
-    with the client spinning 2 ms, 520 / 481 with both spinning 2-3 ms; a resident DataLoader
-    960 / 752, 679 / 547, 638 / 479. A step's answer comes in ~0.5 ms there: the client spun 200
-    µs, then slept, and so did the worker between a reply and the next step (two wake-ups of an
-    idle CPU a step, each with cold caches)."""
+    beforehand 717 / 682 with the client spinning 200 µs, 626 / 546 with it spinning 2 ms; a
+    resident DataLoader 960 / 752 and 679 / 547. A step's answer comes in ~0.5 ms there: the client
+    spun 200 µs, then slept, and paid an idle CPU's wake-up (with cold caches) every step."""
     us = env_number(SPIN_ENV, float, "microseconds")
     if us is None:
         return SPIN_S if alone and len(os.sched_getaffinity(0)) >= SPIN_CPUS else few_cpus

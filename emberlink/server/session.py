@@ -11,7 +11,8 @@ thread hand-offs: on a backend that `runs_inline` (the NumPy one), a light batch
 (`BatchRunner.light`: small arrays, small compiled graphs); and, where plans replay as captured
 CUDA graphs and this is the worker's only session, a batch of captured replays
 (`BatchRunner.light_captured`), whose read of the result then waits for the GPU on the loop (see
-`_submit`).
+`_submit`). After a step's reply, the loop polls for a while instead of sleeping, so that the next
+step's batch finds it awake (server/awake.py).
 
 A link that drops does not end the session: it is detached, keeping its tensors (still charged to
 the worker's budget), for the resume window, and a client that proves it owns it on a new link
@@ -66,7 +67,7 @@ from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 from emberlink.protocol.resume import is_token
 from emberlink.protocol.session import MAX_KEPT_REPLIES, BatchArrived, BulkComplete, WorkerConnection
-from emberlink.server import awake
+from emberlink.server.awake import Awake
 from emberlink.server.detached import Attach, Resumable, ResumeRegistry
 from emberlink.server.device import AGAIN, DeviceThread, Turn
 from emberlink.server.graphs import Compiler, GraphView, Prepared
@@ -161,7 +162,6 @@ class Session:
         self._worker = worker
         self._link = link
         self._loop = asyncio.get_running_loop()
-        self._awake = awake.keeper(self._loop)  # polls on after each reply, where the cores allow
         self._limits = worker.limits
         self.peer = link.peer
         self.client: str | None = None
@@ -207,6 +207,8 @@ class Session:
         self._receive_failed = False  # a blob taken by the link's callback ended this link's service
         self._handed: deque[None] = deque()  # device-thread replies handed to the loop, not yet run
         self._inline = worker.device.backend.runs_inline
+        # The loop kept polling after a step's reply (server/awake.py).
+        self._awake = Awake(self._loop)
         self._inline_captured = os.environ.get(INLINE_ENV, "1") != "0"
         self._host_buffer = worker.device.backend.host_buffer
         # Resume (server/detached.py): the session's credential and waiting room, whether the current
@@ -532,6 +534,7 @@ class Session:
     async def _cleanup(self) -> None:
         """Free everything the session holds and drop every reference to its data."""
         self.state = State.CLOSED
+        self._awake.close()
         self._end("closed")
         resumable, self._resumable = self._resumable, None  # it holds `_taken_over`: no cycle
         if resumable is not None:
@@ -661,6 +664,7 @@ class Session:
         """The link's callback, on the loop: take in a one-frame blob now, as the receiver task would;
         False, leaving it to that task, when the task holds one, the blob must wait, or this link's
         service is over. Its figure, with the client's: ClientSession.start."""
+        self._awake.arrived()
         if self._receiving or self._receive_failed or link is not self._link or self.state is not State.OPEN:
             return False
         if self._ended.done():
@@ -996,7 +1000,6 @@ class Session:
         if not out.messages and out.close is None and self._defer_ack(out.ack):
             return
         self._post(out)
-        self._awake.poke()  # the client's next step comes soon: read it the moment it lands
 
     def _defer_ack(self, ack: int) -> bool:
         """Whether the reply to batch `ack`, an ack alone, may wait for the next reply (acks are
@@ -1067,6 +1070,8 @@ class Session:
             self._crash(e, "sending")
         self._sent(out)
         self._conn.predict()  # while the client works on this one
+        if len(self._worker.sessions) == 1:  # (measured: server/awake.py; one session: its loop)
+            self._awake.replied()
 
     def _sent(self, out: Outgoing) -> None:
         """A reply is out (or never will be): its arrays are let go."""

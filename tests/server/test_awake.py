@@ -1,145 +1,114 @@
-"""A worker's event loop polls, not sleeps, for a while after each reply (server/awake.py), where the
-machine has the cores for it, and sleeps again once that window passes without a reply."""
+"""The worker's loop kept polling after a reply: for how long, and when it is not."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import time
 
 import numpy as np
 import pytest
 
 from emberlink.errors import ConfigError
-from emberlink.server.awake import Awake, keeper
-from emberlink.settings import SPIN_CPUS, SPIN_ENV, SPIN_S, spin_seconds
+from emberlink.server import awake
+from emberlink.server.awake import SPIN_BACKOFF, SPIN_ENV, SPIN_LATE, SPIN_S, Awake, spin_setting
 from emberlink.testing import InProcessWorker
-from emberlink.transport import loop, tcp
-from emberlink.transport.loop import LoopThread
 
 
-class Counted(Awake):
-    """An Awake that counts the loop's turns it kept ready."""
-
-    __slots__ = ("ticks",)
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, window: float) -> None:
-        super().__init__(loop, window)
-        self.ticks = 0
-
-    def _tick(self) -> None:
-        self.ticks += 1
-        super()._tick()
+async def turns_after_reply(spin: Awake, yields: list[float]) -> int:
+    """How many turns the loop took after one reply, waiting until the spin is over."""
+    before = len(yields)
+    spin.replied()
+    while spin.spinning:
+        await asyncio.sleep(0)
+    return len(yields) - before
 
 
-@pytest.mark.parametrize(
-    ("cpus", "alone", "want"),
-    [(SPIN_CPUS, True, SPIN_S), (SPIN_CPUS - 2, True, 0.5e-3), (64, False, 0.5e-3)],
-    ids=["the-cores-for-it", "fewer-cores", "sharing-its-process"],
-)
-def test_the_spin_window_is_spin_s_with_the_cores_and_a_process_to_itself_else_the_callers_own(
-    monkeypatch: pytest.MonkeyPatch, cpus: int, alone: bool, want: float
-) -> None:
+async def _test_a_blob_that_arrives_ends_the_spin_at_the_next_turn() -> None:
+    yields: list[float] = []
+    spin = Awake(asyncio.get_running_loop(), 10.0, lambda: yields.append(0.0))
+    spin.replied()
+    await asyncio.sleep(0)  # a turn or so: still spinning (the window is 10 s)
+    assert spin.spinning
+    spin.arrived()  # the next batch: it may go to the device thread, which must have the GIL
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert not spin.spinning
+
+
+def test_a_blob_that_arrives_ends_the_spin_at_the_next_turn() -> None:
+    asyncio.run(_test_a_blob_that_arrives_ends_the_spin_at_the_next_turn())
+
+
+def test_the_window_is_read_from_the_environment_in_microseconds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SPIN_ENV, raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
-    assert spin_seconds(0.5e-3, alone=alone) == want
-
-
-def test_a_worker_loop_on_its_main_thread_polls_by_default_and_one_on_a_loop_thread_does_not(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv(SPIN_ENV, raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-
-    async def window() -> float:
-        return keeper(asyncio.get_running_loop()).window
-
-    assert asyncio.run(window()) == SPIN_S  # `emberlink worker`: the loop is the main thread's
-    on_thread = LoopThread("test-awake")
-    try:
-        assert on_thread.call(window(), 10) == 0.0  # beside clients in one process
-    finally:
-        on_thread.stop()
-
-
-def test_a_client_does_not_spin_long_in_a_process_a_worker_serves_from(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv(SPIN_ENV, raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    monkeypatch.setattr(loop, "_worker_here", False)
-    assert tcp.spin_setting() == SPIN_S
-    with InProcessWorker():
-        assert tcp.spin_setting() == tcp.SPIN_FEW_CPUS_S
-
-
-def test_a_spin_window_set_in_microseconds_is_used_on_any_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert spin_setting() == SPIN_S
+    monkeypatch.setenv(SPIN_ENV, "250")
+    assert spin_setting() == pytest.approx(250e-6)
     monkeypatch.setenv(SPIN_ENV, "0")
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
-    assert spin_seconds(1e-3) == 0.0
-    monkeypatch.setenv(SPIN_ENV, "1500")
-    assert spin_seconds(0.0) == pytest.approx(1.5e-3)
-    monkeypatch.setenv(SPIN_ENV, "-5")
-    with pytest.raises(ConfigError, match=SPIN_ENV):
-        spin_seconds(0.0)
+    assert spin_setting() == 0
+    for bad in ("-1", "2000000", "soon"):
+        monkeypatch.setenv(SPIN_ENV, bad)
+        with pytest.raises(ConfigError, match=SPIN_ENV):
+            spin_setting()
 
 
-def test_a_poked_loop_keeps_polling_through_the_window_then_sleeps() -> None:
-    asyncio.run(poked_then_quiet())
+async def _test_after_a_reply_the_loop_turns_until_the_window_closes_and_never_with_no_window() -> None:
+    yields: list[float] = []
+    loop = asyncio.get_running_loop()
+    spin = Awake(loop, 0.005, lambda: yields.append(0.0))
+    assert await turns_after_reply(spin, yields) > 0  # (and then stopped by itself)
+    assert await turns_after_reply(Awake(loop, 0.0, lambda: yields.append(0.0)), yields) == 0
+    spin.close()
+    assert await turns_after_reply(spin, yields) == 0  # a closed session's loop is left to sleep
 
 
-async def poked_then_quiet() -> None:
-    awake = Counted(asyncio.get_running_loop(), 0.02)
-    awake.poke()
-    assert awake.polling
-    await asyncio.sleep(0.1)  # five windows: the loop ran our callback turn after turn, then stopped
-    ticks = awake.ticks
-    assert ticks > 10 and not awake.polling
-    await asyncio.sleep(0.05)
-    assert awake.ticks == ticks, "an idle loop kept polling after its window"
-    awake.poke()  # a new reply opens a new window
-    assert awake.polling
-    await asyncio.sleep(0.1)
-    assert awake.ticks > ticks + 10 and not awake.polling
+async def _test_a_client_slower_than_the_window_is_not_waited_for_until_one_answers_within_it() -> None:
+    yields: list[float] = []
+    spin = Awake(asyncio.get_running_loop(), 0.001, lambda: yields.append(0.0))
+    assert await turns_after_reply(spin, yields) > 0
+    await asyncio.sleep(0.005)  # the client's next blob comes after the window
+    spin.arrived()
+    assert await turns_after_reply(spin, yields) == 0
+    spin.arrived()  # this one within the window (right after the reply)
+    assert await turns_after_reply(spin, yields) > 0
 
 
-def test_a_window_of_zero_never_keeps_the_loop_polling() -> None:
-    async def main() -> Counted:
-        awake = Counted(asyncio.get_running_loop(), 0.0)
-        awake.poke()
-        await asyncio.sleep(0.01)
-        return awake
-
-    awake = asyncio.run(main())
-    assert not awake.polling and awake.ticks == 0
-
-
-def test_one_keeper_serves_every_session_of_a_loop_its_window_read_once(
+async def _test_a_loop_whose_yields_keep_giving_the_cpu_away_stops_spinning_for_a_while(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(SPIN_ENV, "300")
-    loop = asyncio.new_event_loop()
-    try:
-        first = keeper(loop)
-        monkeypatch.setenv(SPIN_ENV, "900")
-        assert keeper(loop) is first and first.window == pytest.approx(300e-6)
-        other = asyncio.new_event_loop()
-        assert keeper(other).window == pytest.approx(900e-6)
-        other.close()
-    finally:
-        loop.close()
+    # Each yield takes long: another thread (a client on the same core) wanted the CPU.
+    monkeypatch.setattr(awake, "SPIN_GAP_S", 0.0)
+    yields: list[float] = []
+    spin = Awake(asyncio.get_running_loop(), 10.0, lambda: yields.append(0.0))
+    for _ in range(SPIN_LATE):
+        assert await turns_after_reply(spin, yields) == 1  # one yield, found late: the spin ends
+    for _ in range(SPIN_BACKOFF):
+        assert await turns_after_reply(spin, yields) == 0
+    assert await turns_after_reply(spin, yields) == 1  # tried again after the back-off
 
 
-def test_a_worker_keeps_polling_after_it_answers_a_step_and_sleeps_once_its_client_is_quiet(
+def test_after_a_reply_the_loop_turns_until_the_window_closes_and_never_with_no_window() -> None:
+    asyncio.run(_test_after_a_reply_the_loop_turns_until_the_window_closes_and_never_with_no_window())
+
+
+def test_a_client_slower_than_the_window_is_not_waited_for_until_one_answers_within_it() -> None:
+    asyncio.run(_test_a_client_slower_than_the_window_is_not_waited_for_until_one_answers_within_it())
+
+
+def test_a_loop_whose_yields_keep_giving_the_cpu_away_stops_spinning_for_a_while(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv(SPIN_ENV, "300000")  # 0.3 s: long enough to see from this thread
-    with InProcessWorker(grpc=True) as worker, worker.device(transport="grpc") as dev:
+    asyncio.run(_test_a_loop_whose_yields_keep_giving_the_cpu_away_stops_spinning_for_a_while(monkeypatch))
+
+
+def test_a_worker_that_serves_one_session_starts_a_window_at_each_reply_and_ends_it_at_the_next_blob(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(SPIN_ENV, "300000")  # 0.3 s
+    with InProcessWorker(tcp=True) as worker, worker.device(transport="tcp") as dev:
         x = dev.tensor(np.arange(6, dtype=np.float32))
         assert float((x * 2).sum()) == 30.0
         (session,) = worker.worker.sessions
-        assert session._awake.polling, "no polling window after the reply"
-        end = time.monotonic() + 10
-        while session._awake.polling and time.monotonic() < end:
-            time.sleep(0.05)
-        assert not session._awake.polling, "the worker's loop kept polling with its client quiet"
+        spin = session._awake
+        assert spin._replied_at and spin.window == pytest.approx(0.3), "the reply opened no window"
+        assert float((x * 3).sum()) == 45.0  # the next blob ended it, and its reply opened another
+        assert spin._replied_at and spin._next
