@@ -1027,6 +1027,24 @@ def encode_repeat_batch(seq: int, repeat: Repeat, received: int) -> bytes:
     return b"".join((b"\x92", _pack(seq), middle))
 
 
+def repeat_batch_parts(seq: int, repeat: Repeat, received: int) -> tuple[bytes, bytes]:
+    """`encode_repeat_batch(seq, repeat, received)` of a patched Repeat without bindings, less its
+    patches' array: the bytes before it and after it. The same Repeat patching other ids at the
+    same positions encodes to `before + encode_patches(positions, ids) + after` (the client
+    makes a cycled batch's head so, its parts made ahead)."""
+    if repeat.bindings is not None or repeat.patches is None:
+        raise ValueError("repeat_batch_parts needs a patched Repeat without bindings")
+    before = _repeat_middle(repeat, patched=False)
+    if received:
+        return b"".join((b"\x93", _pack(seq), before)), _pack(received)
+    return b"".join((b"\x92", _pack(seq), before)), b""
+
+
+def encode_patches(positions: Iterable[int], ids: Iterable[int]) -> bytes:
+    """The msgpack bytes of a Repeat's patches, (position, id) pairs in order (`repeat_batch_parts`)."""
+    return _pack([v for pair in zip(positions, ids, strict=True) for v in pair])
+
+
 def decode_repatched(data: BytesLike, repeat: Repeat) -> tuple[int, int, tuple[int, ...]] | None:
     """`(seq, received, ids)` of the batch that is the whole of `data` when it is `repeat` (a patched
     Repeat without bindings) with other tensor ids at the same patch positions, `ids` in order, and
@@ -1339,6 +1357,31 @@ def patch_sites(
     return tuple(sites) if at is None else None
 
 
+def ids_at(
+    messages: tuple[ClientMessage, ...], sites: tuple[tuple[int, int, int], ...]
+) -> tuple[int, ...] | None:
+    """The tensor ids at `sites` (`patch_sites`) of `messages`, or None where one is not there (a
+    message missing, of a class without ids, or a list too short)."""
+    out = []
+    n = len(messages)
+    for k, i, j in sites:
+        if k >= n:
+            return None
+        sh = _SHIFTS.get(type(messages[k]))
+        if sh is None or i not in sh.ids:
+            return None
+        f = sh.get(messages[k])[i]
+        if j < 0:
+            if type(f) is not int:
+                return None
+            out.append(f)
+        elif type(f) is int or j >= len(f):
+            return None
+        else:
+            out.append(f[j])
+    return tuple(out)
+
+
 def repatch(
     messages: tuple[ClientMessage, ...], sites: tuple[tuple[int, int, int], ...], ids: Iterable[int]
 ) -> tuple[ClientMessage, ...]:
@@ -1418,6 +1461,8 @@ def same_messages(a: tuple[ClientMessage, ...], b: tuple[ClientMessage, ...]) ->
 
 def _same_scalars(a: tuple[Scalar, ...], b: tuple[Scalar, ...]) -> bool:
     """Equal and of the same types, floats bit for bit (1 == 1.0 == True and 0.0 == -0.0 in Python)."""
+    if a is b:  # a jitted step's constant bindings: the same tuple every replay
+        return True
     if len(a) != len(b):
         return False
     for x, y in zip(a, b, strict=True):

@@ -766,6 +766,62 @@ def test_a_batch_foreseen_by_the_client_goes_on_the_wire_as_the_one_worked_out_a
     assert used == [4, 7, 8, 11]
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["no upload", "an inline upload"])
+def test_batches_cycled_go_as_the_foreseen_repeat_patching_their_ids_in_the_bytes_worked_out_afresh(
+    monkeypatch: pytest.MonkeyPatch, inline: bool
+) -> None:
+    """Batches uploaded beforehand and cycled: each step's Repeat patches other ids at the same
+    positions. The client makes it from the expansion it foresaw (`predict`), with the ids the
+    batch has there, and it goes in exactly the bytes worked out afresh; a batch that differs
+    anywhere else is worked out afresh."""
+    afresh: list[int] = []  # the seqs the seeing client laid out afresh
+    layout = s.ClientConnection._layout
+
+    def laid_out(self: s.ClientConnection, batch: s.OutBatch, room: int) -> Any:
+        if self is seeing.client:
+            afresh.append(batch.seq)
+        return layout(self, batch, room)
+
+    monkeypatch.setattr(s.ClientConnection, "_layout", laid_out)
+    seeing, blind = Pair(), Pair()
+    pairs = (seeing, blind)
+    data = [(1, 2), (3, 4), (5, 6)]  # x and y of three batches uploaded beforehand (seq 1)
+    for pair in pairs:
+        beforehand = [np.full(2, tid, np.float32) for tid in range(1, 8)]
+        pair.client.submit([upload(tid, a) for tid, a in enumerate(beforehand, 1)], beforehand, 56)
+        pair.send_all()
+        pair.run()
+    for k in range(9):
+        tid = 10 + 3 * k
+        x, y = data[k % 3]
+        lr = 0.25 if k == 7 else 0.5  # another binding: no Repeat of the last one's patches alone
+        messages: list[m.ClientMessage] = [m.Execute(GID, (x, tid, y), (lr,), tid + 1)]
+        arrays = []
+        if inline:
+            a = np.full(3, k, np.float32)
+            messages.insert(0, upload(tid, a))
+            arrays.append(a)
+        if k == 0:
+            messages.insert(0, m.Register(GID, b"body"))
+        else:
+            messages.append(m.Drop((tid - 3, tid - 2)))
+        for pair in pairs:
+            pair.graph_bodies[GID] = b"body"
+            pair.waiter.wanted.add(k + 1)
+            pair.client.submit([*messages, m.Read(k + 1, tid + 1)], arrays, sum(a.nbytes for a in arrays))
+            pair.send_all()
+            if pair is blind:
+                pair.client._foreseen = None  # never foreseen: worked out afresh each time
+        assert [bytes(b) for b in seeing.wire_up] == [bytes(b) for b in blind.wire_up]
+        for pair in pairs:
+            pair.run()
+            assert pair.waiter.answers[k + 1]
+    assert seeing.client.counters.batches_repeated == blind.client.counters.batches_repeated == 7
+    # seq 4 is the first Repeat (of seq 3, not of the uploads only), so seq 5 the first foreseen;
+    # seq 9 differs elsewhere (a binding) and seq 10 follows it (a Repeat with bindings)
+    assert afresh == [1, 2, 3, 4, 9, 10]
+
+
 @pytest.mark.parametrize("extra", [b"", b"\x00", b"\x00" * 5], ids=["one short", "one over", "five over"])
 def test_a_foreseen_reply_with_other_inline_bytes_than_its_results_is_refused(extra: bytes) -> None:
     pair = Pair()
