@@ -184,11 +184,12 @@ class DataLoader(Generic[Batch]):
         """The batch of `rows[start:stop]` (index values; None: rows start to stop in order), its
         take recorded into the pending step (an eager step's graph, or folded into a jitted
         step's: client/jit.py). Its index tensor is dropped on return, so that every step's batch
-        is the one before with ids shifted (a Repeat)."""
+        is the one before with ids shifted (a Repeat). The index, an array of its own, is
+        uploaded as it is (`Device._upload`), not copied again by `dev.tensor`."""
         start, stop = bound
         dev = self.device
-        index = np.arange(start, stop, dtype=self._index_dtype) if rows is None else rows[start:stop]
-        idx = dev.tensor(index)._v
+        index = np.arange(start, stop, dtype=self._index_dtype) if rows is None else rows[start:stop].copy()
+        idx = dev._upload(index)
         # `data.take(idx, axis=0)` recorded as Tensor.take records it, without what a batch needs
         # none of: autograd, shape inference, the jit trace's hooks (a loader is not iterated
         # inside a jitted function: its flushes are refused there).
