@@ -206,12 +206,29 @@ class Channel:
         return client, worker
 
     def seal(self, plaintext: BytesLike, kind: Kind = MESSAGE) -> bytes:
-        """One frame carrying plaintext."""
+        """One frame carrying plaintext.
+
+        The header's checks and, within a key's epoch, `_Direction.next_key` and `commit` are
+        inlined (as in `_seal_new`): a step's one small frame each way pays for every Python call
+        with cold caches. Measured on the 2-core machine (pinned to CPU 0, loaded by other
+        work), a 60-byte frame after a 300 µs sleep, the two versions taking turns in one process
+        (medians of 2,000 each, three runs): 11.1 -> 8.4, 9.9 -> 7.4, 7.6 -> 6.0 µs."""
         n = len(plaintext)
-        header = self._next_send_header(kind, n)
-        aead, new_key, nonce = self._send.next_key(n)
-        frame = header + aead.encrypt(nonce, plaintext, header)
-        self._send.commit(n, aead, new_key)
+        send = self._send
+        counter = send.counter
+        if n > MAX_PLAINTEXT or counter >= _COUNTER_LIMIT:
+            self._next_send_header_fields(kind, n)  # (raises, saying why)
+        header = HEADER.pack(VERSION, kind, self.session_id, counter, n + TAG_SIZE)
+        frames = send.epoch_frames
+        if frames > 0 and (frames >= send.max_frames or send.epoch_bytes + n > send.max_bytes):
+            aead, new_key, nonce = send.next_key(n)  # a new epoch: the key rekeyed
+            frame = header + aead.encrypt(nonce, plaintext, header)
+            send.commit(n, aead, new_key)
+            return frame
+        frame = header + send.aead.encrypt(_NONCE.pack(send.prefix, counter), plaintext, header)
+        send.counter = counter + 1
+        send.epoch_frames = frames + 1
+        send.epoch_bytes += n
         return frame
 
     def seal_parts(self, parts: Sequence[BytesLike], kind: Kind = MESSAGE) -> bytes | bytearray:
