@@ -296,12 +296,23 @@ class Channel:
             kind, n = self._check(view)  # raises the refusal
         else:
             n = size - TAG_SIZE
-        aead, new_key, nonce = recv.next_key(n)
+        frames = recv.epoch_frames
+        if frames > 0 and (frames >= recv.max_frames or recv.epoch_bytes + n > recv.max_bytes):
+            aead, new_key, nonce = recv.next_key(n)  # a new epoch: the key rekeyed
+        else:  # `next_key` and `commit` inlined within an epoch, as in `seal`: a 46-byte frame
+            # after a 300 µs sleep, interleaved with the version before (2-core machine, medians
+            # of 2,000 each, three runs): 7.0 -> 6.3, 6.9 -> 6.2, 6.6 -> 5.9 µs
+            aead, new_key, nonce = recv.aead, None, _NONCE.pack(recv.prefix, recv.counter)
         try:
             plaintext = aead.decrypt(nonce, view[HEADER_SIZE:], view[:HEADER_SIZE])
         except InvalidTag as e:
             raise AuthError(f"frame {recv.counter} failed authentication") from e
-        recv.commit(n, aead, new_key)
+        if new_key is None:
+            recv.counter += 1
+            recv.epoch_frames = frames + 1
+            recv.epoch_bytes += n
+        else:
+            recv.commit(n, aead, new_key)
         return kind, plaintext
 
     def open_into(self, frame: BytesLike, out: memoryview) -> tuple[Kind, int]:
