@@ -1357,29 +1357,59 @@ def patch_sites(
     return tuple(sites) if at is None else None
 
 
-def ids_at(
-    messages: tuple[ClientMessage, ...], sites: tuple[tuple[int, int, int], ...]
+def ids_if_repatched(
+    expected: tuple[ClientMessage, ...],
+    sent: tuple[ClientMessage, ...],
+    sites: tuple[tuple[int, int, int], ...],
 ) -> tuple[int, ...] | None:
-    """The tensor ids at `sites` (`patch_sites`) of `messages`, or None where one is not there (a
-    message missing, of a class without ids, or a list too short)."""
-    out = []
-    n = len(messages)
-    for k, i, j in sites:
-        if k >= n:
-            return None
-        sh = _SHIFTS.get(type(messages[k]))
-        if sh is None or i not in sh.ids:
-            return None
-        f = sh.get(messages[k])[i]
-        if j < 0:
-            if type(f) is not int:
+    """The tensor ids `sent` has at `sites` (`patch_sites` of `expected`) if `sent` is `expected`
+    with those ids there (`same_messages(repatch(expected, sites, ids), sent)`), else None; in one
+    pass, without making the repatched messages (a cycled batch's check, on every step)."""
+    if len(expected) != len(sent):
+        return None
+    ids: list[int] = []
+    at, end = 0, len(sites)
+    for k, x in enumerate(expected):
+        y = sent[k]
+        t = type(x)
+        if at == end or sites[at][0] != k:
+            if x != y or (t in _BINDS and not _same_bindings(x, y)):
                 return None
-            out.append(f)
-        elif type(f) is int or j >= len(f):
+            continue
+        if type(y) is not t:
             return None
-        else:
-            out.append(f[j])
-    return tuple(out)
+        sh = _SHIFTS[t]
+        vx, vy = list(sh.get(x)), sh.get(y)
+        while at < end and sites[at][0] == k:
+            _, i, j = sites[at]
+            f = vy[i]
+            if j < 0:
+                if type(f) is not int:
+                    return None
+                vx[i] = f
+            else:
+                g = vx[i]
+                if type(f) is int or len(f) != len(g):
+                    return None
+                f = f[j]
+                vx[i] = (*g[:j], f, *g[j + 1 :])
+            ids.append(f)
+            at += 1
+        if vx != list(vy):
+            return None
+        for i in sh.bindings:
+            if not _same_scalars(vx[i], vy[i]):
+                return None
+    return tuple(ids) if at == end else None
+
+
+def _same_bindings(x: ClientMessage, y: ClientMessage) -> bool:
+    sh = _SHIFTS[type(x)]
+    vx, vy = sh.get(x), sh.get(y)
+    for i in sh.bindings:
+        if not _same_scalars(vx[i], vy[i]):
+            return False
+    return True
 
 
 def repatch(

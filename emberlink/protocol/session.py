@@ -547,20 +547,20 @@ class ClientConnection:
             and self.templates
             and not resent
         ):
-            head, raw, laid, again = fast.head, fast.raw, fast.messages, fast.repeat
+            head, laid, again = fast.head, fast.messages, fast.repeat
             sent = tuple(batch.messages)
-            ids = fast.ids
-            if fast.sites is not None:  # patched: the same patches, or other ids there (cycled)
-                found = m.ids_at(sent, fast.sites)
-                if found is not None and found != ids:
-                    ids = found
-                    laid = m.repatch(laid, fast.sites, ids)
-                    raw = laid if fast.raw is fast.messages else m.repatch(raw, fast.sites, ids)
-                    head = b""  # made once the batch is found to be this Repeat with other ids
-            if m.same_messages(raw, sent):
+            ids = None
+            same = m.same_messages(fast.raw, sent)
+            if not same and fast.sites is not None:  # other ids at the patches (batches cycled)
+                ids = m.ids_if_repatched(fast.raw, sent, fast.sites)
+                same = ids is not None
+                if ids is not None and ids != fast.ids:
+                    laid = sent if fast.raw is laid else m.repatch(laid, fast.sites, ids)
+                    head = b""  # made below: this Repeat with other ids
+            if same:
                 # The batch `predict` worked out, checked: no layout, no search, no encoding but
                 # of the other ids' patches.
-                if not head:
+                if not head and ids is not None:
                     positions = fast.positions
                     again = m.Repeat(
                         again.id_shift, again.rid_shift, None, tuple(zip(positions, ids, strict=True))
@@ -636,13 +636,16 @@ class ClientConnection:
         (cold caches after the step's 400 KB write and the wait), the comparison ~1 µs.
 
         Batches uploaded beforehand and cycled patch other ids every step: the last Repeat is
-        expanded with its own patches, and `_plan` repatches that expansion with the ids the
-        batch has at those positions, checks it and encodes only the new patches (as the worker
-        takes such a batch in). Measured on the small MLP's step on batches uploaded beforehand
-        (2-core machine, client and a NumPy worker on a core each, perf_counter_ns around
-        `_plan` on the user's thread, medians of 380 steps, this tree against the one before,
-        back to back): 27.0-29.5 -> 13-17 µs; the connection alone on the same batches (no I/O,
-        3,000 steps): next_frames_of and sealing 24.0-33.1 -> 15.0-18.1 µs, for ~12 µs more of
+        expanded with its own patches, and `_plan` takes a batch that is that expansion but for
+        the ids at the patches' positions (`messages.ids_if_repatched`, one pass) as the same
+        Repeat patching its ids, encoding only the new patches (as the worker takes such a
+        batch in). Measured on the small MLP's step on batches uploaded beforehand (2-core
+        machine, client and a NumPy worker on a core each, perf_counter_ns around `_plan` on
+        the user's thread, medians of 380 steps, this tree against the one before, back to
+        back): 27.0-33.9 -> 13-17 µs; the connection alone on the same batches (no I/O, 3,000
+        steps, the trees alternated twice): submit, next_frames_of and sealing 26.6-31.4 ->
+        15.0-15.1 µs (the resident loader's batches, 13.9-14.0 -> 11.7-11.8 µs, with the
+        bindings' identity check and the channel's inlined seal), for ~15 µs more of
         `predict` after the write, while the worker runs the step."""
         template, repeat = self._template, self._repeat
         predicted = self._predicted = _prediction(template, repeat, self._predicted)

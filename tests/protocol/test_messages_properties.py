@@ -485,6 +485,31 @@ def test_repatching_an_expansion_equals_expanding_the_repeat_with_the_new_patche
         old, patches=tuple((at, tid) for (at, _), tid in zip(old.patches, new_ids, strict=True))
     )
     assert m.repatch(expanded, sites, new_ids) == m.expand(new, template)
+    assert m.ids_if_repatched(expanded, m.expand(new, template), sites) == tuple(new_ids)
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches, patched_repeats, batches)
+def test_a_batch_is_found_repatched_exactly_when_repatching_the_expansion_with_its_ids_gives_it(
+    batch: Batch, repeat: Repeat, other: Batch
+) -> None:
+    template = batch.messages
+    assume(not any(type(x) is Repeat for x in (*template, *other.messages)))
+    try:
+        expanded = m.expand(repeat, template)
+    except ProtocolError:
+        return
+    assert repeat.patches is not None
+    positions = [at for at, _ in repeat.patches]
+    sites = m.patch_sites(expanded, positions)
+    assert sites is not None
+    for sent in (other.messages, expanded, m.repatch(expanded, sites, [0] * len(sites))):
+        ids = m._tensor_ids(sent)  # the ids at the patches' positions, if it has that many
+        same = len(ids) > positions[-1] and m.same_messages(
+            m.repatch(expanded, sites, [ids[at] for at in positions]), sent
+        )
+        found = m.ids_if_repatched(expanded, sent, sites)
+        assert found == (tuple(ids[at] for at in positions) if same else None)
 
 
 def test_a_patch_past_the_messages_ids_has_no_site() -> None:
