@@ -51,6 +51,7 @@ from emberlink.errors import ProtocolError
 from emberlink.protocol import messages as m
 from emberlink.protocol.channel import (
     BULK,
+    HEADER_SIZE,
     MAX_PLAINTEXT,
     MESSAGE,
     OVERHEAD,
@@ -692,7 +693,17 @@ class ClientConnection:
     def receive(self, blob: m.BytesLike) -> list[ClientEvent]:
         """Take in one blob of the worker's frames; what happened, in order."""
         events: list[ClientEvent] = []
-        for frame in split_frames(blob):
+        view = memoryview(blob).cast("B")
+        if (
+            len(view) > HEADER_SIZE
+            and view[1] == MESSAGE
+            and int.from_bytes(view[18:22]) == len(view) - HEADER_SIZE
+        ):
+            # One MESSAGE frame, a step's reply: opened as it is (`Channel.open` checks its whole
+            # header, as `split_frames` would first).
+            self._on_reply(view, events)
+            return events
+        for frame in split_frames(view):
             if frame[1] == BULK:
                 self._on_bulk(frame, events)
             else:

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from emberlink.errors import ProtocolError
+from emberlink.errors import AuthError, ProtocolError
 from emberlink.protocol import messages as m
 from emberlink.protocol import session as s
 from emberlink.protocol.channel import BULK, MESSAGE, Channel, pack_frames, split_frames
@@ -478,6 +478,38 @@ def test_client_refuses_bulk_nobody_announced_and_a_reply_cut_into() -> None:
     reply = next(pair.worker.conn.reply(1, [m.Done(5)], []))
     with pytest.raises(ProtocolError, match="before the bytes"):
         pair.client.receive(reply)
+
+
+@pytest.mark.parametrize(
+    ("at", "byte", "error", "why"),
+    [
+        (0, 2, ProtocolError, "unsupported frame version"),
+        (1, 7, ProtocolError, "unknown frame kind"),
+        (2, 0xFF, AuthError, "another session"),
+        (17, 9, AuthError, "out of order"),
+        (21, 0x30, ProtocolError, "truncated frame"),
+        (30, 0x55, AuthError, "failed authentication"),
+    ],
+    ids=["version", "kind", "session", "counter", "length", "ciphertext"],
+)
+def test_a_reply_frame_with_any_part_changed_is_refused_and_the_next_one_taken(
+    at: int, byte: int, error: type[Exception], why: str
+) -> None:
+    """A blob of one reply frame (a step's) is opened without `split_frames` first: every check
+    of its header still refuses it, as it did, and the channel still expects that frame."""
+    pair = Pair()
+    pair.waiter.wanted.add(1)
+    pair.client.submit([upload(1, np.ones(2, np.float32)), m.Read(1, 1)], [np.ones(2, np.float32)], 8)
+    pair.send_all()
+    pair.deliver_up()
+    (blob,) = pair.wire_down
+    bad = bytearray(blob)
+    bad[at] = byte if bad[at] != byte else byte ^ 1
+    with pytest.raises(error, match=why):
+        pair.client.receive(bytes(bad))
+    pair.waiter.on(pair.client.receive(blob))
+    (got,) = pair.waiter.answers[1]
+    np.testing.assert_array_equal(got, np.ones(2, np.float32))
 
 
 def test_an_error_for_request_zero_ends_the_session() -> None:
