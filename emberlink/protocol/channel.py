@@ -37,6 +37,9 @@ BytesLike = bytes | bytearray | memoryview
 VERSION = 1
 HEADER = struct.Struct(">BB8sQI")
 HEADER_SIZE = HEADER.size  # 22
+LENGTH_FIELD = slice(HEADER_SIZE - 4, HEADER_SIZE)
+"""Where a frame's header holds its length (big-endian u32), last: a blob of exactly one frame is
+told apart by it without unpacking the rest."""
 TAG_SIZE = 16
 OVERHEAD = HEADER_SIZE + TAG_SIZE  # bytes a frame adds to its plaintext
 SESSION_ID_SIZE = 8

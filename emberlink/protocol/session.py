@@ -52,6 +52,7 @@ from emberlink.protocol import messages as m
 from emberlink.protocol.channel import (
     BULK,
     HEADER_SIZE,
+    LENGTH_FIELD,
     MAX_PLAINTEXT,
     MESSAGE,
     OVERHEAD,
@@ -659,8 +660,8 @@ class ClientConnection:
             and (predicted is None or predicted[0] is not template)
         ):
             # Batches uploaded beforehand and cycled: the next Repeat patches other ids, and
-            # `_prediction` foresees none; expanded with these patches, the next batch is made
-            # from it by `messages.repatch` as it comes (`_plan`), as the worker does.
+            # `_prediction` foresees none; expanded with these patches, the next batch is checked
+            # against it but for the patched ids as it comes (`_plan`), as the worker does.
             try:
                 predicted = self._predicted = (template, repeat, m.expand(repeat, template))
             except ProtocolError:
@@ -697,7 +698,7 @@ class ClientConnection:
         if (
             len(view) > HEADER_SIZE
             and view[1] == MESSAGE
-            and int.from_bytes(view[18:22]) == len(view) - HEADER_SIZE
+            and int.from_bytes(view[LENGTH_FIELD]) == len(view) - HEADER_SIZE
         ):
             # One MESSAGE frame, a step's reply: opened as it is (`Channel.open` checks its whole
             # header, as `split_frames` would first).
