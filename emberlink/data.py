@@ -144,6 +144,7 @@ class DataLoader(Generic[Batch]):
         self._rng = np.random.default_rng(seed)
         self._rows = len(self.arrays[0])
         self._index_dtype = np.int32 if self._rows <= np.iinfo(np.int32).max else np.int64
+        self._in_order: np.ndarray | None = None  # rows 0, 1, ... as index values, once iterated in order
         # Uploaded once: every epoch gathers from these (they live as long as the loader).
         self._data = tuple(device.tensor(a) for a in self.arrays) if self.resident else ()
         # What a batch's takes are recorded from: each array's value, dtype and row shape.
@@ -166,8 +167,16 @@ class DataLoader(Generic[Batch]):
         if not bounds:
             return
         device = self.device
-        # A shuffled epoch's rows as index values once: a batch's index is a slice of them.
-        rows = None if order is None else order.astype(self._index_dtype)
+        # The epoch's rows as index values, made once (in order: once for the loader), read-only:
+        # a batch's index is a slice of them, uploaded as it lies (`_gather`).
+        if order is not None:
+            rows = order.astype(self._index_dtype)
+            rows.flags.writeable = False
+        elif self._in_order is not None:
+            rows = self._in_order
+        else:
+            rows = self._in_order = np.arange(self._rows, dtype=self._index_dtype)
+            rows.flags.writeable = False
         for bound in bounds:
             # The step before this batch is its own graph. Buffers dropped since (the last batch,
             # the last loss) are not sent on their own: they go after the next step's work, so a
@@ -180,15 +189,19 @@ class DataLoader(Generic[Batch]):
             yield self._gather(rows, bound)
         device._flush_work()
 
-    def _gather(self, rows: np.ndarray | None, bound: tuple[int, int]) -> Batch:
-        """The batch of `rows[start:stop]` (index values; None: rows start to stop in order), its
-        take recorded into the pending step (an eager step's graph, or folded into a jitted
-        step's: client/jit.py). Its index tensor is dropped on return, so that every step's batch
-        is the one before with ids shifted (a Repeat)."""
+    def _gather(self, rows: np.ndarray, bound: tuple[int, int]) -> Batch:
+        """The batch of `rows[start:stop]` (index values), its take recorded into the pending
+        step (an eager step's graph, or folded into a jitted step's: client/jit.py). Its index
+        tensor is dropped on return, so that every step's batch is the one before with ids
+        shifted (a Repeat). The index is uploaded as the slice it is (`Device._upload`), not made
+        and copied by `dev.tensor` each batch: `rows` is read-only, so whatever keeps the slice
+        (an executor's pending batch, a local device's store) can never change it. Measured with
+        a 300 µs sleep before each, interleaved (2-core machine): np.arange of a batch's index
+        3.4 µs, a slice 2.0 µs; next() over an executor that runs nothing, 5.5 -> 4.5 µs hot
+        with the copy and the Tensor left out."""
         start, stop = bound
         dev = self.device
-        index = np.arange(start, stop, dtype=self._index_dtype) if rows is None else rows[start:stop]
-        idx = dev.tensor(index)._v
+        idx = dev._upload(rows[start:stop])
         # `data.take(idx, axis=0)` recorded as Tensor.take records it, without what a batch needs
         # none of: autograd, shape inference, the jit trace's hooks (a loader is not iterated
         # inside a jitted function: its flushes are refused there).

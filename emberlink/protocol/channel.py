@@ -37,6 +37,9 @@ BytesLike = bytes | bytearray | memoryview
 VERSION = 1
 HEADER = struct.Struct(">BB8sQI")
 HEADER_SIZE = HEADER.size  # 22
+LENGTH_FIELD = slice(HEADER_SIZE - 4, HEADER_SIZE)
+"""Where a frame's header holds its length (big-endian u32), last: a blob of exactly one frame is
+told apart by it without unpacking the rest."""
 TAG_SIZE = 16
 OVERHEAD = HEADER_SIZE + TAG_SIZE  # bytes a frame adds to its plaintext
 SESSION_ID_SIZE = 8
@@ -206,12 +209,29 @@ class Channel:
         return client, worker
 
     def seal(self, plaintext: BytesLike, kind: Kind = MESSAGE) -> bytes:
-        """One frame carrying plaintext."""
+        """One frame carrying plaintext.
+
+        The header's checks and, within a key's epoch, `_Direction.next_key` and `commit` are
+        inlined (as in `_seal_new`): a step's one small frame each way pays for every Python call
+        with cold caches. Measured on the 2-core machine (pinned to CPU 0, loaded by other
+        work), a 60-byte frame after a 300 µs sleep, the two versions taking turns in one process
+        (medians of 2,000 each, three runs): 11.1 -> 8.4, 9.9 -> 7.4, 7.6 -> 6.0 µs."""
         n = len(plaintext)
-        header = self._next_send_header(kind, n)
-        aead, new_key, nonce = self._send.next_key(n)
-        frame = header + aead.encrypt(nonce, plaintext, header)
-        self._send.commit(n, aead, new_key)
+        send = self._send
+        counter = send.counter
+        if n > MAX_PLAINTEXT or counter >= _COUNTER_LIMIT:
+            self._next_send_header_fields(kind, n)  # (raises, saying why)
+        header = HEADER.pack(VERSION, kind, self.session_id, counter, n + TAG_SIZE)
+        frames = send.epoch_frames
+        if frames > 0 and (frames >= send.max_frames or send.epoch_bytes + n > send.max_bytes):
+            aead, new_key, nonce = send.next_key(n)  # a new epoch: the key rekeyed
+            frame = header + aead.encrypt(nonce, plaintext, header)
+            send.commit(n, aead, new_key)
+            return frame
+        frame = header + send.aead.encrypt(_NONCE.pack(send.prefix, counter), plaintext, header)
+        send.counter = counter + 1
+        send.epoch_frames = frames + 1
+        send.epoch_bytes += n
         return frame
 
     def seal_parts(self, parts: Sequence[BytesLike], kind: Kind = MESSAGE) -> bytes | bytearray:
@@ -279,12 +299,23 @@ class Channel:
             kind, n = self._check(view)  # raises the refusal
         else:
             n = size - TAG_SIZE
-        aead, new_key, nonce = recv.next_key(n)
+        frames = recv.epoch_frames
+        if frames > 0 and (frames >= recv.max_frames or recv.epoch_bytes + n > recv.max_bytes):
+            aead, new_key, nonce = recv.next_key(n)  # a new epoch: the key rekeyed
+        else:  # `next_key` and `commit` inlined within an epoch, as in `seal`: a 46-byte frame
+            # after a 300 µs sleep, interleaved with the version before (2-core machine, medians
+            # of 2,000 each, three runs): 7.0 -> 6.3, 6.9 -> 6.2, 6.6 -> 5.9 µs
+            aead, new_key, nonce = recv.aead, None, _NONCE.pack(recv.prefix, recv.counter)
         try:
             plaintext = aead.decrypt(nonce, view[HEADER_SIZE:], view[:HEADER_SIZE])
         except InvalidTag as e:
             raise AuthError(f"frame {recv.counter} failed authentication") from e
-        recv.commit(n, aead, new_key)
+        if new_key is None:
+            recv.counter += 1
+            recv.epoch_frames = frames + 1
+            recv.epoch_bytes += n
+        else:
+            recv.commit(n, aead, new_key)
         return kind, plaintext
 
     def open_into(self, frame: BytesLike, out: memoryview) -> tuple[Kind, int]:

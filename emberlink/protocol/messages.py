@@ -1027,6 +1027,24 @@ def encode_repeat_batch(seq: int, repeat: Repeat, received: int) -> bytes:
     return b"".join((b"\x92", _pack(seq), middle))
 
 
+def repeat_batch_parts(seq: int, repeat: Repeat, received: int) -> tuple[bytes, bytes]:
+    """`encode_repeat_batch(seq, repeat, received)` of a patched Repeat without bindings, less its
+    patches' array: the bytes before it and after it. The same Repeat patching other ids at the
+    same positions encodes to `before + encode_patches(positions, ids) + after` (the client
+    makes a cycled batch's head so, its parts made ahead)."""
+    if repeat.bindings is not None or repeat.patches is None:
+        raise ValueError("repeat_batch_parts needs a patched Repeat without bindings")
+    before = repatched_prefix(repeat)
+    if received:
+        return b"".join((b"\x93", _pack(seq), before)), _pack(received)
+    return b"".join((b"\x92", _pack(seq), before)), b""
+
+
+def encode_patches(positions: Iterable[int], ids: Iterable[int]) -> bytes:
+    """The msgpack bytes of a Repeat's patches, (position, id) pairs in order (`repeat_batch_parts`)."""
+    return _pack([v for pair in zip(positions, ids, strict=True) for v in pair])
+
+
 def decode_repatched(
     data: BytesLike, repeat: Repeat, prefix: bytes | None = None
 ) -> tuple[int, int, tuple[int, ...]] | None:
@@ -1349,6 +1367,61 @@ def patch_sites(
     return tuple(sites) if at is None else None
 
 
+def ids_if_repatched(
+    expected: tuple[ClientMessage, ...],
+    sent: tuple[ClientMessage, ...],
+    sites: tuple[tuple[int, int, int], ...],
+) -> tuple[int, ...] | None:
+    """The tensor ids `sent` has at `sites` (`patch_sites` of `expected`) if `sent` is `expected`
+    with those ids there (`same_messages(repatch(expected, sites, ids), sent)`), else None; in one
+    pass, without making the repatched messages (a cycled batch's check, on every step)."""
+    if len(expected) != len(sent):
+        return None
+    ids: list[int] = []
+    at, end = 0, len(sites)
+    for k, x in enumerate(expected):
+        y = sent[k]
+        t = type(x)
+        if at == end or sites[at][0] != k:
+            if x != y or (t in _BINDS and not _same_bindings(x, y)):
+                return None
+            continue
+        if type(y) is not t:
+            return None
+        sh = _SHIFTS[t]
+        vx, vy = list(sh.get(x)), sh.get(y)
+        while at < end and sites[at][0] == k:
+            _, i, j = sites[at]
+            f = vy[i]
+            if j < 0:
+                if type(f) is not int:
+                    return None
+                vx[i] = f
+            else:
+                g = vx[i]
+                if type(f) is int or len(f) != len(g):
+                    return None
+                f = f[j]
+                vx[i] = (*g[:j], f, *g[j + 1 :])
+            ids.append(f)
+            at += 1
+        if vx != list(vy):
+            return None
+        for i in sh.bindings:
+            if not _same_scalars(vx[i], vy[i]):
+                return None
+    return tuple(ids) if at == end else None
+
+
+def _same_bindings(x: ClientMessage, y: ClientMessage) -> bool:
+    sh = _SHIFTS[type(x)]
+    vx, vy = sh.get(x), sh.get(y)
+    for i in sh.bindings:
+        if not _same_scalars(vx[i], vy[i]):
+            return False
+    return True
+
+
 def repatch(
     messages: tuple[ClientMessage, ...], sites: tuple[tuple[int, int, int], ...], ids: Iterable[int]
 ) -> tuple[ClientMessage, ...]:
@@ -1428,6 +1501,8 @@ def same_messages(a: tuple[ClientMessage, ...], b: tuple[ClientMessage, ...]) ->
 
 def _same_scalars(a: tuple[Scalar, ...], b: tuple[Scalar, ...]) -> bool:
     """Equal and of the same types, floats bit for bit (1 == 1.0 == True and 0.0 == -0.0 in Python)."""
+    if a is b:  # a jitted step's constant bindings: the same tuple every replay
+        return True
     if len(a) != len(b):
         return False
     for x, y in zip(a, b, strict=True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -310,6 +311,39 @@ def test_pending_arguments_and_earlier_work_run_before_a_replay(dev: Device) -> 
     base = dev.tensor([1.0, 2.0])
     for i in range(4):
         np.testing.assert_array_equal(f(base + float(i)).numpy(), [10.0 * (1 + i), 10.0 * (2 + i)])
+
+
+def test_a_replay_frees_the_old_state_and_a_tensor_sharing_it_keeps_its_values(dev: Device) -> None:
+    """A replay rebinds each parameter to the step's output: the buffer it held before is freed
+    (the parameter's own Value takes the new one when nothing else holds it), and a tensor that
+    shares the parameter's value from before the step (`detach()`) keeps that value."""
+    model = _model(dev)
+    opt = el.optim.SGD(model.parameters(), lr=0.5)
+    step = el.jit(_train_step)
+    data = [(dev.tensor(x), dev.tensor(y)) for x, y in _batches(6)]
+    for x, y in data[:3]:  # eager, traced, replayed
+        float(step(model, opt, x, y, 0.5))
+    dev.sync()
+    in_use = dev.memory_stats()["in_use_bytes"]
+    first = next(iter(model.parameters()))
+    before = first.detach()  # shares the parameter's value: it must not change under it
+    values = before.numpy()
+    float(step(model, opt, *data[3], 0.5))
+    np.testing.assert_array_equal(before.numpy(), values)
+    assert not np.array_equal(first.numpy(), values)
+    del before
+    own = weakref.ref(first._v)  # (a weak reference: holding it would keep the Value from this)
+    for x, y in data[4:]:
+        float(step(model, opt, x, y, 0.5))
+    assert first._v is own()  # nothing else held it: no Value made a step
+    dev.sync()
+    assert dev.memory_stats()["in_use_bytes"] == in_use  # every step's old state freed
+    eager_model = _model(dev)
+    eager_opt = el.optim.SGD(eager_model.parameters(), lr=0.5)
+    for x, y in data:
+        float(_train_step(eager_model, eager_opt, x, y, 0.5))
+    for pa, pb in zip(_params(model), _params(eager_model), strict=True):
+        np.testing.assert_array_equal(pa, pb)
 
 
 def test_captured_state_is_read_at_every_replay(dev: Device) -> None:

@@ -200,6 +200,9 @@ patch_lists = st.lists(
     max_size=m.MAX_PATCHES,
     unique_by=lambda p: p[0],
 ).map(lambda ps: tuple(sorted(ps)))
+patched_repeats = st.builds(
+    Repeat, st.integers(-MAX_ID, MAX_ID), st.integers(-MAX_ID, MAX_ID), st.none(), patch_lists
+)
 repeats = st.builds(
     Repeat,
     st.integers(-MAX_ID, MAX_ID),
@@ -390,6 +393,19 @@ def test_a_repeat_batch_made_from_its_parts_encodes_as_the_batch(
     assert m.encode_repeat_batch(seq, repeat, received) == _repeat_bytes(seq, repeat, received)
 
 
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(patched_repeats, st.data(), st.integers(1, MAX_ID), st.integers(0, MAX_ID))
+def test_a_patched_repeat_batch_made_from_its_parts_and_other_ids_encodes_as_the_batch(
+    repeat: Repeat, data: Any, seq: int, received: int
+) -> None:
+    assert repeat.patches is not None
+    before, after = m.repeat_batch_parts(seq, repeat, received)
+    positions = [at for at, _ in repeat.patches]
+    new_ids = [data.draw(ids) for _ in positions]
+    other = dataclasses.replace(repeat, patches=tuple(zip(positions, new_ids, strict=True)))
+    assert before + m.encode_patches(positions, new_ids) + after == _repeat_bytes(seq, other, received)
+
+
 def test_the_expected_repeat_leaves_anything_else_to_the_full_decoder() -> None:
     repeat = Repeat(3, 1)
     assert m.decode_repeat(_repeat_bytes(7, Repeat(3, 2), 6), repeat) is None  # other shifts
@@ -407,11 +423,6 @@ def test_the_expected_repeat_leaves_anything_else_to_the_full_decoder() -> None:
     assert m.decode_repeat(_repeat_bytes(7, Repeat(3, 1, None, ((0, 5), (2, 7))), 6), patched) is None
     assert m.decode_repeat(msgpack.packb([7, [[9, 3, 1, None, [0, 5, 2, True]]]]), patched) is None
     assert m.decode_repeat(_repeat_bytes(7, patched, 6), patched) == (7, 6)
-
-
-patched_repeats = st.builds(
-    Repeat, st.integers(-MAX_ID, MAX_ID), st.integers(-MAX_ID, MAX_ID), st.none(), patch_lists
-)
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -476,6 +487,31 @@ def test_repatching_an_expansion_equals_expanding_the_repeat_with_the_new_patche
         old, patches=tuple((at, tid) for (at, _), tid in zip(old.patches, new_ids, strict=True))
     )
     assert m.repatch(expanded, sites, new_ids) == m.expand(new, template)
+    assert m.ids_if_repatched(expanded, m.expand(new, template), sites) == tuple(new_ids)
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches, patched_repeats, batches)
+def test_a_batch_is_found_repatched_exactly_when_repatching_the_expansion_with_its_ids_gives_it(
+    batch: Batch, repeat: Repeat, other: Batch
+) -> None:
+    template = batch.messages
+    assume(not any(type(x) is Repeat for x in (*template, *other.messages)))
+    try:
+        expanded = m.expand(repeat, template)
+    except ProtocolError:
+        return
+    assert repeat.patches is not None
+    positions = [at for at, _ in repeat.patches]
+    sites = m.patch_sites(expanded, positions)
+    assert sites is not None
+    for sent in (other.messages, expanded, m.repatch(expanded, sites, [0] * len(sites))):
+        ids = m._tensor_ids(sent)  # the ids at the patches' positions, if it has that many
+        same = len(ids) > positions[-1] and m.same_messages(
+            m.repatch(expanded, sites, [ids[at] for at in positions]), sent
+        )
+        found = m.ids_if_repatched(expanded, sent, sites)
+        assert found == (tuple(ids[at] for at in positions) if same else None)
 
 
 def test_a_patch_past_the_messages_ids_has_no_site() -> None:

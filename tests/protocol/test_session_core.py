@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from emberlink.errors import ProtocolError
+from emberlink.errors import AuthError, ProtocolError
 from emberlink.protocol import messages as m
 from emberlink.protocol import session as s
 from emberlink.protocol.channel import BULK, MESSAGE, Channel, pack_frames, split_frames
@@ -480,6 +480,38 @@ def test_client_refuses_bulk_nobody_announced_and_a_reply_cut_into() -> None:
         pair.client.receive(reply)
 
 
+@pytest.mark.parametrize(
+    ("at", "byte", "error", "why"),
+    [
+        (0, 2, ProtocolError, "unsupported frame version"),
+        (1, 7, ProtocolError, "unknown frame kind"),
+        (2, 0xFF, AuthError, "another session"),
+        (17, 9, AuthError, "out of order"),
+        (21, 0x30, ProtocolError, "truncated frame"),
+        (30, 0x55, AuthError, "failed authentication"),
+    ],
+    ids=["version", "kind", "session", "counter", "length", "ciphertext"],
+)
+def test_a_reply_frame_with_any_part_changed_is_refused_and_the_next_one_taken(
+    at: int, byte: int, error: type[Exception], why: str
+) -> None:
+    """A blob of one reply frame (a step's) is opened without `split_frames` first: every check
+    of its header still refuses it, as it did, and the channel still expects that frame."""
+    pair = Pair()
+    pair.waiter.wanted.add(1)
+    pair.client.submit([upload(1, np.ones(2, np.float32)), m.Read(1, 1)], [np.ones(2, np.float32)], 8)
+    pair.send_all()
+    pair.deliver_up()
+    (blob,) = pair.wire_down
+    bad = bytearray(blob)
+    bad[at] = byte if bad[at] != byte else byte ^ 1
+    with pytest.raises(error, match=why):
+        pair.client.receive(bytes(bad))
+    pair.waiter.on(pair.client.receive(blob))
+    (got,) = pair.waiter.answers[1]
+    np.testing.assert_array_equal(got, np.ones(2, np.float32))
+
+
 def test_an_error_for_request_zero_ends_the_session() -> None:
     pair = Pair()
     pair.waiter.on(pair.client.receive(pair.worker.conn.final(m.Error(0, "refused", "no"), 0)))
@@ -764,6 +796,62 @@ def test_a_batch_foreseen_by_the_client_goes_on_the_wire_as_the_one_worked_out_a
     # follows a batch that was no Repeat; seqs 9 and 10 go before the replies to 8 and 9 are in
     # (another `received` than foreseen)
     assert used == [4, 7, 8, 11]
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["no upload", "an inline upload"])
+def test_batches_cycled_go_as_the_foreseen_repeat_patching_their_ids_in_the_bytes_worked_out_afresh(
+    monkeypatch: pytest.MonkeyPatch, inline: bool
+) -> None:
+    """Batches uploaded beforehand and cycled: each step's Repeat patches other ids at the same
+    positions. The client makes it from the expansion it foresaw (`predict`), with the ids the
+    batch has there, and it goes in exactly the bytes worked out afresh; a batch that differs
+    anywhere else is worked out afresh."""
+    afresh: list[int] = []  # the seqs the seeing client laid out afresh
+    layout = s.ClientConnection._layout
+
+    def laid_out(self: s.ClientConnection, batch: s.OutBatch, room: int) -> Any:
+        if self is seeing.client:
+            afresh.append(batch.seq)
+        return layout(self, batch, room)
+
+    monkeypatch.setattr(s.ClientConnection, "_layout", laid_out)
+    seeing, blind = Pair(), Pair()
+    pairs = (seeing, blind)
+    data = [(1, 2), (3, 4), (5, 6)]  # x and y of three batches uploaded beforehand (seq 1)
+    for pair in pairs:
+        beforehand = [np.full(2, tid, np.float32) for tid in range(1, 8)]
+        pair.client.submit([upload(tid, a) for tid, a in enumerate(beforehand, 1)], beforehand, 56)
+        pair.send_all()
+        pair.run()
+    for k in range(9):
+        tid = 10 + 3 * k
+        x, y = data[k % 3]
+        lr = 0.25 if k == 7 else 0.5  # another binding: no Repeat of the last one's patches alone
+        messages: list[m.ClientMessage] = [m.Execute(GID, (x, tid, y), (lr,), tid + 1)]
+        arrays = []
+        if inline:
+            a = np.full(3, k, np.float32)
+            messages.insert(0, upload(tid, a))
+            arrays.append(a)
+        if k == 0:
+            messages.insert(0, m.Register(GID, b"body"))
+        else:
+            messages.append(m.Drop((tid - 3, tid - 2)))
+        for pair in pairs:
+            pair.graph_bodies[GID] = b"body"
+            pair.waiter.wanted.add(k + 1)
+            pair.client.submit([*messages, m.Read(k + 1, tid + 1)], arrays, sum(a.nbytes for a in arrays))
+            pair.send_all()
+            if pair is blind:
+                pair.client._foreseen = None  # never foreseen: worked out afresh each time
+        assert [bytes(b) for b in seeing.wire_up] == [bytes(b) for b in blind.wire_up]
+        for pair in pairs:
+            pair.run()
+            assert pair.waiter.answers[k + 1]
+    assert seeing.client.counters.batches_repeated == blind.client.counters.batches_repeated == 7
+    # seq 4 is the first Repeat (of seq 3, not of the uploads only), so seq 5 the first foreseen;
+    # seq 9 differs elsewhere (a binding) and seq 10 follows it (a Repeat with bindings)
+    assert afresh == [1, 2, 3, 4, 9, 10]
 
 
 @pytest.mark.parametrize("extra", [b"", b"\x00", b"\x00" * 5], ids=["one short", "one over", "five over"])
