@@ -14,8 +14,12 @@ the worker's CPU a step; the small MLP on NumPy (applied on the device thread), 
 mlp, from the client's write to the worker's arrival 70-89 -> 19-27 µs.
 
 Rules:
-- Only after a reply, where the worker serves that one session (several would each spin the
-  loop they share), and only for `SPIN_S` (`SPIN_ENV`); not again after a client took longer
+- One `Awake` a loop (`shared`), whatever its sessions: a reply to any of them opens the window,
+  a blob from any of them ends the spin. (One a session, each spun the loop they share, so the
+  worker spun only while it served one session, and not at all in bench/remote_step.py, whose
+  rows keep a session each open on one worker: the tiny step there measured the same with the
+  spin and without, 1.32x the bare gRPC ping-pong both.)
+- Only after a reply, and only for `SPIN_S` (`SPIN_ENV`); not again after a client took longer
   than that to send its next blob (a slow link or a slow client: the spin would not reach it),
   until one comes within it.
 - A yield that takes longer than `SPIN_GAP_S` gave the CPU to another thread: the spin ends. After
@@ -28,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import weakref
 from collections.abc import Callable
 
 from emberlink.errors import ConfigError
@@ -64,7 +69,7 @@ _yield_cpu: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 
 
 class Awake:
-    """Keeps one session's loop polling after its replies (the module docstring's rules). Loop only."""
+    """Keeps a loop polling after its sessions' replies (the module docstring's rules). Loop only."""
 
     def __init__(
         self,
@@ -127,4 +132,15 @@ class Awake:
         self._loop.call_soon(self._turn)
 
 
-__all__ = ["SPIN_ENV", "Awake", "spin_setting"]
+_SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Awake] = weakref.WeakKeyDictionary()
+
+
+def shared(loop: asyncio.AbstractEventLoop) -> Awake:
+    """The loop's Awake, one for all its sessions (made on first use, its window read then)."""
+    found = _SHARED.get(loop)
+    if found is None:
+        found = _SHARED[loop] = Awake(loop)
+    return found
+
+
+__all__ = ["SPIN_ENV", "Awake", "shared", "spin_setting"]

@@ -67,7 +67,7 @@ from emberlink.protocol.identity import AllowPolicy, Identity
 from emberlink.protocol.limits import MAX_UNACKED_BATCHES, MAX_UNACKED_BYTES
 from emberlink.protocol.resume import is_token
 from emberlink.protocol.session import MAX_KEPT_REPLIES, BatchArrived, BulkComplete, WorkerConnection
-from emberlink.server.awake import Awake
+from emberlink.server import awake
 from emberlink.server.detached import Attach, Resumable, ResumeRegistry
 from emberlink.server.device import AGAIN, DeviceThread, Turn
 from emberlink.server.graphs import Compiler, GraphView, Prepared
@@ -207,8 +207,8 @@ class Session:
         self._receive_failed = False  # a blob taken by the link's callback ended this link's service
         self._handed: deque[None] = deque()  # device-thread replies handed to the loop, not yet run
         self._inline = worker.device.backend.runs_inline
-        # The loop kept polling after a step's reply (server/awake.py).
-        self._awake = Awake(self._loop)
+        # The loop kept polling after a step's reply (server/awake.py), one for all its sessions.
+        self._awake = awake.shared(self._loop)
         self._inline_captured = os.environ.get(INLINE_ENV, "1") != "0"
         self._host_buffer = worker.device.backend.host_buffer
         # Resume (server/detached.py): the session's credential and waiting room, whether the current
@@ -534,7 +534,6 @@ class Session:
     async def _cleanup(self) -> None:
         """Free everything the session holds and drop every reference to its data."""
         self.state = State.CLOSED
-        self._awake.close()
         self._end("closed")
         resumable, self._resumable = self._resumable, None  # it holds `_taken_over`: no cycle
         if resumable is not None:
@@ -1070,8 +1069,7 @@ class Session:
             self._crash(e, "sending")
         self._sent(out)
         self._conn.predict()  # while the client works on this one
-        if len(self._worker.sessions) == 1:  # (measured: server/awake.py; one session: its loop)
-            self._awake.replied()
+        self._awake.replied()  # the client's next step finds the loop awake (measured: server/awake.py)
 
     def _sent(self, out: Outgoing) -> None:
         """A reply is out (or never will be): its arrays are let go."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -100,6 +102,17 @@ def test_a_loop_whose_yields_keep_giving_the_cpu_away_stops_spinning_for_a_while
     asyncio.run(_test_a_loop_whose_yields_keep_giving_the_cpu_away_stops_spinning_for_a_while(monkeypatch))
 
 
+def eventually(holds: Callable[[], object]) -> bool:
+    """Whether `holds()` comes true within 10 s (the worker's loop notes a reply just after it
+    writes it, so a client can read the reply first)."""
+    end = time.monotonic() + 10
+    while not holds():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.001)
+    return True
+
+
 def test_a_worker_that_serves_one_session_starts_a_window_at_each_reply_and_ends_it_at_the_next_blob(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -109,6 +122,25 @@ def test_a_worker_that_serves_one_session_starts_a_window_at_each_reply_and_ends
         assert float((x * 2).sum()) == 30.0
         (session,) = worker.worker.sessions
         spin = session._awake
-        assert spin._replied_at and spin.window == pytest.approx(0.3), "the reply opened no window"
+        assert spin.window == pytest.approx(0.3)
+        assert eventually(lambda: spin._replied_at), "the reply opened no window"
         assert float((x * 3).sum()) == 45.0  # the next blob ended it, and its reply opened another
-        assert spin._replied_at and spin._next
+        assert eventually(lambda: spin._replied_at) and spin._next
+
+
+def test_every_session_of_a_worker_shares_one_window_so_a_second_open_session_does_not_stop_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(SPIN_ENV, "300000")
+    with InProcessWorker(tcp=True) as worker, worker.device(transport="tcp") as idle:
+        float(idle.tensor(np.ones(2, np.float32)).sum())
+        with worker.device(transport="tcp") as dev:
+            x = dev.tensor(np.arange(6, dtype=np.float32))
+            first, second = worker.worker.sessions
+            assert first._awake is second._awake is awake.shared(first._loop)
+            spin = first._awake
+            assert eventually(lambda: spin._replied_at)  # the idle session's reply
+            spin.arrived()  # (as the next blob would: no reply since)
+            assert not spin._replied_at
+            assert float((x * 2).sum()) == 30.0  # a step of one session while another is open
+            assert eventually(lambda: spin._replied_at), "a reply with two sessions open opened no window"
