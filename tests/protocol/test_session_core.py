@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -745,6 +746,21 @@ def test_a_reply_foreseen_by_the_client_is_taken_without_decoding_and_a_differen
     assert [r.ack for r in decoded] == [1, 5, 8, 9]
 
 
+def submit_alike(
+    seeing: Pair, blind: Pair, messages: list[m.ClientMessage], arrays: list[np.ndarray], read: int
+) -> None:
+    """One batch (its answer read as `read`) through both pairs, the blind one's client never
+    foreseeing a batch (worked out afresh each time); both put the same bytes on the wire."""
+    for pair in (seeing, blind):
+        pair.graph_bodies[GID] = b"body"
+        pair.waiter.wanted.add(read)
+        pair.client.submit(messages, arrays, sum(a.nbytes for a in arrays))
+        pair.send_all()
+        if pair is blind:
+            pair.client._foreseen = None
+    assert [bytes(b) for b in seeing.wire_up] == [bytes(b) for b in blind.wire_up]
+
+
 @pytest.mark.parametrize("pipeline_chunk", [0, 16], ids=["inline", "pipelined"])
 def test_a_batch_foreseen_by_the_client_goes_on_the_wire_as_the_one_worked_out_afresh(
     monkeypatch: pytest.MonkeyPatch, pipeline_chunk: int
@@ -776,14 +792,7 @@ def test_a_batch_foreseen_by_the_client_goes_on_the_wire_as_the_one_worked_out_a
             messages.insert(0, m.Register(GID, b"body"))
         else:
             messages.append(m.Drop((tid - 2, tid - 1)))
-        for pair in pairs:
-            pair.graph_bodies[GID] = b"body"
-            pair.waiter.wanted.add(k + 1)
-            pair.client.submit([*messages, m.Read(k + 1, tid + 1)], [x], x.nbytes)
-            pair.send_all()
-            if pair is blind:
-                pair.client._foreseen = None  # never foreseen: worked out afresh each time
-        assert [bytes(b) for b in seeing.wire_up] == [bytes(b) for b in blind.wire_up]
+        submit_alike(seeing, blind, [*messages, m.Read(k + 1, tid + 1)], [x], k + 1)
         if answered:
             for pair in pairs:
                 pair.run()
@@ -837,14 +846,7 @@ def test_batches_cycled_go_as_the_foreseen_repeat_patching_their_ids_in_the_byte
             messages.insert(0, m.Register(GID, b"body"))
         else:
             messages.append(m.Drop((tid - 3, tid - 2)))
-        for pair in pairs:
-            pair.graph_bodies[GID] = b"body"
-            pair.waiter.wanted.add(k + 1)
-            pair.client.submit([*messages, m.Read(k + 1, tid + 1)], arrays, sum(a.nbytes for a in arrays))
-            pair.send_all()
-            if pair is blind:
-                pair.client._foreseen = None  # never foreseen: worked out afresh each time
-        assert [bytes(b) for b in seeing.wire_up] == [bytes(b) for b in blind.wire_up]
+        submit_alike(seeing, blind, [*messages, m.Read(k + 1, tid + 1)], arrays, k + 1)
         for pair in pairs:
             pair.run()
             assert pair.waiter.answers[k + 1]
@@ -884,33 +886,51 @@ def test_a_reply_of_one_result_carries_it_inline_after_the_reply_as_any_small_re
     assert conn.acked == 9
 
 
+def decoders_run(monkeypatch: pytest.MonkeyPatch, **labels: str) -> list[str]:
+    """Which of messages' decoders each batch goes through from now on: each function named is
+    wrapped to note its label (in call order) in the list returned."""
+    seen: list[str] = []
+
+    def noting(decode: Callable[..., Any], label: str) -> Callable[..., Any]:
+        def noted(*a: Any) -> Any:
+            seen.append(label)
+            return decode(*a)
+
+        return noted
+
+    for name, label in labels.items():
+        monkeypatch.setattr(m, name, noting(getattr(m, name), label))
+    return seen
+
+
+def step_alike(
+    client: s.ClientConnection,
+    predicting: s.WorkerConnection[Reply],
+    plain: s.WorkerConnection[Reply],
+    step: int,
+    data: tuple[int, ...],
+) -> m.Batch:
+    """Step `step` of a replayed graph: an upload of 4 floats (id 10 + 2 * step), an Execute of the
+    tensors `data` and that upload, the result read; it arrives at both workers alike
+    (`arrives_alike`), and the client takes in the reply. The batch as the workers saw it."""
+    tid = 10 + 2 * step
+    x = np.full(4, step, np.float32)
+    execute = m.Execute(GID, (*data, tid), (0.5,), tid + 1)
+    client.submit([upload(tid, x), execute, m.Read(1 + step, tid + 1)], [x], 16)
+    batch, reply = arrives_alike(client, predicting, plain, x, [m.Result(1 + step, "float32", (4,), 16)])
+    for r in reply:
+        client.receive(r)
+    return batch
+
+
 def test_a_repeat_sent_as_the_worker_foresaw_it_is_taken_in_as_the_full_decoding_would(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    parsed: list[str] = []  # which decoder each batch went through
-    decode_repeat, decode_prefix = m.decode_repeat, m.decode_batch_prefix
-
-    def recording(*a: Any) -> Any:
-        parsed.append("repeat")
-        return decode_repeat(*a)
-
-    def recording_prefix(*a: Any) -> Any:
-        parsed.append("full")
-        return decode_prefix(*a)
-
-    monkeypatch.setattr(m, "decode_repeat", recording)
-    monkeypatch.setattr(m, "decode_batch_prefix", recording_prefix)
+    parsed = decoders_run(monkeypatch, decode_repeat="repeat", decode_batch_prefix="full")
     client, predicting, plain = client_and_two_workers()
     for step in range(5):
-        tid = 10 + 2 * step
-        x = np.full(4, step, np.float32)
-        client.submit(
-            [upload(tid, x), m.Execute(GID, (tid,), (0.5,), tid + 1), m.Read(1 + step, tid + 1)], [x], 16
-        )
-        batch, reply = arrives_alike(client, predicting, plain, x, [m.Result(1 + step, "float32", (4,), 16)])
+        batch = step_alike(client, predicting, plain, step, ())
         assert batch.received == step  # the client took in every reply before its next batch
-        for r in reply:
-            client.receive(r)
     # The worker that never predicts decodes all five in full; the predicting one steps 0 and 1
     # (no Repeat yet, then the first), and takes 2, 3 and 4 by their foreseen bytes, unparsed.
     assert parsed == ["full"] * 7
@@ -929,31 +949,12 @@ def test_a_repeat_sent_as_the_worker_foresaw_it_is_taken_in_as_the_full_decoding
 def test_a_patched_repeat_with_the_last_patches_is_taken_in_by_its_foreseen_bytes(
     monkeypatch: pytest.MonkeyPatch, data: tuple[int, ...], parsed: list[str]
 ) -> None:
-    seen: list[str] = []  # which decoder each batch of the predicting worker went through
-    decode_repatched, decode_prefix = m.decode_repatched, m.decode_batch_prefix
-
-    def recording_patched(*a: Any) -> Any:
-        seen.append("patched")
-        return decode_repatched(*a)
-
-    def recording_prefix(*a: Any) -> Any:
-        seen.append("full")
-        return decode_prefix(*a)
-
-    monkeypatch.setattr(m, "decode_repatched", recording_patched)
-    monkeypatch.setattr(m, "decode_batch_prefix", recording_prefix)
+    seen = decoders_run(monkeypatch, decode_repatched="patched", decode_batch_prefix="full")
     client, predicting, plain = client_and_two_workers()
     for step in range(5):
         tid = 10 + 2 * step
-        x = np.full(4, step, np.float32)
-        inputs = (data[step % len(data)], tid)
-        client.submit(
-            [upload(tid, x), m.Execute(GID, inputs, (0.5,), tid + 1), m.Read(1 + step, tid + 1)], [x], 16
-        )
-        batch, reply = arrives_alike(client, predicting, plain, x, [m.Result(1 + step, "float32", (4,), 16)])
+        batch = step_alike(client, predicting, plain, step, (data[step % len(data)],))
         assert seen.pop() == "full"  # the worker that never predicts decodes every batch in full
-        assert batch.messages[1] == m.Execute(GID, inputs, (0.5,), tid + 1)
+        assert batch.messages[1] == m.Execute(GID, (data[step % len(data)], tid), (0.5,), tid + 1)
         assert batch.received == step
-        for r in reply:
-            client.receive(r)
     assert seen == parsed
