@@ -24,6 +24,17 @@ def env_number(name: str, parse: Callable[[str], N], unit: str) -> N | None:
         raise ConfigError(f"{name} must be a number of {unit}, got {text!r}") from None
 
 
+def env_microseconds(name: str) -> float | None:
+    """$`name`, a number of microseconds from 0 to 1,000,000, in seconds; None when unset or blank.
+    ConfigError naming the variable otherwise (the spin windows: here and server/awake.py)."""
+    us = env_number(name, float, "microseconds")
+    if us is None:
+        return None
+    if not 0 <= us <= 1_000_000:
+        raise ConfigError(f"{name} must be between 0 and 1000000 microseconds, got {us!r}")
+    return us * 1e-6
+
+
 SPIN_ENV = "EMBERLINK_SPIN_US"
 SPIN_S = 2e-3
 """How long a client that waits for its answer polls before it sleeps, where it may use SPIN_CPUS CPUs."""
@@ -44,9 +55,7 @@ def spin_seconds(few_cpus: float, *, alone: bool = True) -> float:
     beforehand 717 / 682 with the client spinning 200 µs, 626 / 546 with it spinning 2 ms; a
     resident DataLoader 960 / 752 and 679 / 547. A step's answer comes in ~0.5 ms there: the client
     spun 200 µs, then slept, and paid an idle CPU's wake-up (with cold caches) every step."""
-    us = env_number(SPIN_ENV, float, "microseconds")
-    if us is None:
+    seconds = env_microseconds(SPIN_ENV)
+    if seconds is None:
         return SPIN_S if alone and len(os.sched_getaffinity(0)) >= SPIN_CPUS else few_cpus
-    if not 0 <= us <= 1_000_000:
-        raise ConfigError(f"{SPIN_ENV} must be between 0 and 1000000 microseconds, got {us!r}")
-    return us * 1e-6
+    return seconds

@@ -35,8 +35,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from emberlink.errors import ConfigError
-from emberlink.settings import env_number
+from emberlink.settings import env_microseconds
 
 SPIN_ENV = "EMBERLINK_WORKER_SPIN_US"
 """How long, in microseconds, the loop polls without sleeping after a reply (0: never)."""
@@ -56,12 +55,8 @@ jitted tiny step, bench/step_trace.py --cpus same), a spin that went on regardle
 
 def spin_setting() -> float:
     """The window after a reply, in seconds (`SPIN_ENV`, else `SPIN_S`)."""
-    us = env_number(SPIN_ENV, float, "microseconds")
-    if us is None:
-        return SPIN_S
-    if not 0 <= us <= 1_000_000:
-        raise ConfigError(f"{SPIN_ENV} must be between 0 and 1000000 microseconds, got {us!r}")
-    return us * 1e-6
+    seconds = env_microseconds(SPIN_ENV)
+    return SPIN_S if seconds is None else seconds
 
 
 _yield_cpu: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
