@@ -76,7 +76,6 @@ class Awake:
         self.window = spin_setting() if window is None else window
         self._yield = yield_cpu
         self.spinning = False  # a turn is scheduled
-        self.closed = False
         self._until = 0.0
         self._replied_at = 0.0
         self._next = True  # the last client answered within the window
@@ -99,7 +98,7 @@ class Awake:
         if self._off:
             self._off -= 1
             return
-        if not self.window or not self._next or self.closed:
+        if not self.window or not self._next:
             return
         self._until = now + self.window
         if self.spinning:  # polling since the last reply, never late: the spin is in nobody's way
@@ -108,13 +107,9 @@ class Awake:
             self.spinning = True
             self._loop.call_soon(self._turn)
 
-    def close(self) -> None:
-        """The session is over: no more turns."""
-        self.closed = True
-
     def _turn(self) -> None:
         now = time.perf_counter()
-        if now >= self._until or self.closed:
+        if now >= self._until:
             self.spinning = False
             return
         self._yield()
