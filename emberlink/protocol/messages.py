@@ -56,7 +56,7 @@ import struct
 import threading
 import typing
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import add, attrgetter, sub
@@ -1058,7 +1058,7 @@ def decode_repatched(
     if repeat.bindings is not None or patches is None or len(data) > _FIRST_FEED:
         return None
     if prefix is None:
-        prefix = _repeat_middle(repeat, patched=False)
+        prefix = repatched_prefix(repeat)
     found = _batch_head(data)
     if found is None:
         return None
@@ -1383,8 +1383,12 @@ def ids_if_repatched(
         y = sent[k]
         t = type(x)
         if at == end or sites[at][0] != k:
-            if x != y or (t in _BINDS and not _same_bindings(x, y)):
+            if x != y:
                 return None
+            if t in _BINDS:
+                shx = _SHIFTS[t]
+                if not _same_bindings(shx, shx.get(x), shx.get(y)):
+                    return None
             continue
         if type(y) is not t:
             return None
@@ -1405,17 +1409,14 @@ def ids_if_repatched(
                 vx[i] = (*g[:j], f, *g[j + 1 :])
             ids.append(f)
             at += 1
-        if vx != list(vy):
+        if vx != list(vy) or not _same_bindings(sh, vx, vy):
             return None
-        for i in sh.bindings:
-            if not _same_scalars(vx[i], vy[i]):
-                return None
     return tuple(ids) if at == end else None
 
 
-def _same_bindings(x: ClientMessage, y: ClientMessage) -> bool:
-    sh = _SHIFTS[type(x)]
-    vx, vy = sh.get(x), sh.get(y)
+def _same_bindings(sh: _Shifted, vx: Sequence[Any], vy: Sequence[Any]) -> bool:
+    """Whether two messages' fields (`sh.get` of each) hold the same scalars in their bindings
+    (`_same_scalars`)."""
     for i in sh.bindings:
         if not _same_scalars(vx[i], vy[i]):
             return False
@@ -1492,10 +1493,8 @@ def same_messages(a: tuple[ClientMessage, ...], b: tuple[ClientMessage, ...]) ->
         t = type(x)
         if t in _BINDS:
             sh = _SHIFTS[t]
-            vx, vy = sh.get(x), sh.get(y)
-            for i in sh.bindings:
-                if not _same_scalars(vx[i], vy[i]):
-                    return False
+            if not _same_bindings(sh, sh.get(x), sh.get(y)):
+                return False
     return True
 
 
