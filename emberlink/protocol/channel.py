@@ -148,11 +148,17 @@ class _Direction:
         """The AEAD for the next frame, of nbytes, the new key if that frame starts a new epoch,
         and the frame's nonce."""
         nonce = _NONCE.pack(self.prefix, self.counter)
-        frames = self.epoch_frames  # a new epoch after max_frames frames or max_bytes bytes
-        if frames > 0 and (frames >= self.max_frames or self.epoch_bytes + nbytes > self.max_bytes):
+        if self.rekey_due(nbytes):
             key = rekey(self.key)
             return AESGCM(key), key, nonce
         return self.aead, None, nonce
+
+    def rekey_due(self, nbytes: int) -> bool:
+        """Whether the next frame, of nbytes, starts a new epoch (after max_frames frames or
+        max_bytes bytes): the one home of that rule, for `next_key` and the inlined paths of
+        `Channel.seal` and `Channel.open`."""
+        frames = self.epoch_frames
+        return frames > 0 and (frames >= self.max_frames or self.epoch_bytes + nbytes > self.max_bytes)
 
     def commit(self, nbytes: int, aead: AESGCM, new_key: bytes | None) -> None:
         if new_key is not None:
@@ -222,15 +228,14 @@ class Channel:
         if n > MAX_PLAINTEXT or counter >= _COUNTER_LIMIT:
             self._next_send_header_fields(kind, n)  # (raises, saying why)
         header = HEADER.pack(VERSION, kind, self.session_id, counter, n + TAG_SIZE)
-        frames = send.epoch_frames
-        if frames > 0 and (frames >= send.max_frames or send.epoch_bytes + n > send.max_bytes):
+        if send.rekey_due(n):
             aead, new_key, nonce = send.next_key(n)  # a new epoch: the key rekeyed
             frame = header + aead.encrypt(nonce, plaintext, header)
             send.commit(n, aead, new_key)
             return frame
         frame = header + send.aead.encrypt(_NONCE.pack(send.prefix, counter), plaintext, header)
         send.counter = counter + 1
-        send.epoch_frames = frames + 1
+        send.epoch_frames += 1
         send.epoch_bytes += n
         return frame
 
@@ -299,8 +304,7 @@ class Channel:
             kind, n = self._check(view)  # raises the refusal
         else:
             n = size - TAG_SIZE
-        frames = recv.epoch_frames
-        if frames > 0 and (frames >= recv.max_frames or recv.epoch_bytes + n > recv.max_bytes):
+        if recv.rekey_due(n):
             aead, new_key, nonce = recv.next_key(n)  # a new epoch: the key rekeyed
         else:  # `next_key` and `commit` inlined within an epoch, as in `seal`: a 46-byte frame
             # after a 300 µs sleep, interleaved with the version before (2-core machine, medians
@@ -312,7 +316,7 @@ class Channel:
             raise AuthError(f"frame {recv.counter} failed authentication") from e
         if new_key is None:
             recv.counter += 1
-            recv.epoch_frames = frames + 1
+            recv.epoch_frames += 1
             recv.epoch_bytes += n
         else:
             recv.commit(n, aead, new_key)
