@@ -93,16 +93,19 @@ Prediction = tuple[tuple[m.ClientMessage, ...], m.Repeat, tuple[m.ClientMessage,
 def _prediction(
     template: tuple[m.ClientMessage, ...] | None, repeat: m.Repeat | None, predicted: Prediction
 ) -> Prediction:
-    """The batch that repeats `repeat`'s shifts (no new bindings) on `template`, expanded; the
-    prediction made already if it is for this template, or none to make (an id would leave its
-    range: no such batch can come, or it will be refused as it comes; or `repeat` patches other
-    ids than the last Repeat predicted, as batches uploaded beforehand and cycled do every step:
-    the same patches again would not come, and expanding them costs both ends ~5 µs a step)."""
+    """The batch that repeats `repeat`'s shifts and patches (no new bindings) on `template`,
+    expanded; the prediction made already if it is for this template, or none to make (an id
+    would leave its range: no such batch can come, or it will be refused as it comes).
+
+    A patched Repeat is expanded with its own patches even where the next batch will patch other
+    ids (batches uploaded beforehand and cycled, every step): the client checks and encodes such
+    a batch against the expansion but for the patched ids (`ClientConnection._plan`), and the
+    worker repatches it (`WorkerConnection._on_expected`), each cheaper as the batch comes than
+    a search or a full decoding; the expansion (~5 µs) is made after a write or a reply, while
+    the other end works."""
     if template is None or repeat is None or repeat.bindings is not None:
         return predicted
-    if predicted is not None and (
-        predicted[0] is template or repeat.patches not in (None, predicted[1].patches)
-    ):
+    if predicted is not None and predicted[0] is template:
         return predicted
     try:
         expanded = m.expand(repeat, template)
@@ -651,21 +654,6 @@ class ClientConnection:
         `predict` after the write, while the worker runs the step."""
         template, repeat = self._template, self._repeat
         predicted = self._predicted = _prediction(template, repeat, self._predicted)
-        if (
-            self.templates
-            and template is not None
-            and repeat is not None
-            and repeat.patches is not None
-            and repeat.bindings is None
-            and (predicted is None or predicted[0] is not template)
-        ):
-            # Batches uploaded beforehand and cycled: the next Repeat patches other ids, and
-            # `_prediction` foresees none; expanded with these patches, the next batch is checked
-            # against it but for the patched ids as it comes (`_plan`), as the worker does.
-            try:
-                predicted = self._predicted = (template, repeat, m.expand(repeat, template))
-            except ProtocolError:
-                pass
         if self.templates:
             uploads = 0
             if predicted is not None and predicted[0] is template:
@@ -1164,18 +1152,6 @@ class WorkerConnection(Generic[K]):
         went from `messages.decode_repatched` to one comparison."""
         template, repeat = self._template, self._repeat
         predicted = self._predicted = _prediction(template, repeat, self._predicted)
-        if (
-            template is not None
-            and repeat is not None
-            and repeat.patches is not None
-            and (predicted is None or predicted[0] is not template)
-        ):
-            # Batches cycled: the next Repeat patches other ids, and `_prediction` foresees none;
-            # expanded with these patches, the next is made by `messages.repatch` as it comes.
-            try:
-                predicted = self._predicted = (template, repeat, m.expand(repeat, template))
-            except ProtocolError:
-                pass
         last = self._expected
         if predicted is not None and (last is None or last.messages is not predicted[2]):
             self._expected = last = _Expected.of(predicted, last)
