@@ -364,6 +364,16 @@ class _Foreseen:
     after: bytes = b""
 
 
+def _patch_layout(
+    patches: tuple[tuple[int, int], ...], messages: tuple[m.ClientMessage, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, int, int], ...] | None]:
+    """A patched Repeat's patch positions, its ids there, and where those lie among its expanded
+    `messages` (`messages.patch_sites`): what both ends keep to take a batch that patches other
+    ids at the same positions (batches uploaded beforehand and cycled)."""
+    positions = tuple(at for at, _ in patches)
+    return positions, tuple(tid for _, tid in patches), m.patch_sites(messages, positions)
+
+
 def _foresee(
     predicted: Prediction, template: tuple[m.ClientMessage, ...] | None, seq: int, received: int, room: int
 ) -> _Foreseen | None:
@@ -392,9 +402,7 @@ def _foresee(
     same = messages if not inline else tuple(raw)
     if repeat.patches is None or repeat.bindings is not None:
         return _Foreseen(template, same, messages, repeat, seq, received, chunk_size, head, flags)
-    positions = tuple(at for at, _ in repeat.patches)
-    sites = m.patch_sites(messages, positions)
-    ids = tuple(tid for _, tid in repeat.patches)
+    positions, ids, sites = _patch_layout(repeat.patches, messages)
     before, after = m.repeat_batch_parts(seq, repeat, received)
     return _Foreseen(
         template,
@@ -882,9 +890,7 @@ class _Expected:
         ids: tuple[int, ...] = ()
         prefix = None
         if patches is not None:
-            positions = tuple(at for at, _ in patches)
-            ids = tuple(tid for _, tid in patches)
-            sites = m.patch_sites(messages, positions)
+            positions, ids, sites = _patch_layout(patches, messages)
             prefix = m.repatched_prefix(repeat)
         if last is not None and last.messages is template:
             inline, uploads = last.inline, last.uploads
